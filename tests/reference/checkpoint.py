@@ -1,0 +1,131 @@
+"""Write / read HF-layout BailingMoeV3 checkpoints (config.json + safetensors) from the torch reference.
+
+Random weights are scaled so activations stay O(1): projections ~ N(0, 1/fan_in), norms ~ 1 + 0.1 N, KDA
+A_log = log U(1, 16), dt_bias ~ 0.1 N, expert_bias ~ 0.1 N (same order as sigmoid-score gaps, so it matters).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.reference.bailing_torch import FP32_PARAM_SUFFIXES, BailingConfigRef, BailingMoeV3Ref
+
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def _init_tensor(name: str, shape: torch.Size, gen: torch.Generator) -> torch.Tensor:
+    """Deterministic fp32 init for one parameter, chosen by its checkpoint name."""
+    randn = lambda: torch.randn(shape, generator=gen)  # noqa: E731
+    if name.endswith("attention.A_log"):
+        return torch.log(1.0 + 15.0 * torch.rand(shape, generator=gen))
+    if name.endswith(("attention.dt_bias", "mlp.gate.expert_bias")):
+        return 0.1 * randn()
+    if name.endswith(("norm.weight", "layernorm.weight")):
+        return 1.0 + 0.1 * randn()
+    if name.endswith("word_embeddings.weight"):
+        return randn()
+    if name.endswith("conv1d.weight"):  # [C, 1, W]
+        return 0.5 * randn()
+    if name.endswith("f_proj.weight"):  # keep exp(A_log) * (f + dt_bias) from saturating everywhere
+        return 0.3 * randn() / math.sqrt(shape[-1])
+    if len(shape) == 2:  # every other projection: N(0, 1/fan_in)
+        return randn() / math.sqrt(shape[-1])
+    raise ValueError(f"no init rule for {name} {tuple(shape)}")
+
+
+def checkpoint_names(model: BailingMoeV3Ref) -> list[str]:
+    """Tensor names stored on disk (lm_head.weight is dropped when tied)."""
+    names = list(model.state_dict().keys())
+    if model.cfg.tie_word_embeddings:
+        names.remove("lm_head.weight")
+    return names
+
+
+def _param_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if name.endswith(FP32_PARAM_SUFFIXES) else dtype
+
+
+def write_random_checkpoint(config_dict: dict[str, Any], out_dir: str | Path, seed: int,
+                            dtype: torch.dtype = torch.bfloat16, shards: int = 1) -> BailingMoeV3Ref:
+    """Build the reference with deterministic random weights, write config.json + safetensors, return it."""
+    cfg = BailingConfigRef.from_dict(config_dict)
+    model = BailingMoeV3Ref(cfg, dtype)
+    gen = torch.Generator().manual_seed(seed)
+    sd = model.state_dict()
+    names = checkpoint_names(model)
+    with torch.no_grad():
+        for name in sorted(names):  # sorted: the draw order does not depend on module construction order
+            sd[name].copy_(_init_tensor(name, sd[name].shape, gen).to(sd[name].dtype))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    full = dict(config_dict)
+    full.update(model_type="bailing_hybrid", architectures=["BailingMoeV3ForCausalLM"],
+                torch_dtype=DTYPE_NAMES[dtype])
+    (out / "config.json").write_text(json.dumps(full, indent=2))
+    tensors = {n: sd[n].detach().contiguous().clone() for n in names}
+    if shards <= 1:
+        save_file(tensors, str(out / SINGLE_FILE), metadata={"format": "pt"})
+        return model
+    groups: list[list[str]] = [[] for _ in range(shards)]
+    for i, n in enumerate(names):  # contiguous slices, so each shard holds whole layers where possible
+        groups[min(i * shards // len(names), shards - 1)].append(n)
+    weight_map, total = {}, 0
+    for k, group in enumerate(groups):
+        fname = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({n: tensors[n] for n in group}, str(out / fname), metadata={"format": "pt"})
+        for n in group:
+            weight_map[n] = fname
+            total += tensors[n].numel() * tensors[n].element_size()
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / INDEX_FILE).write_text(json.dumps(index, indent=2))
+    return model
+
+
+def read_tensors(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a single-file or sharded (index.json) safetensors checkpoint."""
+    d = Path(model_dir)
+    if (d / INDEX_FILE).exists():
+        weight_map = json.loads((d / INDEX_FILE).read_text())["weight_map"]
+        tensors: dict[str, torch.Tensor] = {}
+        for fname in sorted(set(weight_map.values())):
+            part = load_file(str(d / fname))
+            stray = [n for n in part if weight_map.get(n) != fname]
+            if stray:
+                raise KeyError(f"{fname} holds tensors not mapped to it in the index: {stray[:5]}")
+            tensors.update(part)
+        missing = set(weight_map) - set(tensors)
+        if missing:
+            raise KeyError(f"index lists tensors absent from the shards: {sorted(missing)[:5]}")
+        return tensors
+    return load_file(str(d / SINGLE_FILE))
+
+
+def load_reference(model_dir: str | Path, dtype: torch.dtype | None = None) -> BailingMoeV3Ref:
+    """Load a checkpoint into the reference; strict: missing or unexpected tensors (or shapes) raise."""
+    d = Path(model_dir)
+    config = json.loads((d / "config.json").read_text())
+    if dtype is None:
+        dtype = {v: k for k, v in DTYPE_NAMES.items()}[config.get("torch_dtype", "float32")]
+    model = BailingMoeV3Ref(BailingConfigRef.from_dict(config), dtype)
+    tensors = read_tensors(d)
+    sd = model.state_dict()
+    expected = set(checkpoint_names(model))
+    missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+    if missing or unexpected:
+        raise KeyError(f"checkpoint mismatch: missing {missing[:8]} ({len(missing)}), "
+                       f"unexpected {unexpected[:8]} ({len(unexpected)})")
+    with torch.no_grad():
+        for name in expected:
+            t = tensors[name]
+            if t.shape != sd[name].shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(t.shape)} != model {tuple(sd[name].shape)}")
+            sd[name].copy_(t.to(_param_dtype(name, dtype)))
+    return model
