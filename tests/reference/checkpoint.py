@@ -129,3 +129,20 @@ def load_reference(model_dir: str | Path, dtype: torch.dtype | None = None) -> B
                 raise ValueError(f"{name}: checkpoint shape {tuple(t.shape)} != model {tuple(sd[name].shape)}")
             sd[name].copy_(t.to(_param_dtype(name, dtype)))
     return model
+
+
+def tiny_config(**overrides: Any) -> dict[str, Any]:
+    """A small HF config dict with every feature on: KDA + MLA (+ a tail MLA layer), dense + MoE, q-LoRA off,
+    MTP layer, clamps active. 4 layers with group 3: layers 0,1 KDA, 2 MLA, 3 MLA (tail), MTP layer 4 MLA."""
+    cfg: dict[str, Any] = dict(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, head_dim=16,
+        vocab_size=128, rms_norm_eps=1e-6, rope_theta=6e6, partial_rotary_factor=0.5, layer_group_size=3,
+        first_k_dense_replace=1, num_experts=16, num_experts_per_tok=4, num_shared_experts=1,
+        moe_intermediate_size=32, moe_shared_expert_intermediate_size=32, n_group=4, topk_group=2,
+        routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, short_conv_kernel_size=4, kda_lower_bound=-5.0,
+        num_nextn_predict_layers=1, tie_word_embeddings=False, max_position_embeddings=4096,
+        routed_swiglu_limits=[0.0, 0.0, 0.0, 1.0, 1.0], shared_swiglu_limits=[0.0, 0.0, 0.5, 0.5, 2.0],
+        apply_swiglu_clamps=True)
+    cfg.update(overrides)
+    return cfg
