@@ -127,9 +127,10 @@ def test_router_bias_selects_but_does_not_weight():
 # MLA vs transformers DeepseekV3Attention (interleaved RoPE, no output gate: compare before the gate)
 
 
-@pytest.mark.parametrize("q_lora_rank,T,seed", [(None, 9, 0), (24, 16, 1), (None, 5, 2)])
-def test_mla_matches_deepseek_v3_attention(q_lora_rank, T, seed):
-    d = tiny_config(q_lora_rank=q_lora_rank, rope_theta=10000.0)
+@pytest.mark.parametrize("q_lora_rank,T,seed,start,theta", [
+    (None, 9, 0, 3, 1e4), (24, 16, 1, 200_000, 6e6), (None, 5, 2, 70_000, 1e4)])
+def test_mla_matches_deepseek_v3_attention(q_lora_rank, T, seed, start, theta):
+    d = tiny_config(q_lora_rank=q_lora_rank, rope_theta=theta)
     cfg = ref.BailingConfigRef.from_dict(d)
     gen = torch.Generator().manual_seed(seed)
     mla = ref.MLAAttention(cfg, torch.float32)
@@ -140,7 +141,7 @@ def test_mla_matches_deepseek_v3_attention(q_lora_rank, T, seed):
             p.copy_(init)
     B, C, H = 2, cfg.hidden_size, cfg.num_attention_heads
     x = torch.randn(B, T, C, generator=gen)
-    positions = torch.arange(T) + 3  # absolute positions, not starting at 0
+    positions = torch.arange(T) + start  # absolute positions (fp32 angles, as HF)
     o = mla.attend(x, positions)  # [B, T, H, Dv]
 
     hf_cfg = DeepseekV3Config(
@@ -229,17 +230,18 @@ def test_swiglu_clamps_follow_config_switch():
     assert (on.routed_limit(3), on.shared_limit(4), off.routed_limit(3), off.shared_limit(4)) == (1.0, 2.0, 0, 0)
 
 
-@pytest.mark.parametrize("dtype,shards", [(torch.float32, 1), (torch.bfloat16, 3)])
-def test_checkpoint_round_trip(tmp_path, dtype, shards):
-    d = tiny_config()
+@pytest.mark.parametrize("dtype,shards,tie", [(torch.float32, 1, False), (torch.bfloat16, 3, False),
+                                              (torch.float32, 2, True)])
+def test_checkpoint_round_trip(tmp_path, dtype, shards, tie):
+    d = tiny_config(tie_word_embeddings=tie)
     m = write_random_checkpoint(d, tmp_path / "a", seed=7, dtype=dtype, shards=shards)
     files = sorted(p.name for p in (tmp_path / "a").iterdir())
     if shards == 1:
         assert files == ["config.json", "model.safetensors"]
     else:
-        assert "model.safetensors.index.json" in files and "model-00003-of-00003.safetensors" in files
+        assert "model.safetensors.index.json" in files and f"model-0000{shards}-of-0000{shards}.safetensors" in files
         index = json.loads((tmp_path / "a" / "model.safetensors.index.json").read_text())
-        assert set(index["weight_map"]) == set(m.state_dict())
+        assert set(index["weight_map"]) == set(m.state_dict()) - ({"lm_head.weight"} if tie else set())
     config = json.loads((tmp_path / "a" / "config.json").read_text())
     assert config["model_type"] == "bailing_hybrid" and config["architectures"] == ["BailingMoeV3ForCausalLM"]
     tensors = read_tensors(tmp_path / "a")
@@ -262,6 +264,8 @@ def test_checkpoint_round_trip(tmp_path, dtype, shards):
     mtp = m2.mtp_forward(ids[:, 1:], out["hidden"][:, :-1])
     assert mtp.shape == (2, 10, d["vocab_size"]) and torch.isfinite(mtp).all()
 
+    if shards != 1:
+        return
     # same seed -> same bytes; other seed -> other weights
     m_same = write_random_checkpoint(d, tmp_path / "b", seed=7, dtype=dtype, shards=1)
     assert all(torch.equal(t, m_same.state_dict()[n]) for n, t in m.state_dict().items())

@@ -144,14 +144,13 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 def apply_rope_interleaved(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotate pairs (2i, 2i+1) of the last dim by pos * theta^(-2i/Dr), in fp32, cast back.
 
-    x: [B, T, ..., Dr]; positions: [T]. Pairs stay in place (HF's interleave variant permutes the output into
+    x: [B, T, ..., Dr]; positions: [T]. Angles in fp32 exactly as HF computes them. Pairs stay in place (HF's interleave variant permutes the output into
     [evens | odds] order, identically for q and k, so q.k is the same).
     """
     dr = x.shape[-1]
-    inv_freq = theta ** (-torch.arange(0, dr, 2, dtype=torch.float64) / dr)  # [Dr/2]
-    ang = positions.to(torch.float64)[:, None] * inv_freq[None, :]  # [T, Dr/2]
-    cos = torch.cos(ang).float()
-    sin = torch.sin(ang).float()
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dr, 2, dtype=torch.float32) / dr))  # [Dr/2], fp32 like HF
+    ang = positions.float()[:, None] * inv_freq[None, :]  # [T, Dr/2]; fp32 angles (HF) lose ~1e-2 rad by 2^18
+    cos, sin = torch.cos(ang), torch.sin(ang)
     shape = (1, x.shape[1]) + (1,) * (x.dim() - 3) + (dr // 2,)
     cos, sin = cos.view(shape), sin.view(shape)
     xf = x.float()
