@@ -1,0 +1,404 @@
+"""Model configuration: one frozen dataclass, named presets, and the HF config.json reader.
+
+Field names follow the Hugging Face config keys of BailingMoeV3 (`model_type: bailing_hybrid`) so that
+`from_hf_config` is a plain mapping. Derived facts (which layer is MLA, which is MoE, clamp limits per layer,
+parameter counts) are properties, computed from the fields, never stored twice.
+
+    python -m ling_jax.config --preset ling3-flash
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+HF_MODEL_TYPES = ("bailing_hybrid",)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """BailingMoeV3 hyper-parameters (HF key names)."""
+
+    name: str = "custom"
+    hidden_size: int = 2560
+    intermediate_size: int = 6144  # dense SwiGLU width (layers < first_k_dense_replace)
+    num_hidden_layers: int = 42
+    num_attention_heads: int = 32
+    head_dim: int = 128  # KDA head dim (K = V) and MLA v head dim source
+    vocab_size: int = 157184
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 6e6
+    partial_rotary_factor: float = 0.5
+    max_position_embeddings: int = 262144
+    layer_group_size: int = 6
+    first_k_dense_replace: int = 2
+    # MoE
+    num_experts: int = 512
+    num_experts_per_tok: int = 8
+    num_shared_experts: int = 1
+    moe_intermediate_size: int = 768
+    moe_shared_expert_intermediate_size: int = 768
+    n_group: int = 8
+    topk_group: int = 4
+    routed_scaling_factor: float = 2.5
+    norm_topk_prob: bool = True
+    # MLA
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    # KDA
+    short_conv_kernel_size: int = 4
+    kda_lower_bound: float = -5.0
+    # MTP
+    num_nextn_predict_layers: int = 1
+    tie_word_embeddings: bool = False
+    eos_token_id: int = 156895
+    pad_token_id: int = 156892
+    # SwiGLU clamps, one limit per layer (target layers then MTP layers); 0.0 = off.
+    routed_swiglu_limits: tuple[float, ...] = ()
+    shared_swiglu_limits: tuple[float, ...] = ()
+    apply_swiglu_clamps: bool = True
+
+    def __post_init__(self):
+        n = self.num_total_layers
+        for key in ("routed_swiglu_limits", "shared_swiglu_limits"):
+            limits = getattr(self, key)
+            if limits and len(limits) != n:
+                raise ValueError(f"{key} has {len(limits)} entries, expected {n} (target + MTP layers)")
+        if self.num_experts % self.n_group:
+            raise ValueError(f"num_experts={self.num_experts} not divisible by n_group={self.n_group}")
+        if self.topk_group > self.n_group:
+            raise ValueError(f"topk_group={self.topk_group} > n_group={self.n_group}")
+        if self.num_experts_per_tok > self.topk_group * (self.num_experts // self.n_group):
+            raise ValueError("num_experts_per_tok exceeds the experts in the kept groups")
+        if self.rotary_dim != self.qk_rope_head_dim:
+            raise ValueError(
+                f"rotary dim head_dim*partial_rotary_factor={self.rotary_dim} != qk_rope_head_dim={self.qk_rope_head_dim}"
+            )
+        if self.num_experts_per_tok > 1 and (self.num_experts // self.n_group) < 2:
+            raise ValueError("group scoring takes the top-2 experts of each group: need >= 2 experts per group")
+
+    # ---- layer layout -------------------------------------------------------------------------------------
+    @property
+    def num_total_layers(self) -> int:
+        return self.num_hidden_layers + self.num_nextn_predict_layers
+
+    def is_mla(self, i: int) -> bool:
+        """Layer i is gated MLA every `layer_group_size` layers and in the ragged tail; MTP layers are MLA."""
+        full_groups = self.num_hidden_layers // self.layer_group_size * self.layer_group_size
+        return i >= self.num_hidden_layers or (i + 1) % self.layer_group_size == 0 or i >= full_groups
+
+    def is_moe(self, i: int) -> bool:
+        return i >= self.first_k_dense_replace
+
+    @property
+    def mla_layers(self) -> tuple[int, ...]:
+        """Target MLA layer indices (the MTP layer's cache lives in the draft state)."""
+        return tuple(i for i in range(self.num_hidden_layers) if self.is_mla(i))
+
+    @property
+    def kda_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_hidden_layers) if not self.is_mla(i))
+
+    @property
+    def mtp_layers(self) -> tuple[int, ...]:
+        return tuple(range(self.num_hidden_layers, self.num_total_layers))
+
+    def routed_limit(self, i: int) -> float:
+        if not self.apply_swiglu_clamps or not self.routed_swiglu_limits:
+            return 0.0
+        return float(self.routed_swiglu_limits[i])
+
+    def shared_limit(self, i: int) -> float:
+        if not self.apply_swiglu_clamps or not self.shared_swiglu_limits:
+            return 0.0
+        return float(self.shared_swiglu_limits[i])
+
+    # ---- derived dims -------------------------------------------------------------------------------------
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def kda_dim(self) -> int:
+        """Channels of each KDA stream (q, k, v, f, g): heads x head_dim."""
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def mla_cache_dim(self) -> int:
+        """Per token per MLA layer: normalised latent (kv_lora_rank) + shared rotary key (qk_rope_head_dim)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def shared_width(self) -> int:
+        return self.moe_shared_expert_intermediate_size * max(self.num_shared_experts, 1)
+
+    # ---- parameter counts ---------------------------------------------------------------------------------
+    def param_counts(self) -> dict[str, int]:
+        from ling_jax.weights import param_spec  # local: weights imports config
+
+        counts = {"embedding": 0, "lm_head": 0, "target_layers": 0, "mtp": 0, "norm": 0, "float32": 0}
+        for name, info in param_spec(self).items():
+            n = 1
+            for s in info.shape:
+                n *= s
+            if info.dtype == "float32":
+                counts["float32"] += n
+            if name == "model.word_embeddings.weight":
+                counts["embedding"] += n
+            elif name == "lm_head.weight":
+                counts["lm_head"] += n
+            elif name == "model.norm.weight":
+                counts["norm"] += n
+            elif int(name.split(".")[2]) >= self.num_hidden_layers:
+                counts["mtp"] += n
+            else:
+                counts["target_layers"] += n
+        counts["total"] = sum(v for k, v in counts.items() if k != "float32")
+        counts["total_without_mtp"] = counts["total"] - counts["mtp"]
+        return counts
+
+    def replace(self, **kw) -> "ModelConfig":
+        return dataclasses.replace(self, **kw)
+
+
+# ---- presets ----------------------------------------------------------------------------------------------
+
+
+def _flash_clamps(n_layers: int, n_mtp: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """SGLang's clamp schedule for Ling-3.0-flash: routed 4.0 on 35..41; shared 5.0 on 34..39, 7.0 on 40..41."""
+    routed = [4.0 if 35 <= i <= 41 else 0.0 for i in range(n_layers + n_mtp)]
+    shared = [5.0 if 34 <= i <= 39 else 7.0 if 40 <= i <= 41 else 0.0 for i in range(n_layers + n_mtp)]
+    return tuple(routed), tuple(shared)
+
+
+_FLASH_ROUTED, _FLASH_SHARED = _flash_clamps(42, 1)
+
+PRESETS: dict[str, ModelConfig] = {
+    "ling3-flash": ModelConfig(
+        name="ling3-flash",
+        routed_swiglu_limits=_FLASH_ROUTED,
+        shared_swiglu_limits=_FLASH_SHARED,
+    ),
+    "ling3-tiny": ModelConfig(
+        name="ling3-tiny",
+        hidden_size=1536,
+        intermediate_size=4608,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        layer_group_size=4,
+        first_k_dense_replace=1,
+        num_experts=128,
+        moe_intermediate_size=512,
+        moe_shared_expert_intermediate_size=512,
+        q_lora_rank=256,
+        num_nextn_predict_layers=0,
+    ),
+    # Small configs for tests: every layer kind occurs (KDA, MLA, dense, MoE, MTP).
+    "test-tiny": ModelConfig(
+        name="test-tiny",
+        hidden_size=128,
+        intermediate_size=192,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        head_dim=32,
+        partial_rotary_factor=0.5,
+        vocab_size=512,
+        layer_group_size=3,
+        first_k_dense_replace=1,
+        num_experts=16,
+        num_experts_per_tok=4,
+        moe_intermediate_size=48,
+        moe_shared_expert_intermediate_size=48,
+        n_group=4,
+        topk_group=2,
+        kv_lora_rank=64,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        max_position_embeddings=4096,
+        eos_token_id=1,
+        pad_token_id=0,
+        routed_swiglu_limits=(0.0, 0.0, 0.0, 0.0, 0.6, 0.6, 0.6),
+        shared_swiglu_limits=(0.0, 0.0, 0.0, 0.5, 0.5, 0.0, 0.5),
+    ),
+    "test-qlora": ModelConfig(
+        name="test-qlora",
+        hidden_size=96,
+        intermediate_size=160,
+        num_hidden_layers=8,
+        num_attention_heads=2,
+        head_dim=48,
+        partial_rotary_factor=0.5,
+        vocab_size=384,
+        layer_group_size=4,
+        first_k_dense_replace=2,
+        num_experts=32,
+        num_experts_per_tok=6,
+        moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=40,
+        n_group=8,
+        topk_group=3,
+        q_lora_rank=48,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=24,
+        v_head_dim=24,
+        max_position_embeddings=4096,
+        eos_token_id=1,
+        pad_token_id=0,
+    ),
+    "test-wide": ModelConfig(
+        name="test-wide",
+        hidden_size=256,
+        intermediate_size=256,
+        num_hidden_layers=7,
+        num_attention_heads=4,
+        head_dim=64,
+        partial_rotary_factor=0.5,
+        vocab_size=640,
+        layer_group_size=3,
+        first_k_dense_replace=1,
+        num_experts=64,
+        num_experts_per_tok=8,
+        moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=64,
+        n_group=8,
+        topk_group=4,
+        kv_lora_rank=64,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=32,
+        v_head_dim=48,
+        max_position_embeddings=4096,
+        eos_token_id=1,
+        pad_token_id=0,
+        routed_swiglu_limits=(0.0,) * 5 + (0.5, 0.5, 0.5),
+        shared_swiglu_limits=(0.0,) * 4 + (0.4,) * 4,
+    ),
+}
+
+TEST_PRESETS = ("test-tiny", "test-qlora", "test-wide")
+
+
+def get_preset(name: str) -> ModelConfig:
+    if name not in PRESETS:
+        raise KeyError(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
+    return PRESETS[name]
+
+
+# ---- HF config.json ---------------------------------------------------------------------------------------
+
+_HF_KEYS = {f.name for f in dataclasses.fields(ModelConfig)} - {"name"}
+
+
+def from_hf_dict(d: dict[str, Any], name: str = "hf") -> ModelConfig:
+    """Map a BailingMoeV3 HF config dict to a ModelConfig; unknown model types are an error."""
+    model_type = d.get("model_type")
+    if model_type not in HF_MODEL_TYPES:
+        raise ValueError(f"unsupported model_type {model_type!r} (expected one of {HF_MODEL_TYPES})")
+    if d.get("rope_scaling") not in (None, {}):
+        raise ValueError(f"rope_scaling={d['rope_scaling']!r} is not supported (Ling-3.0 uses none)")
+    kw: dict[str, Any] = {}
+    for key in _HF_KEYS:
+        if key in d and d[key] is not None:
+            kw[key] = d[key]
+        elif key == "q_lora_rank" and key in d:
+            kw[key] = None
+    for key in ("routed_swiglu_limits", "shared_swiglu_limits"):
+        if key in kw:
+            kw[key] = tuple(float(x) for x in kw[key])
+    for key in ("eos_token_id", "pad_token_id"):
+        if isinstance(kw.get(key), list):
+            kw[key] = int(kw[key][0])
+    if "head_dim" not in d and "num_attention_heads" in d:
+        kw["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
+    cfg = ModelConfig(name=name, **kw)
+    # A real Ling-3.0-flash checkpoint carries no clamp keys: apply SGLang's schedule when the shape matches.
+    if not cfg.routed_swiglu_limits and (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_experts) == (42, 2560, 512):
+        routed, shared = _flash_clamps(cfg.num_hidden_layers, cfg.num_nextn_predict_layers)
+        cfg = cfg.replace(routed_swiglu_limits=routed, shared_swiglu_limits=shared)
+    return cfg
+
+
+def from_hf_config(path: str) -> ModelConfig:
+    """Read `config.json` (a file or a checkpoint directory holding one)."""
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.exists(file):
+        raise FileNotFoundError(f"no config.json at {file}")
+    with open(file) as f:
+        d = json.load(f)
+    return from_hf_dict(d, name=os.path.basename(os.path.dirname(os.path.abspath(file))))
+
+
+def to_hf_dict(cfg: ModelConfig) -> dict[str, Any]:
+    """The config.json we write for our own checkpoints (HF keys plus our clamp lists)."""
+    d: dict[str, Any] = {
+        "model_type": "bailing_hybrid",
+        "architectures": ["BailingMoeV3ForCausalLM"],
+        "rope_scaling": None,
+        "qk_head_dim": cfg.qk_head_dim,
+    }
+    for f in dataclasses.fields(cfg):
+        if f.name == "name":
+            continue
+        v = getattr(cfg, f.name)
+        d[f.name] = list(v) if isinstance(v, tuple) else v
+    return d
+
+
+def load_config(model: str) -> ModelConfig:
+    """A preset name or a checkpoint directory."""
+    if model in PRESETS:
+        return PRESETS[model]
+    if os.path.exists(model):
+        return from_hf_config(model)
+    raise ValueError(f"--model {model!r} is neither a preset ({sorted(PRESETS)}) nor a path")
+
+
+def summary(cfg: ModelConfig) -> str:
+    c = cfg.param_counts()
+    lines = [
+        f"preset            {cfg.name}",
+        f"hidden / layers   {cfg.hidden_size} / {cfg.num_hidden_layers} (+{cfg.num_nextn_predict_layers} MTP)",
+        f"KDA layers        {len(cfg.kda_layers)}: {list(cfg.kda_layers)}",
+        f"MLA layers        {len(cfg.mla_layers)}: {list(cfg.mla_layers)}",
+        f"dense / MoE       {cfg.first_k_dense_replace} dense, {cfg.num_hidden_layers - cfg.first_k_dense_replace} MoE "
+        f"({cfg.num_experts} experts, top-{cfg.num_experts_per_tok}, {cfg.n_group} groups keep {cfg.topk_group})",
+        f"vocab             {cfg.vocab_size}",
+        f"params embedding  {c['embedding']:,}",
+        f"params lm_head    {c['lm_head']:,}",
+        f"params layers     {c['target_layers']:,}",
+        f"params MTP        {c['mtp']:,}",
+        f"params float32    {c['float32']:,}",
+        f"total without MTP {c['total_without_mtp']:,}",
+        f"total parameters  {c['total']:,}",
+        f"bf16 bytes        {2 * (c['total'] - c['float32']) + 4 * c['float32']:,}",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default=None, help=f"one of {sorted(PRESETS)}")
+    p.add_argument("--config", default=None, help="an HF config.json or checkpoint dir")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    cfg = from_hf_config(a.config) if a.config else get_preset(a.preset or "ling3-flash")
+    if a.json:
+        print(json.dumps({"config": to_hf_dict(cfg), "params": cfg.param_counts()}, indent=1))
+    else:
+        print(summary(cfg))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""Kimi Delta Attention (KDA) with Ling-3.0's lower-bound gate, in pure jnp.
+
+Shape legend: B batch, T positions, H heads, K = key head dim, V = value head dim, C = H*K channels of one
+stream, W = short-conv kernel width, N chunks, L chunk length.
+
+Per head, with fp32 state S [K, V] (LING3_MODEL.md, KDA step 6):
+    S_t = (I - b_t k_t k_t^T) Diag(exp g_t) S_{t-1} + b_t k_t v_t^T        o_t = S_t^T (q_t / sqrt(K))
+
+Three forms of the same recurrence:
+  * `kda_recurrent`: lax.scan over T (decode, verify, commit replay, exact reference),
+  * `kda_chunked`: the chunked (UT) form for prefill and training, exact pairwise decays, differentiable,
+  * positions with g = 0 and b = 0 leave S unchanged: that is how padding and "commit only the accepted
+    prefix" are expressed with fixed shapes.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ling_jax.layers.norms import l2_normalize, rms_norm
+
+
+class KdaPending(NamedTuple):
+    """What a later commit needs from a verify pass (per layer; stacked over layers by the model).
+
+    qkv_raw: [B, T, 3C] the conv inputs (to slide the conv window by the accepted count)
+    k: [B, T, H, K] normalised keys (f32); v: [B, T, H, V] (f32); g: [B, T, H, K] log decays (f32);
+    beta: [B, T, H] (f32). Replaying the accepted prefix from the pre-verify state moves 2 x |S| bytes.
+    """
+
+    qkv_raw: jax.Array
+    k: jax.Array
+    v: jax.Array
+    g: jax.Array
+    beta: jax.Array
+
+
+# ---- short convolution --------------------------------------------------------------------------------------
+
+
+def short_conv(x: jax.Array, w: jax.Array, window: jax.Array) -> jax.Array:
+    """Depthwise causal conv + SiLU. x [B, T, C], w [C, W], window [B, W-1, C] (previous inputs) -> [B, T, C]."""
+    W = w.shape[-1]
+    T = x.shape[1]
+    xcat = jnp.concatenate([window.astype(x.dtype), x], axis=1).astype(jnp.float32)  # [B, T+W-1, C]
+    wf = w.astype(jnp.float32)
+    y = sum(xcat[:, j : j + T, :] * wf[:, j] for j in range(W))  # y_t = sum_j w_j x_{t-W+1+j}
+    return jax.nn.silu(y).astype(x.dtype)
+
+
+def slide_window(window: jax.Array, x: jax.Array, n_valid: jax.Array) -> jax.Array:
+    """The last W-1 inputs after consuming x[:, :n_valid]: window [B, W-1, C], x [B, T, C], n_valid [B]."""
+    Wm1 = window.shape[1]
+    xcat = jnp.concatenate([window.astype(x.dtype), x], axis=1)  # [B, T+W-1, C]
+    take = lambda row, n: lax.dynamic_slice_in_dim(row, n, Wm1, axis=0)
+    return jax.vmap(take)(xcat, n_valid.astype(jnp.int32))
+
+
+# ---- gate -----------------------------------------------------------------------------------------------------
+
+
+def kda_gate(f: jax.Array, A_log: jax.Array, dt_bias: jax.Array, lower_bound: float) -> jax.Array:
+    """g = lower_bound * sigmoid(exp(A_log[h]) * (f + dt_bias[h, :])) in fp32; f [..., H, K] -> g in (lb, 0)."""
+    H, K = f.shape[-2:]
+    a = jnp.exp(A_log.astype(jnp.float32)).reshape(H, 1)
+    return lower_bound * jax.nn.sigmoid(a * (f.astype(jnp.float32) + dt_bias.astype(jnp.float32).reshape(H, K)))
+
+
+# ---- recurrent form --------------------------------------------------------------------------------------------
+
+
+def kda_recurrent(q, k, v, g, beta, state):
+    """q, k [B, T, H, K] (q already scaled), v [B, T, H, V], g [B, T, H, K], beta [B, T, H], state [B, H, K, V].
+
+    Returns o [B, T, H, V] f32 and the final state. All math in fp32.
+    """
+    f32 = lambda a: jnp.moveaxis(a.astype(jnp.float32), 1, 0)  # time-major for scan
+
+    def step(S, xs):
+        q_t, k_t, v_t, g_t, b_t = xs  # [B, H, K] ... [B, H]
+        S = jnp.exp(g_t)[..., None] * S  # decay the key rows
+        pred = jnp.einsum("bhkv,bhk->bhv", S, k_t)  # S^T k
+        S = S + jnp.einsum("bhk,bhv->bhkv", b_t[..., None] * k_t, v_t - pred)
+        o_t = jnp.einsum("bhkv,bhk->bhv", S, q_t)
+        return S, o_t
+
+    S, o = lax.scan(step, state.astype(jnp.float32), (f32(q), f32(k), f32(v), f32(g), f32(beta)))
+    return jnp.moveaxis(o, 0, 1), S
+
+
+# ---- chunked form ----------------------------------------------------------------------------------------------
+
+
+def _chunk_step(S0, xs):
+    """One chunk, batched over [B, H]. S0 [B, H, K, V]; q, k [B, H, L, K]; v [B, H, L, V]; g [B, H, L, K]; b [B, H, L].
+
+    With G = cumsum(g) inside the chunk and pseudo-values u_s = b_s (v_s - S_{s-}^T k_s):
+        (I + A) U = b * (V - (k e^G) S0),      A[s, r] = b_s sum_c k_s k_r e^(G_s - G_r)  (r < s)
+        o_t = (q_t e^G_t) S0 + sum_{s <= t} (sum_c q_t k_s e^(G_t - G_s)) u_s
+        S_L = e^(G_L) * S0 + sum_s (k_s e^(G_L - G_s)) u_s^T
+    Decay ratios are formed as e^(G_t - G_s) with t >= s only, so nothing overflows.
+    """
+    q, k, v, g, b = xs
+    L = q.shape[-2]
+    G = jnp.cumsum(g, axis=-2)  # [B, H, L, K]
+    diff = G[..., :, None, :] - G[..., None, :, :]  # [B, H, L(t), L(s), K] = G_t - G_s
+    idx = jnp.arange(L)
+    incl = (idx[:, None] >= idx[None, :])[..., None]
+    decay = jnp.exp(jnp.where(incl, diff, -jnp.inf))  # e^(G_t - G_s) for s <= t, else 0
+    kk = jnp.einsum("bhtc,bhsc,bhtsc->bhts", k, k, decay)
+    A = b[..., :, None] * jnp.where(idx[:, None] > idx[None, :], kk, 0.0)  # strictly lower
+    rhs = b[..., None] * (v - jnp.einsum("bhtk,bhkv->bhtv", k * jnp.exp(G), S0))
+    eye = jnp.eye(L, dtype=A.dtype)
+    U = jax.scipy.linalg.solve_triangular(eye + A, rhs, lower=True, unit_diagonal=True)
+    qk = jnp.einsum("bhtc,bhsc,bhtsc->bhts", q, k, decay)
+    o = jnp.einsum("bhtk,bhkv->bhtv", q * jnp.exp(G), S0) + jnp.einsum("bhts,bhsv->bhtv", qk, U)
+    G_last = G[..., -1:, :]  # [B, H, 1, K]
+    S = jnp.exp(G_last)[..., 0, :, None] * S0 + jnp.einsum("bhsk,bhsv->bhkv", k * jnp.exp(G_last - G), U)
+    return S, o
+
+
+def kda_chunked(q, k, v, g, beta, state, chunk: int = 64):
+    """Same contract as `kda_recurrent`; T is padded with no-op positions (g = 0, b = 0) to a chunk multiple."""
+    B, T, H, K = q.shape
+    Vd = v.shape[-1]
+    L = min(chunk, T)
+    N = -(-T // L)
+    pad = N * L - T
+
+    def prep(a):  # [B, T, H, ...] -> [N, B, H, L, ...] f32
+        a = a.astype(jnp.float32)
+        a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
+        a = a.reshape((B, N, L) + a.shape[2:])
+        return jnp.moveaxis(jnp.moveaxis(a, 1, 0), 2, 3)  # [N, B, L, H, ...] -> [N, B, H, L, ...]
+
+    S, o = lax.scan(_chunk_step, state.astype(jnp.float32), (prep(q), prep(k), prep(v), prep(g), prep(beta)))
+    o = jnp.moveaxis(o, 0, 1)  # [B, N, H, L, V]
+    o = jnp.moveaxis(o, 2, 3).reshape(B, N * L, H, Vd)[:, :T]
+    return o, S
+
+
+# ---- the layer ---------------------------------------------------------------------------------------------------
+
+
+def kda_project(p, x, conv_window, cfg):
+    """Projections + short conv + normalisations shared by every mode.
+
+    x [B, T, D] -> (q [B,T,H,K] scaled f32, k [B,T,H,K] f32, v [B,T,H,V] f32, g, beta, qkv_raw [B,T,3C]).
+    """
+    B, T, _ = x.shape
+    H, Kd = cfg.num_attention_heads, cfg.head_dim
+    C = H * Kd
+    proj = jnp.einsum("btd,scd->bstc", x, p["w_qkvfg"])  # [B, 5, T, C]: q, k, v, f, g streams
+    qkv_raw = jnp.concatenate([proj[:, 0], proj[:, 1], proj[:, 2]], axis=-1)  # [B, T, 3C]
+    conv_w = p["conv_w"].reshape(3 * C, -1)  # [3C, W]
+    qkv = short_conv(qkv_raw, conv_w, conv_window)
+    q = l2_normalize(qkv[..., :C].reshape(B, T, H, Kd)) * (Kd**-0.5)
+    k = l2_normalize(qkv[..., C : 2 * C].reshape(B, T, H, Kd))
+    v = qkv[..., 2 * C :].reshape(B, T, H, Kd).astype(jnp.float32)
+    g = kda_gate(proj[:, 3].reshape(B, T, H, Kd), p["A_log"], p["dt_bias"], cfg.kda_lower_bound)
+    beta = jax.nn.sigmoid(jnp.einsum("btd,hd->bth", x, p["b_proj"]).astype(jnp.float32))
+    out_gate = proj[:, 4]
+    return q, k, v, g, beta, qkv_raw, out_gate
+
+
+def kda_output(p, o, out_gate, cfg, dtype):
+    """o [B, T, H, V] f32 -> RMSNorm_V(o) * o_norm * sigmoid(g_proj x) -> o_proj -> [B, T, D]."""
+    B, T, H, Vd = o.shape
+    o = rms_norm(o, p["o_norm"].astype(jnp.float32), cfg.rms_norm_eps)
+    o = o * jax.nn.sigmoid(out_gate.astype(jnp.float32)).reshape(B, T, H, Vd)
+    return jnp.einsum("btc,dc->btd", o.reshape(B, T, H * Vd).astype(dtype), p["o_proj"])
+
+
+def no_op_mask(g, beta, n_valid):
+    """Turn positions t >= n_valid[b] into no-ops of the recurrence (g = 0, beta = 0)."""
+    T = beta.shape[1]
+    live = jnp.arange(T)[None, :] < n_valid[:, None]  # [B, T]
+    return jnp.where(live[..., None, None], g, 0.0), jnp.where(live[..., None], beta, 0.0)
+
+
+def kda_layer(p, x, conv_window, rec_state, cfg, *, mode: str, n_valid, chunked: bool):
+    """One KDA attention block (without the residual).
+
+    mode "prefill"/"decode": consume x[:, :n_valid] and return the new (conv_window, rec_state).
+    mode "verify": leave both states untouched and return a KdaPending for `kda_commit`.
+    Returns (out [B, T, D], conv_window, rec_state, pending or None).
+    """
+    q, k, v, g, beta, qkv_raw, out_gate = kda_project(p, x, conv_window, cfg)
+    if mode == "verify":
+        o, _ = kda_recurrent(q, k, v, g, beta, rec_state)
+        out = kda_output(p, o, out_gate, cfg, x.dtype)
+        return out, conv_window, rec_state, KdaPending(qkv_raw, k, v, g, beta)
+    g, beta = no_op_mask(g, beta, n_valid)
+    core = kda_chunked if chunked else kda_recurrent
+    o, new_state = core(q, k, v, g, beta, rec_state)
+    out = kda_output(p, o, out_gate, cfg, x.dtype)
+    return out, slide_window(conv_window, qkv_raw, n_valid), new_state, None
+
+
+def kda_commit(conv_window, rec_state, pending: KdaPending, n_accept):
+    """Apply the first n_accept[b] verified positions to the committed state (replay from the pre-verify S)."""
+    g, beta = no_op_mask(pending.g, pending.beta, n_accept)
+    zeros_q = jnp.zeros_like(pending.k)
+    _, new_state = kda_recurrent(zeros_q, pending.k, pending.v, g, beta, rec_state)
+    return slide_window(conv_window, pending.qkv_raw, n_accept), new_state

@@ -1,0 +1,93 @@
+"""Dense SwiGLU MLP, the noaux_tc router and the routed + shared expert MoE (pure jnp).
+
+Shape legend: T tokens (batch folded in), D hidden, E experts, A = top-k activated per token, I expert width,
+G groups.
+
+    s = sigmoid(x W_gate^T)  (fp32)        sb = s + expert_bias   (bias only selects)
+    keep the topk_group groups with the largest sum of their top-2 sb; ids = top-A of sb inside them
+    w = s[ids] / (sum s[ids] + 1e-20) * routed_scaling_factor
+    y = sum_a w_a Expert_{ids_a}(x) + Shared(x)
+Clamps (limit L > 0): routed h = silu(min(gate, L)) * clip(up, -L, L); shared h = min(silu(gate), L) * clip(up, -L, L).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def swiglu_routed(gate, up, limit: float):
+    if limit > 0:
+        gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+    return jax.nn.silu(gate) * up
+
+
+def swiglu_shared(gate, up, limit: float):
+    if limit > 0:
+        return jnp.minimum(jax.nn.silu(gate), limit) * jnp.clip(up, -limit, limit)
+    return jax.nn.silu(gate) * up
+
+
+def dense_mlp(p, x, limit: float = 0.0):
+    """down(act(gate(x)) * up(x)) in the weight dtype; p = {gate_proj [F, D], up_proj [F, D], down_proj [D, F]}."""
+    g = jnp.einsum("...d,fd->...f", x, p["gate_proj"])
+    u = jnp.einsum("...d,fd->...f", x, p["up_proj"])
+    h = swiglu_shared(g.astype(jnp.float32), u.astype(jnp.float32), limit).astype(x.dtype)
+    return jnp.einsum("...f,df->...d", h, p["down_proj"])
+
+
+def router_logits(x, gate_w, *, fp32_weight: bool):
+    """x [T, D] @ gate_w [E, D]^T with fp32 accumulation. bf16 x bf16 products are exact in fp32, so casting
+    the weight to fp32 (the HF reference) and bf16 with fp32 accumulation agree up to summation order."""
+    if fp32_weight:
+        return jnp.einsum("td,ed->te", x.astype(jnp.float32), gate_w.astype(jnp.float32))
+    return jnp.einsum("td,ed->te", x, gate_w, preferred_element_type=jnp.float32)
+
+
+def route(logits, expert_bias, cfg):
+    """logits [T, E] f32 -> (ids [T, A] int32, weights [T, A] f32)."""
+    T, E = logits.shape
+    G = cfg.n_group
+    s = jax.nn.sigmoid(logits)
+    sb = s + expert_bias.astype(jnp.float32)
+    group_top2 = jax.lax.top_k(sb.reshape(T, G, E // G), 2)[0].sum(-1)  # [T, G]
+    _, keep = jax.lax.top_k(group_top2, cfg.topk_group)  # [T, topk_group]
+    group_mask = jnp.zeros((T, G), bool).at[jnp.arange(T)[:, None], keep].set(True)
+    masked = jnp.where(jnp.repeat(group_mask, E // G, axis=1), sb, -jnp.inf)
+    _, ids = jax.lax.top_k(masked, cfg.num_experts_per_tok)
+    w = jnp.take_along_axis(s, ids, axis=1)
+    if cfg.norm_topk_prob:
+        w = w / (w.sum(-1, keepdims=True) + 1e-20)
+    return ids.astype(jnp.int32), w * cfg.routed_scaling_factor
+
+
+def routed_experts(x, ids, weights, w_gate, w_up, w_down, limit: float):
+    """sum_a weights[t, a] * Expert_{ids[t, a]}(x_t), fp32 combine. x [T, D]; w_gate/w_up [E, I, D]; w_down [E, D, I].
+
+    Few tokens: gather the A chosen experts per token. Many tokens: every expert over every token, weighted
+    by a dense [T, E] combine matrix (no gather of T*A expert copies).
+    """
+    T = x.shape[0]
+    E = w_gate.shape[0]
+    if T * ids.shape[1] <= E:
+        g = jnp.einsum("td,tafd->taf", x, w_gate[ids])
+        u = jnp.einsum("td,tafd->taf", x, w_up[ids])
+        h = swiglu_routed(g.astype(jnp.float32), u.astype(jnp.float32), limit).astype(x.dtype)
+        y = jnp.einsum("taf,tadf->tad", h, w_down[ids], preferred_element_type=jnp.float32)
+        return jnp.einsum("tad,ta->td", y, weights)
+    combine = jnp.zeros((T, E), jnp.float32).at[jnp.arange(T)[:, None], ids].add(weights)
+    g = jnp.einsum("td,efd->tef", x, w_gate)
+    u = jnp.einsum("td,efd->tef", x, w_up)
+    h = swiglu_routed(g.astype(jnp.float32), u.astype(jnp.float32), limit).astype(x.dtype)
+    y = jnp.einsum("tef,edf->ted", h, w_down, preferred_element_type=jnp.float32)
+    return jnp.einsum("ted,te->td", y, combine)
+
+
+def moe_layer(p, x, cfg, *, routed_limit: float, shared_limit: float, router_fp32: bool):
+    """x [..., D] -> [..., D]. p: gate_w [E, D], expert_bias [E], w_gate, w_up, w_down, shared {gate,up,down}_proj."""
+    shape = x.shape
+    xt = x.reshape(-1, shape[-1])
+    ids, w = route(router_logits(xt, p["gate_w"], fp32_weight=router_fp32), p["expert_bias"], cfg)
+    y = routed_experts(xt, ids, w, p["w_gate"], p["w_up"], p["w_down"], routed_limit)
+    y = y.astype(x.dtype) + dense_mlp(p["shared"], xt, shared_limit)
+    return y.reshape(shape)

@@ -1,0 +1,125 @@
+"""BailingMoeV3 forward over [B, T] tokens with an explicit DecodeState, in three modes.
+
+Shape legend: B batch, T positions this call, D hidden, V vocab, Lk/Lm KDA/MLA layer counts.
+
+    x = Embed(tokens)
+    for each layer:  x += Attn(RMSNorm(x))   (KDA or gated MLA)
+                     x += FFN(RMSNorm(x))    (dense SwiGLU or MoE)
+    hidden = RMSNorm(x);  logits = hidden @ lm_head^T
+
+Modes (positions start at state.lengths[b]):
+  "prefill": any T; consumes tokens[:, :n_valid] into the state (KDA chunked form by default).
+  "decode":  T = 1; recurrent KDA step.
+  "verify":  K positions; writes MLA cache rows (rows past the accepted count are overwritten later) but leaves
+             the committed KDA state and lengths untouched; returns a KdaPending for `commit`.
+Model code is pure: jit, donation and sharding are applied by the caller.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from ling_jax.config import ModelConfig
+from ling_jax.layers.kda import KdaPending, kda_commit, kda_layer
+from ling_jax.layers.mla import mla_layer
+from ling_jax.layers.moe import dense_mlp, moe_layer
+from ling_jax.layers.norms import rms_norm
+from ling_jax.state import DecodeState
+
+MODES = ("prefill", "decode", "verify")
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """How to compute (not what): numerics switches and path choices; the math is the same either way.
+
+    router_fp32: router gate weight upcast to fp32 (as the HF reference) vs bf16 with fp32 accumulation.
+    lm_head_fp32: lm_head weight upcast to fp32 vs bf16 with fp32 accumulation.
+    kda_chunked_prefill: chunked (UT) KDA for prefill vs the recurrent scan.
+    mla_absorbed: absorbed-weight MLA attention for decode/verify (prefill always uses the plain path).
+    """
+
+    router_fp32: bool = False
+    lm_head_fp32: bool = False
+    kda_chunked_prefill: bool = True
+    kda_chunk: int = 64
+    mla_absorbed: bool = True
+
+
+class ForwardOutput(NamedTuple):
+    hidden: jax.Array  # [B, T, D] after the final norm (what lm_head and the MTP head consume)
+    state: DecodeState
+    pending: KdaPending | None  # verify only: stacked over KDA layers
+
+
+def embed(params, tokens):
+    return jnp.take(params["embed"], tokens, axis=0)
+
+
+def lm_logits(params, hidden, opts: RuntimeOptions = RuntimeOptions()):
+    """hidden [..., D] -> logits [..., V] float32."""
+    w = params["lm_head"]
+    if opts.lm_head_fp32:
+        return jnp.einsum("...d,vd->...v", hidden.astype(jnp.float32), w.astype(jnp.float32))
+    return jnp.einsum("...d,vd->...v", hidden, w, preferred_element_type=jnp.float32)
+
+
+def ffn(p, x, cfg: ModelConfig, i: int, opts: RuntimeOptions):
+    """The feed-forward half of layer i (dense or MoE); i indexes the clamp schedule (MTP layers included)."""
+    if cfg.is_moe(i):
+        return moe_layer(p, x, cfg, routed_limit=cfg.routed_limit(i), shared_limit=cfg.shared_limit(i),
+                         router_fp32=opts.router_fp32)
+    return dense_mlp(p, x, cfg.shared_limit(i))
+
+
+def forward(params, tokens, state: DecodeState, cfg: ModelConfig, *, mode: str, n_valid=None,
+            opts: RuntimeOptions = RuntimeOptions()) -> ForwardOutput:
+    """tokens [B, T] int32 at positions state.lengths[b] + t. n_valid [B] (prefill/decode): how many of the T
+    tokens are real (the rest are padding that leaves the state as it was); defaults to T."""
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r} not in {MODES}")
+    B, T = tokens.shape
+    if mode == "decode" and T != 1:
+        raise ValueError(f"decode takes one token per sequence, got T={T}")
+    if n_valid is None:
+        n_valid = jnp.full((B,), T, jnp.int32)
+    chunked = mode == "prefill" and opts.kda_chunked_prefill
+    absorbed = mode != "prefill" and opts.mla_absorbed
+
+    rec, conv, cache = state.kda_recurrent, state.kda_conv, state.mla_cache
+    pending = []
+    x = embed(params, tokens)
+    ki = mi = 0
+    for i, p in enumerate(params["layers"]):
+        h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps)
+        if cfg.is_mla(i):
+            a, layer_cache = mla_layer(p["attn"], h, cache[mi], state.lengths, cfg, absorbed=absorbed)
+            cache = cache.at[mi].set(layer_cache)
+            mi += 1
+        else:
+            a, new_conv, new_rec, pend = kda_layer(p["attn"], h, conv[ki], rec[ki], cfg, mode=mode,
+                                                   n_valid=n_valid, chunked=chunked)
+            if pend is None:
+                conv, rec = conv.at[ki].set(new_conv), rec.at[ki].set(new_rec)
+            else:
+                pending.append(pend)
+            ki += 1
+        x = x + a
+        x = x + ffn(p["mlp"], rms_norm(x, p["post_norm"], cfg.rms_norm_eps), cfg, i, opts)
+    hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+
+    lengths = state.lengths if mode == "verify" else state.lengths + n_valid.astype(jnp.int32)
+    new_state = DecodeState(kda_recurrent=rec, kda_conv=conv, mla_cache=cache, lengths=lengths)
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *pending) if pending else None
+    return ForwardOutput(hidden, new_state, stacked)
+
+
+def commit(state: DecodeState, pending: KdaPending, n_accept) -> DecodeState:
+    """Commit the first n_accept[b] verified positions: KDA states replayed from the pre-verify state (reads
+    and writes |S| once per layer), conv windows slid, lengths advanced. MLA rows were written by verify."""
+    conv, rec = jax.vmap(kda_commit, in_axes=(0, 0, 0, None))(state.kda_conv, state.kda_recurrent, pending, n_accept)
+    return state.replace(kda_recurrent=rec, kda_conv=conv, lengths=state.lengths + n_accept.astype(jnp.int32))

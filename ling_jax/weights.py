@@ -1,0 +1,389 @@
+"""The parameter spec and every way parameters come to exist: HF safetensors, random init, orbax.
+
+`array_spec(cfg)` declares each array of the JAX parameter pytree ONCE: shape, dtype, logical axes, init,
+and the HF tensors it is assembled from (experts and the KDA streams are stacked on a leading axis).
+`param_spec(cfg)` is the same table keyed by HF tensor name. Everything else derives from these two.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ling_jax.config import ModelConfig, to_hf_dict
+from ling_jax.safetensors_io import DTYPES, CheckpointError, open_checkpoint, save_file
+
+F32_INITS = ("a_log", "dt_bias", "expert_bias")  # arrays kept in float32 whatever the model dtype
+
+
+@dataclass(frozen=True)
+class ArrayInfo:
+    """One array of the parameter pytree.
+
+    shape/axes: the JAX array; dtype: "model" (the weight dtype) or "float32";
+    hf: [(hf_name, stack_index or None)]: stacked parts fill shape[1:] at index i of axis 0.
+    init: how random init draws it; fan_in: the scale of "normal" init.
+    """
+
+    path: tuple
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]
+    hf: tuple[tuple[str, int | None], ...]
+    init: str = "normal"
+    fan_in: int = 1
+
+    @property
+    def dtype(self) -> str:
+        return "float32" if self.init in F32_INITS else "model"
+
+    @property
+    def hf_shape(self) -> tuple[int, ...]:
+        return self.shape[1:] if self.hf[0][1] is not None else self.shape
+
+
+@dataclass(frozen=True)
+class HFEntry:
+    shape: tuple[int, ...]
+    dtype: str
+    axes: tuple[str | None, ...]
+    path: tuple
+    stack_index: int | None
+
+
+def _w(path, prefix, name, out, inp, axes, init="normal"):
+    return ArrayInfo(path, (out, inp), axes, ((f"{prefix}.{name}.weight", None),), init, fan_in=inp)
+
+
+def _norm(path, hf_name, dim):
+    return ArrayInfo(path, (dim,), (None,), ((hf_name, None),), "ones")
+
+
+def _mlp(path, prefix, D, F, ax):
+    return [
+        _w(path + ("gate_proj",), prefix, "gate_proj", F, D, (ax, "embed")),
+        _w(path + ("up_proj",), prefix, "up_proj", F, D, (ax, "embed")),
+        _w(path + ("down_proj",), prefix, "down_proj", D, F, ("embed", ax)),
+    ]
+
+
+def _kda(path, pre, cfg):
+    D, H, K, W = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.short_conv_kernel_size
+    C = H * K
+    streams = ("q_proj", "k_proj", "v_proj", "f_proj", "g_proj")
+    return [
+        ArrayInfo(path + ("w_qkvfg",), (5, C, D), (None, "heads", "embed"),
+                  tuple((f"{pre}.{s}.weight", i) for i, s in enumerate(streams)), fan_in=D),
+        ArrayInfo(path + ("conv_w",), (3, C, 1, W), (None, "heads", None, None),
+                  tuple((f"{pre}.{s}_conv1d.weight", i) for i, s in enumerate("qkv")), "conv", fan_in=W),
+        _w(path + ("b_proj",), pre, "b_proj", H, D, ("heads", "embed")),
+        ArrayInfo(path + ("A_log",), (H,), ("heads",), ((f"{pre}.A_log", None),), "a_log"),
+        ArrayInfo(path + ("dt_bias",), (C,), ("heads",), ((f"{pre}.dt_bias", None),), "dt_bias"),
+        _norm(path + ("o_norm",), f"{pre}.o_norm.weight", K),
+        _w(path + ("o_proj",), pre, "o_proj", D, C, ("embed", "heads")),
+    ]
+
+
+def _mla(path, pre, cfg):
+    D, H = cfg.hidden_size, cfg.num_attention_heads
+    out = []
+    if cfg.q_lora_rank is None:
+        out.append(_w(path + ("q_proj",), pre, "q_proj", H * cfg.qk_head_dim, D, ("heads", "embed")))
+    else:
+        out += [
+            _w(path + ("q_a_proj",), pre, "q_a_proj", cfg.q_lora_rank, D, (None, "embed")),
+            _norm(path + ("q_a_layernorm",), f"{pre}.q_a_layernorm.weight", cfg.q_lora_rank),
+            _w(path + ("q_b_proj",), pre, "q_b_proj", H * cfg.qk_head_dim, cfg.q_lora_rank, ("heads", None)),
+        ]
+    out += [
+        _w(path + ("kv_a_proj_with_mqa",), pre, "kv_a_proj_with_mqa", cfg.mla_cache_dim, D, (None, "embed")),
+        _norm(path + ("kv_a_layernorm",), f"{pre}.kv_a_layernorm.weight", cfg.kv_lora_rank),
+        _w(path + ("kv_b_proj",), pre, "kv_b_proj", H * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank,
+           ("heads", None)),
+        _w(path + ("g_proj",), pre, "g_proj", H, D, ("heads", "embed")),
+        _w(path + ("dense",), pre, "dense", D, H * cfg.v_head_dim, ("embed", "heads")),
+    ]
+    return out
+
+
+def _moe(path, pre, cfg):
+    D, E, I = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    ex = lambda proj: tuple((f"{pre}.experts.{e}.{proj}.weight", e) for e in range(E))
+    return [
+        ArrayInfo(path + ("gate_w",), (E, D), (None, "embed"), ((f"{pre}.gate.weight", None),), fan_in=D),
+        ArrayInfo(path + ("expert_bias",), (E,), (None,), ((f"{pre}.gate.expert_bias", None),), "expert_bias"),
+        ArrayInfo(path + ("w_gate",), (E, I, D), ("expert", "expert_mlp", "embed"), ex("gate_proj"), fan_in=D),
+        ArrayInfo(path + ("w_up",), (E, I, D), ("expert", "expert_mlp", "embed"), ex("up_proj"), fan_in=D),
+        ArrayInfo(path + ("w_down",), (E, D, I), ("expert", "embed", "expert_mlp"), ex("down_proj"), fan_in=I),
+        *_mlp(path + ("shared",), f"{pre}.shared_experts", D, cfg.shared_width, "mlp"),
+    ]
+
+
+def _block(path, i, cfg):
+    pre = f"model.layers.{i}"
+    D = cfg.hidden_size
+    out = [
+        _norm(path + ("input_norm",), f"{pre}.input_layernorm.weight", D),
+        _norm(path + ("post_norm",), f"{pre}.post_attention_layernorm.weight", D),
+    ]
+    out += _mla(path + ("attn",), f"{pre}.attention", cfg) if cfg.is_mla(i) else _kda(path + ("attn",), f"{pre}.attention", cfg)
+    if cfg.is_moe(i):
+        out += _moe(path + ("mlp",), f"{pre}.mlp", cfg)
+    else:
+        out += _mlp(path + ("mlp",), f"{pre}.mlp", D, cfg.intermediate_size, "mlp")
+    return out
+
+
+def array_spec(cfg: ModelConfig) -> list[ArrayInfo]:
+    D, V = cfg.hidden_size, cfg.vocab_size
+    spec = [
+        ArrayInfo(("embed",), (V, D), ("vocab", "embed"), (("model.word_embeddings.weight", None),), "embedding"),
+        _norm(("final_norm",), "model.norm.weight", D),
+        ArrayInfo(("lm_head",), (V, D), ("vocab", "embed"), (("lm_head.weight", None),), fan_in=D),
+    ]
+    for i in range(cfg.num_hidden_layers):
+        spec += _block(("layers", i), i, cfg)
+    for j, i in enumerate(cfg.mtp_layers):
+        pre = f"model.layers.{i}"
+        spec += [
+            _norm(("mtp", j, "enorm"), f"{pre}.enorm.weight", D),
+            _norm(("mtp", j, "hnorm"), f"{pre}.hnorm.weight", D),
+            _w(("mtp", j, "eh_proj"), pre, "eh_proj", D, 2 * D, (None, "embed")),
+            _norm(("mtp", j, "final_norm"), f"{pre}.final_layernorm.weight", D),
+        ]
+        spec += _block(("mtp", j), i, cfg)
+    return spec
+
+
+def param_spec(cfg: ModelConfig) -> dict[str, HFEntry]:
+    """HF tensor name -> HFEntry (its own shape, dtype, logical axes, and where it lands in the pytree)."""
+    out = {}
+    for a in array_spec(cfg):
+        axes = a.axes[1:] if a.hf[0][1] is not None else a.axes
+        for name, idx in a.hf:
+            out[name] = HFEntry(a.hf_shape, a.dtype, axes, a.path, idx)
+    return out
+
+
+# ---- pytree assembly ---------------------------------------------------------------------------------------
+
+
+def unflatten(spec: list[ArrayInfo], leaves: list[Any]) -> dict:
+    """Build the nested params dict (lists for layer indices) from path-ordered leaves."""
+    root: dict = {}
+    for a, leaf in zip(spec, leaves):
+        node = root
+        for key in a.path[:-1]:
+            node = node.setdefault(key, {})
+        node[a.path[-1]] = leaf
+
+    def fix(node):
+        if isinstance(node, dict):
+            node = {k: fix(v) for k, v in node.items()}
+            if node and all(isinstance(k, int) for k in node):
+                return [node[k] for k in sorted(node)]
+        return node
+
+    return fix(root)
+
+
+def get_path(params, path):
+    for key in path:
+        params = params[key]
+    return params
+
+
+def resolve_dtype(info: ArrayInfo, dtype) -> jnp.dtype:
+    return jnp.dtype(jnp.float32) if info.dtype == "float32" else jnp.dtype(dtype)
+
+
+def abstract_params(cfg: ModelConfig, dtype=jnp.bfloat16, shardings: Callable | None = None) -> dict:
+    """ShapeDtypeStruct pytree (with shardings when `shardings(info)` is given): no device memory."""
+    spec = array_spec(cfg)
+    leaves = [
+        jax.ShapeDtypeStruct(a.shape, resolve_dtype(a, dtype), sharding=shardings(a) if shardings else None)
+        for a in spec
+    ]
+    return unflatten(spec, leaves)
+
+
+# ---- random init ----------------------------------------------------------------------------------------------
+
+
+def _draw(init: str, shape, dtype, fan_in: int, key):
+    """Deterministic draws chosen so a random model has O(1) activations and a non-degenerate router."""
+    if init == "ones":
+        return (1.0 + 0.1 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+    if init == "a_log":
+        return jnp.log(jax.random.uniform(key, shape, jnp.float32, 1.0, 16.0))
+    if init == "dt_bias":
+        return 0.5 * jax.random.normal(key, shape, jnp.float32)
+    if init == "expert_bias":
+        return 0.05 * jax.random.normal(key, shape, jnp.float32)
+    if init == "embedding":
+        return jax.random.normal(key, shape, jnp.float32).astype(dtype)
+    if init == "conv":
+        return (0.5 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+    return (jax.random.normal(key, shape, jnp.float32) * fan_in**-0.5).astype(dtype)
+
+
+def init_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.bfloat16, shardings: Callable | None = None) -> dict:
+    """Random parameters drawn on device, each array from its own key (fold_in of a hash of its path), so the
+    values do not depend on sharding or order; each array is born sharded (`shardings(info)`)."""
+    spec = array_spec(cfg)
+    base = jax.random.key(seed)
+    cache: dict = {}
+    leaves = []
+    for a in spec:
+        dt = resolve_dtype(a, dtype)
+        sh = shardings(a) if shardings else None
+        fn_key = (a.init, a.shape, dt, a.fan_in, sh)
+        if fn_key not in cache:
+            cache[fn_key] = jax.jit(
+                lambda k, _a=a, _dt=dt: _draw(_a.init, _a.shape, _dt, _a.fan_in, k), out_shardings=sh
+            )
+        key = jax.random.fold_in(base, zlib.crc32("/".join(map(str, a.path)).encode()) & 0x7FFFFFFF)
+        leaves.append(cache[fn_key](key))
+    return unflatten(spec, leaves)
+
+
+# ---- HF checkpoints -------------------------------------------------------------------------------------------
+
+
+def _checkpoint_dtype(model_dir: str) -> np.dtype:
+    with open(os.path.join(model_dir, "config.json")) as f:
+        name = json.load(f).get("torch_dtype", "bfloat16")
+    table = {"bfloat16": "BF16", "float32": "F32", "float16": "F16"}
+    if name not in table:
+        raise CheckpointError(f"{model_dir}/config.json: unsupported torch_dtype {name!r}")
+    return DTYPES[table[name]]
+
+
+def validate_checkpoint(cfg: ModelConfig, model_dir: str) -> dict:
+    """Check names, shapes and dtypes of every tensor against the spec before reading any data."""
+    where = open_checkpoint(model_dir)
+    spec = param_spec(cfg)
+    missing = sorted(set(spec) - set(where))
+    extra = sorted(set(where) - set(spec))
+    if missing or extra:
+        raise CheckpointError(
+            f"{model_dir}: checkpoint does not match {cfg.name}: "
+            f"missing {len(missing)} tensor(s) {missing[:5]}, unexpected {len(extra)} tensor(s) {extra[:5]}"
+        )
+    wdt = _checkpoint_dtype(model_dir)
+    for name, e in spec.items():
+        dt, shape, _ = where[name].header[name]
+        want_dt = np.dtype(np.float32) if e.dtype == "float32" else wdt
+        if tuple(shape) != tuple(e.shape):
+            raise CheckpointError(f"{where[name].path}: tensor {name}: expected shape {e.shape}, found {tuple(shape)}")
+        if dt != want_dt:
+            raise CheckpointError(f"{where[name].path}: tensor {name}: expected dtype {want_dt}, found {dt}")
+    return where
+
+
+def load_hf_checkpoint(cfg: ModelConfig, model_dir: str, dtype=jnp.bfloat16, shardings: Callable | None = None,
+                       progress: Callable | None = None) -> dict:
+    """Load an HF checkpoint dir into the params pytree. Each device reads only its own slice of each tensor
+    (jax.make_array_from_callback over numpy memmaps)."""
+    where = validate_checkpoint(cfg, model_dir)
+    spec = array_spec(cfg)
+    leaves = []
+    for n, a in enumerate(spec):
+        dt = resolve_dtype(a, dtype)
+        stacked = a.hf[0][1] is not None
+
+        def read(index, _a=a, _dt=dt, _stacked=stacked):
+            index = tuple(index) + (slice(None),) * (len(_a.shape) - len(tuple(index)))
+            if not _stacked:
+                name = _a.hf[0][0]
+                return np.asarray(where[name].tensor(name)[index], dtype=_dt)
+            parts = range(*index[0].indices(_a.shape[0]))
+            rows = [where[_a.hf[i][0]].tensor(_a.hf[i][0])[index[1:]] for i in parts]
+            return np.stack(rows).astype(_dt)
+
+        if shardings is None:
+            leaves.append(jnp.asarray(read(())))
+        else:
+            leaves.append(jax.make_array_from_callback(a.shape, shardings(a), read))
+        if progress:
+            progress(n + 1, len(spec))
+    return unflatten(spec, leaves)
+
+
+def save_hf_checkpoint(cfg: ModelConfig, params: dict, out_dir: str, max_shard_bytes: int = 2**31) -> None:
+    """Write params as an HF-layout checkpoint (config.json + safetensors, sharded with an index when large)."""
+    os.makedirs(out_dir, exist_ok=True)
+    tensors: dict[str, np.ndarray] = {}
+    model_dtype = None
+    for a in array_spec(cfg):
+        arr = np.asarray(jax.device_get(get_path(params, a.path)))
+        if a.dtype == "model":
+            model_dtype = arr.dtype
+        for name, idx in a.hf:
+            tensors[name] = arr if idx is None else arr[idx]
+    d = to_hf_dict(cfg)
+    d["torch_dtype"] = {"bfloat16": "bfloat16", "float32": "float32", "float16": "float16"}[str(model_dtype)]
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(d, f, indent=1)
+    shards, cur, size = [], {}, 0
+    for name, arr in tensors.items():
+        if cur and size + arr.nbytes > max_shard_bytes:
+            shards.append(cur)
+            cur, size = {}, 0
+        cur[name] = arr
+        size += arr.nbytes
+    shards.append(cur)
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(out_dir, "model.safetensors"), {"format": "pt"})
+        return
+    weight_map = {}
+    for k, shard in enumerate(shards):
+        fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(out_dir, fname), {"format": "pt"})
+        weight_map.update({name: fname for name in shard})
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}, f)
+
+
+# ---- orbax -------------------------------------------------------------------------------------------------------
+
+
+def save_orbax(params: dict, path: str) -> None:
+    import orbax.checkpoint as ocp
+
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(os.path.abspath(path), params, force=True)
+    ckpt.wait_until_finished()
+
+
+def restore_orbax(cfg: ModelConfig, path: str, dtype=jnp.bfloat16, shardings: Callable | None = None) -> dict:
+    import orbax.checkpoint as ocp
+
+    target = abstract_params(cfg, dtype, shardings)
+    if shardings is None:  # restore onto the default device
+        dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=dev), target)
+    return ocp.StandardCheckpointer().restore(os.path.abspath(path), target)
+
+
+def load_params(cfg: ModelConfig, model: str, *, dtype=jnp.bfloat16, seed: int = 0, shardings=None, progress=None):
+    """A preset name -> random init (seeded); a directory -> its HF checkpoint."""
+    if os.path.isdir(model):
+        return load_hf_checkpoint(cfg, model, dtype, shardings, progress)
+    return init_params(cfg, seed, dtype, shardings)
+
+
+def count(cfg: ModelConfig) -> int:
+    return sum(int(np.prod(e.shape)) for e in param_spec(cfg).values())
+
+
+__all__ = [
+    "ArrayInfo", "HFEntry", "array_spec", "param_spec", "init_params", "abstract_params", "load_hf_checkpoint",
+    "save_hf_checkpoint", "validate_checkpoint", "save_orbax", "restore_orbax", "load_params", "CheckpointError",
+]
