@@ -1,0 +1,200 @@
+"""Kernel bench at Ling-3.0-flash dims, cold weights: MoE and KDA verify/commit vs XLA.
+
+  python3 bench/bench_kernels.py --out $OUT    (on the GPU; writes kernels-h200-<date>.json)
+
+Timing: one jitted program runs the op over N distinct input sets back to back; time(2N) -
+time(N) over N removes the fixed host/sync overhead (median of repeats). Input sets rotate
+through > 60 MB (L2) of weights/states. Floor = bytes that must move / measured HBM copy
+bandwidth (read + write of a large device-to-device copy, same run).
+"""
+from __future__ import annotations
+
+import argparse, datetime, json, os, subprocess, sys, time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from pallas_kernels import kda_verify as kda  # noqa: E402
+from pallas_kernels import moe as moe_mod  # noqa: E402
+
+D, E, I, A = 2560, 512, 768, 8          # hidden, experts, expert width, top-k
+H, DK, W = 32, 128, 4                    # KDA heads, head dim, conv width
+BF, F32 = jnp.bfloat16, jnp.float32
+
+
+def rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def timeit(fn, sets, consts=(), reps=15):
+  """Per-call device time (us) of fn(*set, *consts) over the input sets, overhead removed."""
+  n = len(sets)
+  many = jax.jit(lambda ss, cs: [fn(*s, *cs) for s in ss])
+  half = ss_half = sets[: n // 2]
+  def run(ss):
+    jax.block_until_ready(many(ss, consts))
+    t = []
+    for _ in range(reps):
+      t0 = time.perf_counter(); jax.block_until_ready(many(ss, consts))
+      t.append(time.perf_counter() - t0)
+    return float(np.median(t))
+  t_full, t_half = run(sets), run(ss_half)
+  return 1e6 * (t_full - t_half) / (n - len(half))
+
+
+def copy_bw():
+  x = jax.random.normal(jax.random.key(0), (1024 if D == 2560 else 8, 1024 * 1024), BF)  # 2 GiB
+  f = jax.jit(lambda a: -a)
+  jax.block_until_ready(f(x))
+  t = []
+  for _ in range(10):
+    t0 = time.perf_counter(); jax.block_until_ready(f(x)); t.append(time.perf_counter() - t0)
+  return 2 * x.nbytes / float(np.median(t))
+
+
+def moe_ragged(x, ids, w, wg_t, wu_t, wd_t):
+  """XLA baseline: sort pairs, lax.ragged_dot over all experts (weights pre-transposed)."""
+  t = x.shape[0]
+  order = jnp.argsort(ids.reshape(-1))
+  xs = x[order // A]
+  sizes = jnp.bincount(ids.reshape(-1), length=E).astype(jnp.int32)
+  g = lax.ragged_dot(xs, wg_t, sizes, preferred_element_type=F32)
+  u = lax.ragged_dot(xs, wu_t, sizes, preferred_element_type=F32)
+  h = (jax.nn.silu(g) * u).astype(x.dtype)
+  y = lax.ragged_dot(h, wd_t, sizes, preferred_element_type=F32) * w.reshape(-1)[order][:, None]
+  return jnp.zeros((t, D), F32).at[order // A].add(y).astype(x.dtype)
+
+
+def bench_moe(rows, bw, key, configs):
+  k = jax.random.split(key, 8)
+  wg = jax.random.normal(k[0], (E, I, D), BF) * 0.02
+  wu = jax.random.normal(k[1], (E, I, D), BF) * 0.02
+  wd = jax.random.normal(k[2], (E, D, I), BF) * 0.02
+  sh = tuple(jax.random.normal(k[3 + j], s, BF) * 0.02 for j, s in enumerate(((I, D), (I, D), (D, I))))
+  ebytes = 3 * I * D * 2
+  for t in (1, 6, 17):
+    sets = []
+    for j in range(8):
+      kk = jax.random.split(jax.random.fold_in(key, 100 * t + j), 3)
+      ids = jnp.argsort(jax.random.uniform(kk[0], (t, E)), axis=1)[:, :A].astype(jnp.int32)
+      w = jax.random.uniform(kk[1], (t, A), F32)
+      sets.append((jax.random.normal(kk[2], (t, D), BF), ids, w))
+    distinct = np.mean([len(np.unique(np.asarray(s[1]))) for s in sets])
+    nbytes = (distinct + 1) * ebytes + 2 * t * D * 2
+    floor = 1e6 * nbytes / bw
+    x, ids, w = sets[0]
+    ref = moe_mod.moe_reference(x, ids, w, wg, wu, wd, limit=4.0, shared=sh, shared_limit=5.0)
+    cs = (wg, wu, wd, sh)
+    base = lambda x, i, w, wg, wu, wd, sh: moe_mod.moe_reference(
+        x, i, w, wg, wu, wd, limit=4.0, shared=sh, shared_limit=5.0)
+    t_base = timeit(base, sets, cs)
+    for name, cfg in configs:
+     try:
+      f = lambda x, i, w, wg, wu, wd, sh, cfg=cfg: moe_mod.moe(
+          x, i, w, wg, wu, wd, limit=4.0, shared=sh, shared_limit=5.0, config=cfg)
+      err = rel(f(x, ids, w, *cs), ref)
+      tk = timeit(f, sets, cs)
+      rows.append(dict(name=f"moe T={t} {name}", time_us=tk, bytes=nbytes, floor_us=floor,
+                       fraction_of_floor=floor / tk, baseline="moe_reference (XLA gather)",
+                       baseline_time_us=t_base, rel_err=err, distinct_experts=distinct,
+                       config=str(cfg)))
+      print(rows[-1], flush=True)
+     except Exception as ex:  # report and go on: one bad config must not cost the run
+      print(f"FAILED moe T={t} {name}: {type(ex).__name__}: {str(ex)[:1500]}", flush=True)
+    if t == 6:
+      wg_t, wu_t, wd_t = (jnp.swapaxes(a, 1, 2) for a in (wg, wu, wd))
+      tr = timeit(moe_ragged, sets[:4], (wg_t, wu_t, wd_t))
+      rows.append(dict(name=f"moe T={t} lax.ragged_dot (no shared, no clamp)", time_us=tr,
+                       bytes=nbytes, floor_us=floor, fraction_of_floor=floor / tr,
+                       baseline="-", baseline_time_us=None))
+      print(rows[-1], flush=True)
+      del wg_t, wu_t, wd_t
+
+
+def bench_kda(rows, bw, key, configs):
+  hd = H * DK
+  nsets = 36                                  # 36 x 2 MB states > L2
+  for t in (1, 6, 17):
+    sets = []
+    for j in range(nsets):
+      kk = iter(jax.random.split(jax.random.fold_in(key, 1000 * t + j), 16))
+      n = lambda s, sc=1.0, dt=BF: (jax.random.normal(next(kk), s, F32) * sc).astype(dt)
+      sets.append((n((1, t, hd)), n((1, t, hd)), n((1, t, hd)), n((1, t, hd)), n((1, t, H)),
+                   n((H,), 0.5, F32), n((hd,), 0.5, F32), n((hd, 1, W), 0.5), n((hd, 1, W), 0.5),
+                   n((hd, 1, W), 0.5), n((1, W - 1, 3 * hd)), n((1, H, DK, DK), 0.1, F32)))
+    state = H * DK * DK * 4
+    io = 4 * t * hd * 2 + 3 * hd * W * 2 + (W - 1) * 3 * hd * 2 + t * (4 * hd + H) * 4
+    vbytes, cbytes = state + io, 2 * state + t * (3 * hd + H) * 4
+    o_ref, ci_ref = kda.kda_verify_reference(*sets[0])
+    tb = timeit(kda.kda_verify_reference, sets)
+    na = jnp.array([max(1, t - 2)], jnp.int32)
+    s_ref = kda.kda_commit_reference(sets[0][-1], ci_ref, na)
+    cis = [kda.kda_verify_reference(*s)[1] for s in sets]
+    csets = [(s[-1], ci, na) for s, ci in zip(sets, cis)]
+    tcb = timeit(kda.kda_commit_reference, csets)
+    for name, cfg in configs:
+     try:
+      o, ci = kda.kda_verify(*sets[0], config=cfg)
+      err = max(rel(o, o_ref), *(rel(a, b) for a, b in zip(ci, ci_ref)))
+      tk = timeit(lambda *s, cfg=cfg: kda.kda_verify(*s, config=cfg), sets)
+      rows.append(dict(name=f"kda_verify T={t} {name}", time_us=tk, bytes=vbytes,
+                       floor_us=1e6 * vbytes / bw, fraction_of_floor=1e6 * vbytes / bw / tk,
+                       baseline="kda_verify_reference (XLA)", baseline_time_us=tb, rel_err=err))
+      print(rows[-1], flush=True)
+      cerr = rel(kda.kda_commit(sets[0][-1], ci_ref, na, config=cfg), s_ref)
+      tc = timeit(lambda s, c, n, cfg=cfg: kda.kda_commit(s, c, n, config=cfg), csets)
+      rows.append(dict(name=f"kda_commit T={t} n={int(na[0])} {name}", time_us=tc, bytes=cbytes,
+                       floor_us=1e6 * cbytes / bw, fraction_of_floor=1e6 * cbytes / bw / tc,
+                       baseline="kda_commit_reference (XLA)", baseline_time_us=tcb, rel_err=cerr))
+      print(rows[-1], flush=True)
+     except Exception as ex:
+      print(f"FAILED kda T={t} {name}: {type(ex).__name__}: {str(ex)[:1500]}", flush=True)
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--out", default="bench/results")
+  ap.add_argument("--only", default="moe,kda")
+  ap.add_argument("--small", action="store_true", help="CPU smoke test: tiny dims, interpret")
+  args = ap.parse_args()
+  global D, E, I, H, DK
+  moe_cfgs = [
+      ("i32k256d64", moe_mod.MoeConfig()),
+      ("i64k128d128", moe_mod.MoeConfig(block_i=64, block_k=128, block_d=128, block_kd=128)),
+      ("i32k128d64s3", moe_mod.MoeConfig(block_k=128, block_kd=128, num_stages=3)),
+      ("i16k256d32", moe_mod.MoeConfig(block_i=16, block_d=32))]
+  kda_cfgs = [("bv16", kda.KdaConfig(block_v=16)), ("bv32", kda.KdaConfig(block_v=32)),
+              ("bv64w8", kda.KdaConfig(block_v=64, num_warps=8))]
+  if args.small:
+    D, E, I, H, DK = 256, 32, 64, 2, 32
+    moe_cfgs = [("small", moe_mod.MoeConfig(block_k=128, block_kd=64, interpret=True))]
+    kda_cfgs = [("small", kda.KdaConfig(block_v=16, interpret=True))]
+  bw = copy_bw()
+  print(f"copy bandwidth {bw / 1e12:.3f} TB/s (read + write)", flush=True)
+  rows = [dict(name="hbm copy 2 GiB (read+write)", time_us=None, bytes=None, bw_bytes_per_s=bw)]
+  key = jax.random.key(0)
+  if "moe" in args.only:
+    bench_moe(rows, bw, key, moe_cfgs)
+  if "kda" in args.only:
+    bench_kda(rows, bw, key, kda_cfgs)
+  date = datetime.date.today().isoformat()
+  commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+  res = dict(command=" ".join(sys.argv), device=str(jax.devices()[0].device_kind),
+             jax_version=jax.__version__, date=date, git_commit=commit, rows=rows)
+  os.makedirs(args.out, exist_ok=True)
+  with open(os.path.join(args.out, f"kernels-h200-{date}.json"), "w") as f:
+    json.dump(res, f, indent=1)
+  print(f"\n{'name':58s} {'us':>9s} {'floor':>8s} {'frac':>6s} {'base_us':>9s} {'err':>8s}")
+  for r in rows[1:]:
+    if r['time_us'] is None:
+      continue
+    print(f"{r['name']:58s} {r['time_us']:9.1f} {r['floor_us']:8.1f} {r['fraction_of_floor']:6.2f} "
+          f"{r['baseline_time_us'] or 0:9.1f} {r.get('rel_err', 0):8.1e}")
+
+
+if __name__ == "__main__":
+  main()
