@@ -1,0 +1,121 @@
+"""KDA verify/commit kernels (Pallas Triton, interpret mode on CPU) vs the jnp references,
+and the references vs a float64 numpy loop written from the math (LING3_MODEL.md, KDA step 6).
+Checks outputs, the commit inputs AND the committed state for several n_accept."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import dispatch
+from pallas_kernels.kda_verify import (KdaConfig, conv_window_commit, kda_commit,
+                                       kda_commit_reference, kda_verify, kda_verify_reference)
+
+W = 4
+
+
+def rel_err(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def make(seed, b, t, h, dk, dtype):
+  hd = h * dk
+  ks = iter(jax.random.split(jax.random.key(seed), 16))
+  n = lambda s, sc=1.0, dt=dtype: (jax.random.normal(next(ks), s, jnp.float32) * sc).astype(dt)
+  return (n((b, t, hd)), n((b, t, hd)), n((b, t, hd)), n((b, t, hd)), n((b, t, h)),
+          n((h,), 0.5, jnp.float32), n((hd,), 0.5, jnp.float32), n((hd, 1, W), 0.5),
+          n((hd, 1, W), 0.5), n((hd, 1, W), 0.5), n((b, W - 1, 3 * hd)),
+          n((b, h, dk, dk), 0.3, jnp.float32))
+
+
+def numpy_kda(args, lower_bound=-5.0):
+  """float64 loop: returns o [B,T,H,Dv] and the per-position states [T+1, B, H, Dk, Dv]."""
+  q, k, v, f, br, alog, dtb, qw, kw, vw, cs, s0 = (np.asarray(a, np.float64) for a in args)
+  b, t, hd = q.shape
+  h = br.shape[-1]
+  dk = hd // h
+  silu = lambda z: z / (1 + np.exp(-z))
+  sig = lambda z: 1 / (1 + np.exp(-z))
+  def conv(x, st, w):
+    xc = np.concatenate([st, x], axis=1)
+    return silu(sum(w[:, 0, j] * xc[:, j:j + t] for j in range(W)))
+  qc, kc, vc = (conv(x, st, w).reshape(b, t, h, dk) for x, st, w in
+                zip((q, k, v), np.split(cs, 3, axis=-1), (qw, kw, vw)))
+  l2 = lambda x: x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6)
+  qc, kc = l2(qc) * dk ** -0.5, l2(kc)
+  g = lower_bound * sig(np.exp(alog)[:, None] * (f.reshape(b, t, h, dk) + dtb.reshape(h, dk)))
+  beta = sig(br)
+  s = s0.copy()
+  states, o = [s.copy()], np.zeros((b, t, h, dk))
+  for bi in range(b):
+    for hi in range(h):
+      sh = s0[bi, hi].copy()
+      for ti in range(t):
+        kk = kc[bi, ti, hi]
+        # S_t = (I - beta k k^T) Diag(e^g) S_{t-1} + beta k v^T
+        dec = np.exp(g[bi, ti, hi])[:, None] * sh
+        sh = dec - beta[bi, ti, hi] * np.outer(kk, kk @ dec) + beta[bi, ti, hi] * np.outer(kk, vc[bi, ti, hi])
+        o[bi, ti, hi] = sh.T @ qc[bi, ti, hi]
+        if len(states) <= ti + 1:
+          states.append(np.zeros_like(s0))
+        states[ti + 1][bi, hi] = sh
+  return o, np.stack(states)
+
+
+def test_reference_matches_numpy_loop():
+  args = make(0, 2, 5, 2, 16, jnp.float32)
+  o, ci = kda_verify_reference(*args)
+  o_np, states = numpy_kda(args)
+  assert rel_err(o, o_np) <= 1e-5
+  for n in ([0, 5], [3, 1]):
+    s = kda_commit_reference(args[-1], ci, jnp.array(n, jnp.int32))
+    want = np.stack([states[n[bi]][bi] for bi in range(2)])
+    assert rel_err(s, want) <= 1e-5
+
+
+CASES = [  # (b, t, h, dk, dtype, block_v, n_accepts)
+    (1, 1, 2, 32, jnp.float32, 16, ([0], [1])),
+    (2, 6, 2, 32, jnp.float32, 16, ([0, 6], [3, 1])),
+    (1, 17, 2, 32, jnp.bfloat16, 32, ([17], [9])),
+]
+
+
+@pytest.mark.parametrize("b,t,h,dk,dtype,block_v,n_accepts", CASES)
+def test_kda_kernels_match_reference(b, t, h, dk, dtype, block_v, n_accepts):
+  args = make(t * 11 + b, b, t, h, dk, dtype)
+  cfg = KdaConfig(block_v=block_v, interpret=True)
+  s_before = np.asarray(args[-1]).copy()
+  o, ci = kda_verify(*args, config=cfg)
+  o_ref, ci_ref = kda_verify_reference(*args)
+  np.testing.assert_array_equal(np.asarray(args[-1]), s_before)     # verify leaves state alone
+  assert rel_err(o, o_ref) <= 1e-5
+  for got, want in zip(ci, ci_ref):
+    assert got.shape == want.shape and rel_err(got, want) <= 1e-5
+  for n in n_accepts:
+    n = jnp.array(n, jnp.int32)
+    s = kda_commit(args[-1], ci, n, config=cfg)
+    s_ref = kda_commit_reference(args[-1], ci_ref, n)
+    assert rel_err(s, s_ref) <= 1e-5
+    for bi in range(b):
+      if int(n[bi]) == 0:
+        np.testing.assert_array_equal(np.asarray(s[bi]), s_before[bi])
+
+
+def test_conv_window_commit():
+  b, t, c = 2, 5, 12
+  cs = jax.random.normal(jax.random.key(1), (b, W - 1, c))
+  raw = jax.random.normal(jax.random.key(2), (b, t, c))
+  n = jnp.array([0, 4], jnp.int32)
+  got = conv_window_commit(cs, raw, n)
+  for bi in range(b):
+    cat = np.concatenate([np.asarray(cs[bi]), np.asarray(raw[bi, :int(n[bi])])])
+    np.testing.assert_array_equal(np.asarray(got[bi]), cat[-(W - 1):])
+
+
+def test_dispatch_kda_reference_on_cpu():
+  args = make(4, 1, 3, 2, 16, jnp.float32)
+  o, ci = dispatch.kda_verify(*args, backend="reference")
+  o_ref, _ = kda_verify_reference(*args)
+  np.testing.assert_array_equal(np.asarray(o), np.asarray(o_ref))
+  s = dispatch.kda_commit(args[-1], ci, jnp.array([2], jnp.int32))
+  assert s.shape == args[-1].shape

@@ -1,0 +1,44 @@
+"""Each Pallas kernel lowers for CUDA (H200) on a CPU-only machine at full Ling-3.0-flash shapes
+(ShapeDtypeStruct inputs, nothing allocated). The abstract mesh names the target GPU."""
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AbstractDevice, AbstractMesh
+
+from pallas_kernels.kda_verify import KdaCommitInputs, kda_commit, kda_verify
+from pallas_kernels.moe import moe
+
+S = jax.ShapeDtypeStruct
+BF, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
+D, E, I, A = 2560, 512, 768, 8
+H, DK, W = 32, 128, 4
+HD = H * DK
+H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
+    device_kind="NVIDIA H200", num_cores=132, platform="cuda"))
+
+
+def lower_cuda(f, *args):
+  with jax.sharding.use_abstract_mesh(H200):
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "__gpu$xla.gpu.triton" in text
+  return text
+
+
+@pytest.mark.parametrize("t", [1, 6, 17])
+def test_moe_lowers_for_cuda(t):
+  args = (S((t, D), BF), S((t, A), I32), S((t, A), F32), S((E, I, D), BF), S((E, I, D), BF),
+          S((E, D, I), BF))
+  sh = (S((I, D), BF), S((I, D), BF), S((D, I), BF))
+  text = lower_cuda(lambda *a: moe(*a[:6], limit=4.0, shared=a[6:], shared_limit=5.0),
+                    *args, *sh)
+  assert text.count("__gpu$xla.gpu.triton") == 2          # up and down kernels
+
+
+@pytest.mark.parametrize("t", [1, 6, 17])
+def test_kda_lowers_for_cuda(t):
+  args = ((S((1, t, HD), BF),) * 4 + (S((1, t, H), BF), S((H,), F32), S((HD,), F32))
+          + (S((HD, 1, W), BF),) * 3 + (S((1, W - 1, 3 * HD), BF), S((1, H, DK, DK), F32)))
+  lower_cuda(kda_verify, *args)
+  ci = KdaCommitInputs(S((1, t, H, DK), F32), S((1, t, H, DK), F32), S((1, t, H, DK), F32),
+                       S((1, t, H), F32))
+  lower_cuda(kda_commit, args[-1], ci, S((1,), I32))
