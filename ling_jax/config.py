@@ -352,7 +352,11 @@ def to_hf_dict(cfg: ModelConfig) -> dict[str, Any]:
         if f.name == "name":
             continue
         v = getattr(cfg, f.name)
-        d[f.name] = list(v) if isinstance(v, tuple) else v
+        if isinstance(v, tuple):
+            if v:  # clamp lists only when the model has them
+                d[f.name] = list(v)
+            continue
+        d[f.name] = v
     return d
 
 

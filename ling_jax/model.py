@@ -62,7 +62,7 @@ def embed(params, tokens):
 
 def lm_logits(params, hidden, opts: RuntimeOptions = RuntimeOptions()):
     """hidden [..., D] -> logits [..., V] float32."""
-    w = params["lm_head"]
+    w = params["lm_head"] if "lm_head" in params else params["embed"]  # tied embeddings
     if opts.lm_head_fp32:
         return jnp.einsum("...d,vd->...v", hidden.astype(jnp.float32), w.astype(jnp.float32))
     return jnp.einsum("...d,vd->...v", hidden, w, preferred_element_type=jnp.float32)

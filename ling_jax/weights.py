@@ -145,8 +145,9 @@ def array_spec(cfg: ModelConfig) -> list[ArrayInfo]:
     spec = [
         ArrayInfo(("embed",), (V, D), ("vocab", "embed"), (("model.word_embeddings.weight", None),), "embedding"),
         _norm(("final_norm",), "model.norm.weight", D),
-        ArrayInfo(("lm_head",), (V, D), ("vocab", "embed"), (("lm_head.weight", None),), fan_in=D),
     ]
+    if not cfg.tie_word_embeddings:
+        spec.append(ArrayInfo(("lm_head",), (V, D), ("vocab", "embed"), (("lm_head.weight", None),), fan_in=D))
     for i in range(cfg.num_hidden_layers):
         spec += _block(("layers", i), i, cfg)
     for j, i in enumerate(cfg.mtp_layers):

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ling_jax.layers.norms import l2_normalize, rms_norm
+from ling_jax.layers.norms import l2_normalize
 
 
 class KdaPending(NamedTuple):
@@ -158,8 +158,10 @@ def kda_project(p, x, conv_window, cfg):
     qkv_raw = jnp.concatenate([proj[:, 0], proj[:, 1], proj[:, 2]], axis=-1)  # [B, T, 3C]
     conv_w = p["conv_w"].reshape(3 * C, -1)  # [3C, W]
     qkv = short_conv(qkv_raw, conv_w, conv_window)
-    q = l2_normalize(qkv[..., :C].reshape(B, T, H, Kd)) * (Kd**-0.5)
-    k = l2_normalize(qkv[..., C : 2 * C].reshape(B, T, H, Kd))
+    # l2norm in fp32, rounded to the activation dtype before the fp32 recurrence (as fla does).
+    to_act = lambda a: a.astype(x.dtype).astype(jnp.float32)
+    q = to_act(l2_normalize(qkv[..., :C].reshape(B, T, H, Kd))) * (Kd**-0.5)
+    k = to_act(l2_normalize(qkv[..., C : 2 * C].reshape(B, T, H, Kd)))
     v = qkv[..., 2 * C :].reshape(B, T, H, Kd).astype(jnp.float32)
     g = kda_gate(proj[:, 3].reshape(B, T, H, Kd), p["A_log"], p["dt_bias"], cfg.kda_lower_bound)
     beta = jax.nn.sigmoid(jnp.einsum("btd,hd->bth", x, p["b_proj"]).astype(jnp.float32))
@@ -170,8 +172,9 @@ def kda_project(p, x, conv_window, cfg):
 def kda_output(p, o, out_gate, cfg, dtype):
     """o [B, T, H, V] f32 -> RMSNorm_V(o) * o_norm * sigmoid(g_proj x) -> o_proj -> [B, T, D]."""
     B, T, H, Vd = o.shape
-    o = rms_norm(o, p["o_norm"].astype(jnp.float32), cfg.rms_norm_eps)
-    o = o * jax.nn.sigmoid(out_gate.astype(jnp.float32)).reshape(B, T, H, Vd)
+    o = o.astype(dtype).astype(jnp.float32)  # the recurrence hands its output over in the activation dtype
+    o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + cfg.rms_norm_eps)
+    o = o * p["o_norm"].astype(jnp.float32) * jax.nn.sigmoid(out_gate.astype(jnp.float32)).reshape(B, T, H, Vd)
     return jnp.einsum("btc,dc->btd", o.reshape(B, T, H * Vd).astype(dtype), p["o_proj"])
 
 

@@ -73,8 +73,10 @@ def attend_plain(p, q_nope, q_rope, cache, positions, cfg):
     v = jnp.einsum("bsl,hvl->bshv", latent, w_uv)
     scores = jnp.einsum("bthp,bshp->bhts", q_nope, k_nope, preferred_element_type=jnp.float32)
     scores += jnp.einsum("bthr,bsr->bhts", q_rope, k_rope, preferred_element_type=jnp.float32)
+    scores = scores.astype(v.dtype).astype(jnp.float32)  # eager attention rounds q.k to the activation dtype
     probs = _softmax(scores * cfg.qk_head_dim**-0.5, _causal_mask(positions, cache.shape[1]))
-    return jnp.einsum("bhts,bshv->bthv", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    o = jnp.einsum("bhts,bshv->bthv", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return o.astype(v.dtype).astype(jnp.float32)
 
 
 def attend_absorbed(p, q_nope, q_rope, cache, positions, cfg):

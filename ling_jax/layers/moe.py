@@ -16,23 +16,33 @@ import jax
 import jax.numpy as jnp
 
 
+def _rounded(a, dtype):
+    """Round an fp32 intermediate to the activation dtype, as the reference computes it (no-op in fp32)."""
+    return a.astype(dtype).astype(jnp.float32)
+
+
 def swiglu_routed(gate, up, limit: float):
+    """gate, up in the activation dtype -> h in that dtype."""
+    dt = gate.dtype
+    gate, up = gate.astype(jnp.float32), up.astype(jnp.float32)
     if limit > 0:
         gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
-    return jax.nn.silu(gate) * up
+    return (_rounded(jax.nn.silu(gate), dt) * up).astype(dt)
 
 
 def swiglu_shared(gate, up, limit: float):
+    dt = gate.dtype
+    act, up = _rounded(jax.nn.silu(gate.astype(jnp.float32)), dt), up.astype(jnp.float32)
     if limit > 0:
-        return jnp.minimum(jax.nn.silu(gate), limit) * jnp.clip(up, -limit, limit)
-    return jax.nn.silu(gate) * up
+        act, up = jnp.minimum(act, limit), jnp.clip(up, -limit, limit)
+    return (act * up).astype(dt)
 
 
 def dense_mlp(p, x, limit: float = 0.0):
     """down(act(gate(x)) * up(x)) in the weight dtype; p = {gate_proj [F, D], up_proj [F, D], down_proj [D, F]}."""
     g = jnp.einsum("...d,fd->...f", x, p["gate_proj"])
     u = jnp.einsum("...d,fd->...f", x, p["up_proj"])
-    h = swiglu_shared(g.astype(jnp.float32), u.astype(jnp.float32), limit).astype(x.dtype)
+    h = swiglu_shared(g, u, limit)
     return jnp.einsum("...f,df->...d", h, p["down_proj"])
 
 
@@ -72,15 +82,15 @@ def routed_experts(x, ids, weights, w_gate, w_up, w_down, limit: float):
     if T * ids.shape[1] <= E:
         g = jnp.einsum("td,tafd->taf", x, w_gate[ids])
         u = jnp.einsum("td,tafd->taf", x, w_up[ids])
-        h = swiglu_routed(g.astype(jnp.float32), u.astype(jnp.float32), limit).astype(x.dtype)
-        y = jnp.einsum("taf,tadf->tad", h, w_down[ids], preferred_element_type=jnp.float32)
-        return jnp.einsum("tad,ta->td", y, weights)
+        h = swiglu_routed(g, u, limit)
+        y = jnp.einsum("taf,tadf->tad", h, w_down[ids])  # each expert's output in the activation dtype
+        return jnp.einsum("tad,ta->td", y.astype(jnp.float32), weights)
     combine = jnp.zeros((T, E), jnp.float32).at[jnp.arange(T)[:, None], ids].add(weights)
     g = jnp.einsum("td,efd->tef", x, w_gate)
     u = jnp.einsum("td,efd->tef", x, w_up)
-    h = swiglu_routed(g.astype(jnp.float32), u.astype(jnp.float32), limit).astype(x.dtype)
-    y = jnp.einsum("tef,edf->ted", h, w_down, preferred_element_type=jnp.float32)
-    return jnp.einsum("ted,te->td", y, combine)
+    h = swiglu_routed(g, u, limit)
+    y = jnp.einsum("tef,edf->ted", h, w_down)
+    return jnp.einsum("ted,te->td", y.astype(jnp.float32), combine)
 
 
 def moe_layer(p, x, cfg, *, routed_limit: float, shared_limit: float, router_fp32: bool):
@@ -89,5 +99,5 @@ def moe_layer(p, x, cfg, *, routed_limit: float, shared_limit: float, router_fp3
     xt = x.reshape(-1, shape[-1])
     ids, w = route(router_logits(xt, p["gate_w"], fp32_weight=router_fp32), p["expert_bias"], cfg)
     y = routed_experts(xt, ids, w, p["w_gate"], p["w_up"], p["w_down"], routed_limit)
-    y = y.astype(x.dtype) + dense_mlp(p["shared"], xt, shared_limit)
-    return y.reshape(shape)
+    y = y + dense_mlp(p["shared"], xt, shared_limit).astype(jnp.float32)  # one fp32 sum, one rounding
+    return y.astype(x.dtype).reshape(shape)

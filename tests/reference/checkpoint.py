@@ -21,13 +21,15 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 
-def _init_tensor(name: str, shape: torch.Size, gen: torch.Generator) -> torch.Tensor:
+def _init_tensor(name: str, shape: torch.Size, gen: torch.Generator, bias_std: float = 0.5) -> torch.Tensor:
     """Deterministic fp32 init for one parameter, chosen by its checkpoint name."""
     randn = lambda: torch.randn(shape, generator=gen)  # noqa: E731
     if name.endswith("attention.A_log"):
         return torch.log(1.0 + 15.0 * torch.rand(shape, generator=gen))
-    if name.endswith(("attention.dt_bias", "mlp.gate.expert_bias")):
+    if name.endswith("attention.dt_bias"):
         return 0.1 * randn()
+    if name.endswith("mlp.gate.expert_bias"):
+        return bias_std * randn()
     if name.endswith(("norm.weight", "layernorm.weight")):
         return 1.0 + 0.1 * randn()
     if name.endswith("word_embeddings.weight"):
@@ -35,6 +37,11 @@ def _init_tensor(name: str, shape: torch.Size, gen: torch.Generator) -> torch.Te
     if name.endswith("conv1d.weight"):  # [C, 1, W]
         return 0.5 * randn()
     if name.endswith("f_proj.weight"):  # keep exp(A_log) * (f + dt_bias) from saturating everywhere
+        return 0.3 * randn() / math.sqrt(shape[-1])
+    if name.endswith("mlp.gate.weight"):  # router: logits O(0.5), so the bias spread decides close calls
+        return 0.5 * randn() / math.sqrt(shape[-1])
+    if name.endswith(("o_proj.weight", "attention.dense.weight", "down_proj.weight")):
+        # writes into the residual stream: small, so a bf16 rounding in one layer is not amplified by the next
         return 0.3 * randn() / math.sqrt(shape[-1])
     if len(shape) == 2:  # every other projection: N(0, 1/fan_in)
         return randn() / math.sqrt(shape[-1])
@@ -54,8 +61,13 @@ def _param_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
 
 
 def write_random_checkpoint(config_dict: dict[str, Any], out_dir: str | Path, seed: int,
-                            dtype: torch.dtype = torch.bfloat16, shards: int = 1) -> BailingMoeV3Ref:
-    """Build the reference with deterministic random weights, write config.json + safetensors, return it."""
+                            dtype: torch.dtype = torch.bfloat16, shards: int = 1,
+                            expert_bias_std: float = 0.5) -> BailingMoeV3Ref:
+    """Build the reference with deterministic random weights, write config.json + safetensors, return it.
+
+    expert_bias_std: spread of the router bias. In a random model many top-k decisions are near ties; a bf16
+    rounding flips some of them, a discrete jump that no tolerance covers. A wider bias spread (e.g. 2.0)
+    widens the gaps so two bf16 implementations can be compared at 2e-2."""
     cfg = BailingConfigRef.from_dict(config_dict)
     model = BailingMoeV3Ref(cfg, dtype)
     gen = torch.Generator().manual_seed(seed)
@@ -63,7 +75,7 @@ def write_random_checkpoint(config_dict: dict[str, Any], out_dir: str | Path, se
     names = checkpoint_names(model)
     with torch.no_grad():
         for name in sorted(names):  # sorted: the draw order does not depend on module construction order
-            sd[name].copy_(_init_tensor(name, sd[name].shape, gen).to(sd[name].dtype))
+            sd[name].copy_(_init_tensor(name, sd[name].shape, gen, expert_bias_std).to(sd[name].dtype))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     full = dict(config_dict)

@@ -1,0 +1,56 @@
+"""Shared fixtures: small configs, torch-written checkpoints, and jitted JAX entry points (compiled once)."""
+
+import functools
+import os
+
+# 4 simulated devices for the sharding tests; no excess precision, so the bf16 roundings the model spells out
+# (to mirror the reference) are not simplified away under jit.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4 --xla_allow_excess_precision=false")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ling_jax.config import TEST_PRESETS, get_preset, to_hf_dict
+from ling_jax.model import RuntimeOptions, commit, forward, lm_logits
+
+# Three small configs (every layer kind) and a seed each.
+PARITY_CASES = [(name, seed) for name, seed in zip(TEST_PRESETS, (0, 1, 2))]
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@functools.lru_cache(maxsize=None)
+def jitted_forward(cfg, mode: str, opts: RuntimeOptions = RuntimeOptions()):
+    def f(params, tokens, state, n_valid):
+        out = forward(params, tokens, state, cfg, mode=mode, n_valid=n_valid, opts=opts)
+        return lm_logits(params, out.hidden, opts), out
+
+    return jax.jit(f)
+
+
+@functools.lru_cache(maxsize=None)
+def jitted_commit():
+    return jax.jit(commit)
+
+
+@pytest.fixture(scope="session")
+def torch_checkpoints(tmp_path_factory):
+    """(preset, dtype) -> (checkpoint dir, reference model), written by the torch side."""
+    torch = pytest.importorskip("torch")
+    from tests.reference.checkpoint import write_random_checkpoint
+
+    out = {}
+    for name, seed in PARITY_CASES:
+        for dt_name, dt in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+            d = tmp_path_factory.mktemp(f"{name}-{dt_name}")
+            model = write_random_checkpoint(to_hf_dict(get_preset(name)), d, seed=seed, dtype=dt,
+                                            shards=2 if name == "test-qlora" else 1,
+                                            expert_bias_std=0.5 if dt_name == "float32" else 2.0)
+            out[(name, dt_name)] = (str(d), model)
+    return out
