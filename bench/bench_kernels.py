@@ -30,30 +30,41 @@ def rel(a, b):
   return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def timeit(fn, sets, consts=(), reps=15):
-  """Per-call device time (us) of fn(*set, *consts) over the input sets, overhead removed."""
-  n = len(sets)
-  many = jax.jit(lambda ss, cs: [fn(*s, *cs) for s in ss])
-  half = ss_half = sets[: n // 2]
-  def run(ss):
-    jax.block_until_ready(many(ss, consts))
-    t = []
-    for _ in range(reps):
-      t0 = time.perf_counter(); jax.block_until_ready(many(ss, consts))
-      t.append(time.perf_counter() - t0)
-    return float(np.median(t))
-  t_full, t_half = run(sets), run(ss_half)
-  return 1e6 * (t_full - t_half) / (n - len(half))
+def _median_time(f, *a, reps=10):
+  jax.block_until_ready(f(*a))
+  t = []
+  for _ in range(reps):
+    t0 = time.perf_counter(); jax.block_until_ready(f(*a)); t.append(time.perf_counter() - t0)
+  return float(np.median(t))
+
+
+def timeit(fn, sets, consts=(), chain=None):
+  """Per-call device latency (us) of fn(*set, *consts).
+
+  One jitted program runs the calls back to back; `chain(prev_out, set)` makes call j+1 depend
+  on call j (latency, not overlapped throughput). time(n sets) - time(n/2 sets) over n/2 removes
+  the fixed cost; the per-set host argument cost (same program with no kernels) is subtracted.
+  """
+  def prog(ss, cs):
+    outs, prev = [], None
+    for s in ss:
+      s = s if (chain is None or prev is None) else chain(prev, s)
+      prev = fn(*s, *cs)
+      outs.append(prev)
+    return outs
+  many = jax.jit(prog)
+  null = jax.jit(lambda ss, cs: [s[-1] for s in ss])
+  n, half = len(sets), sets[: len(sets) // 2]
+  per = lambda f: (_median_time(f, sets, consts) - _median_time(f, half, consts)) / (n - len(half))
+  return 1e6 * (per(many) - per(null))
 
 
 def copy_bw():
-  x = jax.random.normal(jax.random.key(0), (1024 if D == 2560 else 8, 1024 * 1024), BF)  # 2 GiB
-  f = jax.jit(lambda a: -a)
-  jax.block_until_ready(f(x))
-  t = []
-  for _ in range(10):
-    t0 = time.perf_counter(); jax.block_until_ready(f(x)); t.append(time.perf_counter() - t0)
-  return 2 * x.nbytes / float(np.median(t))
+  """Read+write bandwidth of a 2 GiB elementwise pass (loop of n vs n/2 passes)."""
+  x = jax.random.normal(jax.random.key(0), (1024 if D == 2560 else 8, 1024 * 1024), BF)
+  loop = jax.jit(lambda a, n: lax.fori_loop(0, n, lambda i, b: -b, a), static_argnums=1)
+  dt = (_median_time(loop, x, 20) - _median_time(loop, x, 10)) / 10
+  return 2 * x.nbytes / dt
 
 
 def moe_ragged(x, ids, w, wg_t, wu_t, wd_t):
@@ -91,13 +102,13 @@ def bench_moe(rows, bw, key, configs):
     cs = (wg, wu, wd, sh)
     base = lambda x, i, w, wg, wu, wd, sh: moe_mod.moe_reference(
         x, i, w, wg, wu, wd, limit=4.0, shared=sh, shared_limit=5.0)
-    t_base = timeit(base, sets, cs)
+    t_base = timeit(base, sets, cs, chain=lambda prev, s: (prev,) + s[1:])
     for name, cfg in configs:
      try:
       f = lambda x, i, w, wg, wu, wd, sh, cfg=cfg: moe_mod.moe(
           x, i, w, wg, wu, wd, limit=4.0, shared=sh, shared_limit=5.0, config=cfg)
       err = rel(f(x, ids, w, *cs), ref)
-      tk = timeit(f, sets, cs)
+      tk = timeit(f, sets, cs, chain=lambda prev, s: (prev,) + s[1:])
       rows.append(dict(name=f"moe T={t} {name}", time_us=tk, bytes=nbytes, floor_us=floor,
                        fraction_of_floor=floor / tk, baseline="moe_reference (XLA gather)",
                        baseline_time_us=t_base, rel_err=err, distinct_experts=distinct,
@@ -107,8 +118,8 @@ def bench_moe(rows, bw, key, configs):
       print(f"FAILED moe T={t} {name}: {type(ex).__name__}: {str(ex)[:1500]}", flush=True)
     if t == 6:
       wg_t, wu_t, wd_t = (jnp.swapaxes(a, 1, 2) for a in (wg, wu, wd))
-      tr = timeit(moe_ragged, sets[:4], (wg_t, wu_t, wd_t))
-      rows.append(dict(name=f"moe T={t} lax.ragged_dot (no shared, no clamp)", time_us=tr,
+      tr = timeit(moe_ragged, sets[:4], (wg_t, wu_t, wd_t), chain=lambda prev, s: (prev,) + s[1:])
+      rows.append(dict(name=f"moe T={t} XLA lax.ragged_dot (all experts; no shared/clamp)", time_us=tr,
                        bytes=nbytes, floor_us=floor, fraction_of_floor=floor / tr,
                        baseline="-", baseline_time_us=None))
       print(rows[-1], flush=True)
@@ -117,7 +128,7 @@ def bench_moe(rows, bw, key, configs):
 
 def bench_kda(rows, bw, key, configs):
   hd = H * DK
-  nsets = 36                                  # 36 x 2 MB states > L2
+  nsets = 32                                  # 32 x 2 MB states > L2
   for t in (1, 6, 17):
     sets = []
     for j in range(nsets):
@@ -130,24 +141,27 @@ def bench_kda(rows, bw, key, configs):
     io = 4 * t * hd * 2 + 3 * hd * W * 2 + (W - 1) * 3 * hd * 2 + t * (4 * hd + H) * 4
     vbytes, cbytes = state + io, 2 * state + t * (3 * hd + H) * 4
     o_ref, ci_ref = kda.kda_verify_reference(*sets[0])
-    tb = timeit(kda.kda_verify_reference, sets)
+    qchain = lambda prev, s: (prev[0].reshape(s[0].shape),) + s[1:]
+    schain = lambda prev, s: (prev,) + s[1:]
+    tb = timeit(kda.kda_verify_reference, sets, chain=qchain)
     na = jnp.array([max(1, t - 2)], jnp.int32)
     s_ref = kda.kda_commit_reference(sets[0][-1], ci_ref, na)
     cis = [kda.kda_verify_reference(*s)[1] for s in sets]
     csets = [(s[-1], ci, na) for s, ci in zip(sets, cis)]
-    tcb = timeit(kda.kda_commit_reference, csets)
+    tcb = timeit(kda.kda_commit_reference, csets, chain=schain)
     for name, cfg in configs:
      try:
       o, ci = kda.kda_verify(*sets[0], config=cfg)
       err = max(rel(o, o_ref), *(rel(a, b) for a, b in zip(ci, ci_ref)))
-      tk = timeit(lambda *s, cfg=cfg: kda.kda_verify(*s, config=cfg), sets)
+      tk = timeit(lambda *s, cfg=cfg: kda.kda_verify(*s, config=cfg), sets, chain=qchain)
       rows.append(dict(name=f"kda_verify T={t} {name}", time_us=tk, bytes=vbytes,
                        floor_us=1e6 * vbytes / bw, fraction_of_floor=1e6 * vbytes / bw / tk,
                        baseline="kda_verify_reference (XLA)", baseline_time_us=tb, rel_err=err))
       print(rows[-1], flush=True)
       cerr = rel(kda.kda_commit(sets[0][-1], ci_ref, na, config=cfg), s_ref)
-      tc = timeit(lambda s, c, n, cfg=cfg: kda.kda_commit(s, c, n, config=cfg), csets)
-      rows.append(dict(name=f"kda_commit T={t} n={int(na[0])} {name}", time_us=tc, bytes=cbytes,
+      tc = timeit(lambda s, c, n, cfg=cfg: kda.kda_commit(s, c, n, config=cfg), csets,
+                  chain=schain)
+      rows.append(dict(name=f"kda_commit T={t} n={int(na[0])} {name} (state chained)", time_us=tc, bytes=cbytes,
                        floor_us=1e6 * cbytes / bw, fraction_of_floor=1e6 * cbytes / bw / tc,
                        baseline="kda_commit_reference (XLA)", baseline_time_us=tcb, rel_err=cerr))
       print(rows[-1], flush=True)
@@ -163,12 +177,11 @@ def main():
   args = ap.parse_args()
   global D, E, I, H, DK
   moe_cfgs = [
-      ("i32k256d64", moe_mod.MoeConfig()),
       ("i64k128d128", moe_mod.MoeConfig(block_i=64, block_k=128, block_d=128, block_kd=128)),
-      ("i32k128d64s3", moe_mod.MoeConfig(block_k=128, block_kd=128, num_stages=3)),
-      ("i16k256d32", moe_mod.MoeConfig(block_i=16, block_d=32))]
-  kda_cfgs = [("bv16", kda.KdaConfig(block_v=16)), ("bv32", kda.KdaConfig(block_v=32)),
-              ("bv64w8", kda.KdaConfig(block_v=64, num_warps=8))]
+      ("i32k128d64s3", moe_mod.MoeConfig(block_k=128, block_kd=128, num_stages=3))]
+  kda_cfgs = [("bv16w1", kda.KdaConfig(block_v=16, num_warps=1)),
+              ("bv32w1", kda.KdaConfig(block_v=32, num_warps=1)),
+              ("bv32w4", kda.KdaConfig(block_v=32, num_warps=4))]
   if args.small:
     D, E, I, H, DK = 256, 32, 64, 2, 32
     moe_cfgs = [("small", moe_mod.MoeConfig(block_k=128, block_kd=64, interpret=True))]
@@ -177,10 +190,13 @@ def main():
   print(f"copy bandwidth {bw / 1e12:.3f} TB/s (read + write)", flush=True)
   rows = [dict(name="hbm copy 2 GiB (read+write)", time_us=None, bytes=None, bw_bytes_per_s=bw)]
   key = jax.random.key(0)
-  if "moe" in args.only:
-    bench_moe(rows, bw, key, moe_cfgs)
-  if "kda" in args.only:
-    bench_kda(rows, bw, key, kda_cfgs)
+  try:  # SIGINT (timeout -s INT) still writes what was measured
+    if "kda" in args.only:
+      bench_kda(rows, bw, key, kda_cfgs)
+    if "moe" in args.only:
+      bench_moe(rows, bw, key, moe_cfgs)
+  except KeyboardInterrupt:
+    print("interrupted: writing partial results", flush=True)
   date = datetime.date.today().isoformat()
   commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
   res = dict(command=" ".join(sys.argv), device=str(jax.devices()[0].device_kind),
