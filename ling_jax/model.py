@@ -76,6 +76,14 @@ def ffn(p, x, cfg: ModelConfig, i: int, opts: RuntimeOptions):
     return dense_mlp(p, x, cfg.shared_limit(i))
 
 
+def mla_block(p, x, cache, lengths, cfg: ModelConfig, i: int, *, absorbed: bool, opts: RuntimeOptions):
+    """A decoder block with gated-MLA attention (target MLA layers and the MTP layer). Returns (x, cache)."""
+    a, cache = mla_layer(p["attn"], rms_norm(x, p["input_norm"], cfg.rms_norm_eps), cache, lengths, cfg,
+                         absorbed=absorbed)
+    x = x + a
+    return x + ffn(p["mlp"], rms_norm(x, p["post_norm"], cfg.rms_norm_eps), cfg, i, opts), cache
+
+
 def forward(params, tokens, state: DecodeState, cfg: ModelConfig, *, mode: str, n_valid=None,
             opts: RuntimeOptions = RuntimeOptions()) -> ForwardOutput:
     """tokens [B, T] int32 at positions state.lengths[b] + t. n_valid [B] (prefill/decode): how many of the T
@@ -95,19 +103,18 @@ def forward(params, tokens, state: DecodeState, cfg: ModelConfig, *, mode: str, 
     x = embed(params, tokens)
     ki = mi = 0
     for i, p in enumerate(params["layers"]):
-        h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps)
         if cfg.is_mla(i):
-            a, layer_cache = mla_layer(p["attn"], h, cache[mi], state.lengths, cfg, absorbed=absorbed)
+            x, layer_cache = mla_block(p, x, cache[mi], state.lengths, cfg, i, absorbed=absorbed, opts=opts)
             cache = cache.at[mi].set(layer_cache)
             mi += 1
+            continue
+        a, new_conv, new_rec, pend = kda_layer(p["attn"], rms_norm(x, p["input_norm"], cfg.rms_norm_eps),
+                                               conv[ki], rec[ki], cfg, mode=mode, n_valid=n_valid, chunked=chunked)
+        if pend is None:
+            conv, rec = conv.at[ki].set(new_conv), rec.at[ki].set(new_rec)
         else:
-            a, new_conv, new_rec, pend = kda_layer(p["attn"], h, conv[ki], rec[ki], cfg, mode=mode,
-                                                   n_valid=n_valid, chunked=chunked)
-            if pend is None:
-                conv, rec = conv.at[ki].set(new_conv), rec.at[ki].set(new_rec)
-            else:
-                pending.append(pend)
-            ki += 1
+            pending.append(pend)
+        ki += 1
         x = x + a
         x = x + ffn(p["mlp"], rms_norm(x, p["post_norm"], cfg.rms_norm_eps), cfg, i, opts)
     hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)

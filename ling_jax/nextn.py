@@ -1,0 +1,33 @@
+"""The NEXTN / MTP draft head (checkpoint layer `num_hidden_layers`).
+
+Row t pairs the token at t+1 with the target's final-norm hidden state at t and predicts the token at t+2:
+    x = eh_proj(concat[enorm(Embed(tok_{t+1})), hnorm(h_t)])        (2D -> D, no bias)
+    x = MLA+MoE decoder block (own latent cache, indexed by the same positions as the target's)
+    h'_t = final_layernorm(x);  logits = lm_head(h'_t)               (embedding and lm_head are the target's)
+Chained drafting feeds h'_t back as the next row's hidden state.
+Shape legend: B batch, T rows, D hidden, S cache slots, F latent row width.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from ling_jax.config import ModelConfig
+from ling_jax.layers.norms import rms_norm
+from ling_jax.model import RuntimeOptions, embed, mla_block
+
+
+def mtp_forward(params, tokens, hidden, cache, start, cfg: ModelConfig, *, absorbed: bool,
+                opts: RuntimeOptions = RuntimeOptions()):
+    """tokens int32[B, T] (tok_{t+1}), hidden [B, T, D] (h_t), cache [B, S, F], start int32[B] (row of t=0).
+
+    Writes cache rows start..start+T-1. Returns (h' [B, T, D] after final_layernorm, cache).
+    """
+    if not cfg.mtp_layers:
+        raise ValueError(f"{cfg.name} has no MTP layer (num_nextn_predict_layers=0): NEXTN needs one")
+    p = params["mtp"][0]
+    e = rms_norm(embed(params, tokens), p["enorm"], cfg.rms_norm_eps)
+    h = rms_norm(hidden.astype(e.dtype), p["hnorm"], cfg.rms_norm_eps)
+    x = jnp.einsum("btc,dc->btd", jnp.concatenate([e, h], axis=-1), p["eh_proj"])
+    x, cache = mla_block(p, x, cache, start, cfg, cfg.mtp_layers[0], absorbed=absorbed, opts=opts)
+    return rms_norm(x, p["final_norm"], cfg.rms_norm_eps), cache
