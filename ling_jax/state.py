@@ -20,7 +20,7 @@ from ling_jax.config import ModelConfig
 class DecodeState:
     """Attributes:
     kda_recurrent: f32[Lk, B, H, K, V]  delta-rule state per KDA layer (73.4 MB per sequence at full size).
-    kda_conv: dtype[Lk, B, W-1, 3C]     the last W-1 raw q|k|v inputs of each KDA layer's short conv.
+    kda_conv: dtype[Lk, B, W-1, 3, C]  the last W-1 raw q, k, v inputs of each KDA layer's short conv.
     mla_cache: dtype[Lm, B, S, F]       per MLA layer: normalised latent | rotated rope key, by position.
     lengths: int32[B]                   committed tokens per sequence (= next position to write).
     """
@@ -45,7 +45,7 @@ def state_shapes(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16)
     S = jax.ShapeDtypeStruct
     return DecodeState(
         kda_recurrent=S((Lk, batch, H, K, K), jnp.float32),
-        kda_conv=S((Lk, batch, cfg.short_conv_kernel_size - 1, 3 * H * K), jnp.dtype(dtype)),
+        kda_conv=S((Lk, batch, cfg.short_conv_kernel_size - 1, 3, H * K), jnp.dtype(dtype)),
         mla_cache=S((Lm, batch, max_len, cfg.mla_cache_dim), jnp.dtype(dtype)),
         lengths=S((batch,), jnp.int32),
     )

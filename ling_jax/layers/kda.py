@@ -1,7 +1,8 @@
 """Kimi Delta Attention (KDA) with Ling-3.0's lower-bound gate, in pure jnp.
 
 Shape legend: B batch, T positions, H heads, K = key head dim, V = value head dim, C = H*K channels of one
-stream, W = short-conv kernel width, N chunks, L chunk length.
+stream, W = short-conv kernel width, N chunks, L chunk length. The q, k, v conv streams sit on their own axis
+([.., 3, C]) so that sharding C by heads keeps every stream's heads together.
 
 Per head, with fp32 state S [K, V] (LING3_MODEL.md, KDA step 6):
     S_t = (I - b_t k_t k_t^T) Diag(exp g_t) S_{t-1} + b_t k_t v_t^T        o_t = S_t^T (q_t / sqrt(K))
@@ -27,7 +28,7 @@ from ling_jax.layers.norms import l2_normalize
 class KdaPending(NamedTuple):
     """What a later commit needs from a verify pass (per layer; stacked over layers by the model).
 
-    qkv_raw: [B, T, 3C] the conv inputs (to slide the conv window by the accepted count)
+    qkv_raw: [B, T, 3, C] the conv inputs (to slide the conv window by the accepted count)
     k: [B, T, H, K] normalised keys (f32); v: [B, T, H, V] (f32); g: [B, T, H, K] log decays (f32);
     beta: [B, T, H] (f32). Replaying the accepted prefix from the pre-verify state moves 2 x |S| bytes.
     """
@@ -43,17 +44,17 @@ class KdaPending(NamedTuple):
 
 
 def short_conv(x: jax.Array, w: jax.Array, window: jax.Array) -> jax.Array:
-    """Depthwise causal conv + SiLU. x [B, T, C], w [C, W], window [B, W-1, C] (previous inputs) -> [B, T, C]."""
+    """Depthwise causal conv + SiLU. x [B, T, *ch], w [*ch, W], window [B, W-1, *ch] (previous inputs)."""
     W = w.shape[-1]
     T = x.shape[1]
-    xcat = jnp.concatenate([window.astype(x.dtype), x], axis=1).astype(jnp.float32)  # [B, T+W-1, C]
+    xcat = jnp.concatenate([window.astype(x.dtype), x], axis=1).astype(jnp.float32)  # [B, T+W-1, *ch]
     wf = w.astype(jnp.float32)
-    y = sum(xcat[:, j : j + T, :] * wf[:, j] for j in range(W))  # y_t = sum_j w_j x_{t-W+1+j}
+    y = sum(xcat[:, j : j + T] * wf[..., j] for j in range(W))  # y_t = sum_j w_j x_{t-W+1+j}
     return jax.nn.silu(y).astype(x.dtype)
 
 
 def slide_window(window: jax.Array, x: jax.Array, n_valid: jax.Array) -> jax.Array:
-    """The last W-1 inputs after consuming x[:, :n_valid]: window [B, W-1, C], x [B, T, C], n_valid [B]."""
+    """The last W-1 inputs after consuming x[:, :n_valid]: window [B, W-1, *ch], x [B, T, *ch], n_valid [B]."""
     Wm1 = window.shape[1]
     xcat = jnp.concatenate([window.astype(x.dtype), x], axis=1)  # [B, T+W-1, C]
     take = lambda row, n: lax.dynamic_slice_in_dim(row, n, Wm1, axis=0)
@@ -149,23 +150,22 @@ def kda_chunked(q, k, v, g, beta, state, chunk: int = 64):
 def kda_project(p, x, conv_window, cfg):
     """Projections + short conv + normalisations shared by every mode.
 
-    x [B, T, D] -> (q [B,T,H,K] scaled f32, k [B,T,H,K] f32, v [B,T,H,V] f32, g, beta, qkv_raw [B,T,3C]).
+    x [B, T, D] -> (q [B,T,H,K] scaled f32, k [B,T,H,K] f32, v [B,T,H,V] f32, g, beta, qkv_raw [B,T,3,C],
+    out_gate [B,T,C]).
     """
     B, T, _ = x.shape
     H, Kd = cfg.num_attention_heads, cfg.head_dim
-    C = H * Kd
-    proj = jnp.einsum("btd,scd->bstc", x, p["w_qkvfg"])  # [B, 5, T, C]: q, k, v, f, g streams
-    qkv_raw = jnp.concatenate([proj[:, 0], proj[:, 1], proj[:, 2]], axis=-1)  # [B, T, 3C]
-    conv_w = p["conv_w"].reshape(3 * C, -1)  # [3C, W]
-    qkv = short_conv(qkv_raw, conv_w, conv_window)
+    proj = jnp.einsum("btd,scd->btsc", x, p["w_qkvfg"])  # [B, T, 5, C]: q, k, v, f, g streams
+    qkv_raw = proj[:, :, :3]  # [B, T, 3, C]
+    qkv = short_conv(qkv_raw, p["conv_w"][:, :, 0, :], conv_window)  # conv_w [3, C, 1, W]
     # l2norm in fp32, rounded to the activation dtype before the fp32 recurrence (as fla does).
     to_act = lambda a: a.astype(x.dtype).astype(jnp.float32)
-    q = to_act(l2_normalize(qkv[..., :C].reshape(B, T, H, Kd))) * (Kd**-0.5)
-    k = to_act(l2_normalize(qkv[..., C : 2 * C].reshape(B, T, H, Kd)))
-    v = qkv[..., 2 * C :].reshape(B, T, H, Kd).astype(jnp.float32)
-    g = kda_gate(proj[:, 3].reshape(B, T, H, Kd), p["A_log"], p["dt_bias"], cfg.kda_lower_bound)
+    q = to_act(l2_normalize(qkv[:, :, 0].reshape(B, T, H, Kd))) * (Kd**-0.5)
+    k = to_act(l2_normalize(qkv[:, :, 1].reshape(B, T, H, Kd)))
+    v = qkv[:, :, 2].reshape(B, T, H, Kd).astype(jnp.float32)
+    g = kda_gate(proj[:, :, 3].reshape(B, T, H, Kd), p["A_log"], p["dt_bias"], cfg.kda_lower_bound)
     beta = jax.nn.sigmoid(jnp.einsum("btd,hd->bth", x, p["b_proj"]).astype(jnp.float32))
-    out_gate = proj[:, 4]
+    out_gate = proj[:, :, 4]
     return q, k, v, g, beta, qkv_raw, out_gate
 
 
