@@ -1,0 +1,210 @@
+"""The one place that holds PartitionSpecs: logical axes -> mesh axis "tp", for params, states and kernels.
+
+Tensor parallelism over one mesh axis (Megatron layout, two all-reduces per layer at most):
+  * attention: KDA and MLA heads ("heads": q/k/v/f/g projections, conv channels, gates, recurrent state,
+    the MLA q_proj/kv_b_proj/g_proj) are split; o_proj / dense contract over heads -> one all-reduce;
+  * FFN: the intermediate dim of routed experts ("expert_mlp"), the shared expert and the dense MLP ("mlp")
+    is split; the down projections contract over it -> one all-reduce (routed + shared summed first);
+    expert parallelism ("expert" -> tp) is an option (then "expert_mlp" stays whole);
+  * vocab-parallel embedding and lm_head ("vocab"); router, norms, kv_a_proj and the MLA latent cache
+    are replicated ("embed" and None never split).
+`shardings_for(cfg, mesh, rules)` returns the callable that `init_params` / `load_hf_checkpoint` /
+`abstract_params` take; `state_shardings` maps any state pytree (DecodeState, SpecState, PlainState, step
+outputs) by leaf path; `shard_kernel` runs a per-device kernel under `jax.shard_map` with specs from the rules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from ling_jax.config import ModelConfig
+from ling_jax.weights import ArrayInfo, array_spec
+
+TP = "tp"
+
+
+@dataclass(frozen=True)
+class ShardingRules:
+    """Logical axis -> mesh axis (or None = replicated). Unknown logical axes are an error."""
+
+    vocab: str | None = TP
+    embed: str | None = None
+    heads: str | None = TP
+    mlp: str | None = TP
+    expert: str | None = None
+    expert_mlp: str | None = TP
+
+    @staticmethod
+    def tensor_parallel(expert_parallel: bool = False) -> "ShardingRules":
+        if expert_parallel:
+            return ShardingRules(expert=TP, expert_mlp=None)
+        return ShardingRules()
+
+    @staticmethod
+    def replicated() -> "ShardingRules":
+        return ShardingRules(vocab=None, heads=None, mlp=None, expert=None, expert_mlp=None)
+
+    def mesh_axis(self, logical: str | None) -> str | None:
+        if logical is None:
+            return None
+        if logical not in {f.name for f in dataclasses.fields(self)}:
+            raise KeyError(f"no sharding rule for logical axis {logical!r}")
+        return getattr(self, logical)
+
+    def spec(self, axes: tuple[str | None, ...], name: str = "?") -> P:
+        """PartitionSpec for an array with these logical axes; two axes on one mesh axis is an error."""
+        out = tuple(self.mesh_axis(a) for a in axes)
+        used = [m for m in out if m is not None]
+        if len(used) != len(set(used)):
+            raise ValueError(f"sharding rules map two axes of {name} {axes} onto one mesh axis: {out}")
+        return P(*out)
+
+
+def _check_divisible(name, shape, spec: P, mesh: Mesh):
+    for dim, (n, ax) in enumerate(zip(shape, tuple(spec) + (None,) * len(shape))):
+        if ax is not None and n % mesh.shape[ax]:
+            raise ValueError(f"{name}: dim {dim} of size {n} is not divisible by mesh axis {ax!r} "
+                             f"of size {mesh.shape[ax]} (shape {shape}, spec {spec})")
+
+
+def param_specs(cfg: ModelConfig, rules: ShardingRules) -> dict[tuple, P]:
+    """path -> PartitionSpec for every parameter (validates the rules against the whole spec)."""
+    return {a.path: rules.spec(a.axes, "/".join(map(str, a.path))) for a in array_spec(cfg)}
+
+
+def shardings_for(cfg: ModelConfig, mesh: Mesh, rules: ShardingRules = ShardingRules()) -> Callable:
+    """The callable `ArrayInfo -> NamedSharding` that init_params / load_hf_checkpoint / abstract_params take."""
+    specs = param_specs(cfg, rules)
+    for a in array_spec(cfg):
+        _check_divisible("/".join(map(str, a.path)), a.shape, specs[a.path], mesh)
+
+    def sharding(info: ArrayInfo) -> NamedSharding:
+        return NamedSharding(mesh, specs[info.path])
+
+    return sharding
+
+
+# ---- states ---------------------------------------------------------------------------------------------------
+
+# DecodeState fields by name -> logical axes (leading dims first). The MLA latent cache and the MTP cache are
+# shared by all heads (kv_a_proj is replicated), so they are replicated; lengths and the relay are tiny.
+STATE_AXES: dict[str, tuple[str | None, ...]] = {
+    "kda_recurrent": (None, None, "heads", None, None),  # [Lk, B, H, K, V]
+    "kda_conv": (None, None, None, None, "heads"),  # [Lk, B, W-1, 3, C]
+}
+
+
+def _leaf_name(path) -> str | None:
+    for k in reversed(path):
+        name = getattr(k, "name", None) or getattr(k, "key", None)
+        if isinstance(name, str):
+            return name
+    return None
+
+
+def state_specs(tree, rules: ShardingRules = ShardingRules()):
+    """PartitionSpec pytree for any pytree holding DecodeState fields (by field name); all else replicated."""
+
+    def spec(path, leaf):
+        name = _leaf_name(path)
+        if name in STATE_AXES and getattr(leaf, "ndim", 0) == len(STATE_AXES[name]):
+            return rules.spec(STATE_AXES[name], name)
+        return P()
+
+    return jax.tree_util.tree_map_with_path(spec, tree)
+
+
+def state_shardings(tree, mesh: Mesh, rules: ShardingRules = ShardingRules()):
+    """NamedSharding pytree matching `tree` (arrays or ShapeDtypeStructs)."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), state_specs(tree, rules),
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+def with_shardings(abstract_tree, shardings_tree):
+    """ShapeDtypeStructs carrying the given shardings (stage-1 inputs: no device memory)."""
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_tree,
+                        shardings_tree)
+
+
+def bytes_per_device(abstract_tree, shardings_tree) -> int:
+    """Bytes one device holds for this pytree under these shardings (shard shape x itemsize)."""
+    total = 0
+    for a, s in zip(jax.tree.leaves(abstract_tree), jax.tree.leaves(shardings_tree)):
+        dt = a.dtype
+        size = dt.itemsize if hasattr(dt, "itemsize") else 8  # PRNG key arrays: 2 x uint32
+        total += int(np.prod(s.shard_shape(a.shape))) * size
+    return total
+
+
+# ---- kernels under shard_map ------------------------------------------------------------------------------------
+
+
+def shard_kernel(fn: Callable, mesh: Mesh, in_axes, out_axes, rules: ShardingRules = ShardingRules(),
+                 reduce_out: bool = False) -> Callable:
+    """Run a per-device kernel under `jax.shard_map` with specs derived from logical axes.
+
+    in_axes / out_axes: pytrees (prefixes of the arguments / outputs) of logical-axes tuples, or None for a
+    replicated argument. reduce_out: the kernel returns partial sums over the sharded contraction (e.g. the
+    MoE down projection over expert_mlp); they are summed with one psum over "tp".
+    """
+    is_axes = lambda x: x is None or (isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x))
+    to_spec = lambda ax: P() if ax is None else rules.spec(ax)
+    in_specs = jax.tree.map(to_spec, in_axes, is_leaf=is_axes)
+    out_specs = jax.tree.map(to_spec, out_axes, is_leaf=is_axes)
+
+    def body(*args):
+        out = fn(*args)
+        return jax.lax.psum(out, TP) if reduce_out else out
+
+    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
+def sharded_moe(mesh: Mesh, rules: ShardingRules = ShardingRules(), *, limit: float = 0.0, shared_limit: float = 0.0,
+                backend=None) -> Callable:
+    """pallas_kernels.dispatch.moe over expert_mlp-sharded weights: each device runs the kernel on its slice of
+    the expert width (SwiGLU is elementwise in it, so the slices are exact), returns fp32 partials, one psum.
+
+    f(x [T, D], ids [T, A], w [T, A], w_gate [E, I, D], w_up, w_down [E, D, I], shared (g, u, d)) -> [T, D] f32.
+    """
+    from pallas_kernels import dispatch  # kernels sit below compile/
+
+    if rules.expert_mlp is None or rules.mlp is None:
+        raise ValueError("sharded_moe splits the expert width: rules.expert_mlp and rules.mlp must map to 'tp'")
+
+    def kernel(x, ids, w, wg, wu, wd, sg, su, sd):
+        out = dispatch.moe(x.astype(wg.dtype), ids, w, wg, wu, wd, limit=limit, shared=(sg, su, sd),
+                           shared_limit=shared_limit, backend=backend)
+        return out.astype(jax.numpy.float32)
+
+    ex_in, ex_out = ("expert", "expert_mlp", "embed"), ("expert", "embed", "expert_mlp")
+    in_axes = (None, None, None, ex_in, ex_in, ex_out, ("mlp", "embed"), ("mlp", "embed"), ("embed", "mlp"))
+    return shard_kernel(kernel, mesh, in_axes, None, rules, reduce_out=True)
+
+
+def sharded_kda_verify(mesh: Mesh, rules: ShardingRules = ShardingRules(), *, lower_bound: float = -5.0,
+                       backend=None) -> Callable:
+    """pallas_kernels.dispatch.kda_verify with every head-indexed operand split over "tp" (heads are
+    independent: no collective). Same arguments as dispatch.kda_verify; conv_state [B, W-1, 3*C] must be
+    laid out stream-major per device, so this takes conv_state as [B, W-1, 3, C] and reshapes inside."""
+    from pallas_kernels import dispatch
+
+    def kernel(q, k, v, f, b, A_log, dt_bias, qw, kw, vw, conv_state, rec):
+        cs = conv_state.reshape(conv_state.shape[:2] + (-1,))
+        return dispatch.kda_verify(q, k, v, f, b, A_log, dt_bias, qw, kw, vw, cs, rec, lower_bound=lower_bound,
+                                   backend=backend)
+
+    ch = (None, None, "heads")
+    w = ("heads", None, None)
+    in_axes = (ch, ch, ch, ch, ch, ("heads",), ("heads",), w, w, w, (None, None, None, "heads"),
+               (None, "heads", None, None))
+    from pallas_kernels.kda_verify import KdaCommitInputs
+
+    bthk = (None, None, "heads", None)
+    out_axes = (bthk, KdaCommitInputs(bthk, bthk, bthk, (None, None, "heads")))
+    return shard_kernel(kernel, mesh, in_axes, out_axes, rules)
