@@ -184,24 +184,35 @@ def _verify_kernel(q_ref, k_ref, v_ref, f_ref, b_ref, alog_ref, dtb_ref, qw_ref,
   vs = _conv_rows(v_ref, cs_ref, vw_ref, b, v0, bv, 2 * hd, t_len, width)
   a = jnp.exp(alog_ref[h].astype(jnp.float32))
   dtb = dtb_ref[pl.ds(c0, dk)].astype(jnp.float32)
+  # Every load is issued before the recurrence and every store after it: a load placed after a
+  # store may alias it (the compiler cannot tell), which would put one global round trip on
+  # each of the T serial steps.
+  fs = [f_ref[b, t, pl.ds(c0, dk)].astype(jnp.float32) for t in range(t_len)]
+  bs = [b_ref[b, t, h].astype(jnp.float32) for t in range(t_len)]
   s = s_ref[b, h, :, pl.ds(vb * bv, bv)]                               # [Dk, BV] f32
   scale = dk ** -0.5
-  for t in range(t_len):
-    q = qs[t] * lax.rsqrt(jnp.sum(qs[t] * qs[t]) + 1e-6) * scale
-    k = ks[t] * lax.rsqrt(jnp.sum(ks[t] * ks[t]) + 1e-6)
-    g = lower_bound * _sigmoid(a * (f_ref[b, t, pl.ds(c0, dk)].astype(jnp.float32) + dtb))
-    beta = _sigmoid(b_ref[b, t, h].astype(jnp.float32))
-    s = s * jnp.exp(g)[:, None]                                        # diag(e^g) S
+  qn, kn, gs, betas, outs = [], [], [], [], []
+  for t in range(t_len):                                               # position-parallel part
+    qn.append(qs[t] * lax.rsqrt(jnp.sum(qs[t] * qs[t]) + 1e-6) * scale)
+    kn.append(ks[t] * lax.rsqrt(jnp.sum(ks[t] * ks[t]) + 1e-6))
+    gs.append(lower_bound * _sigmoid(a * (fs[t] + dtb)))
+    betas.append(_sigmoid(bs[t]))
+  for t in range(t_len):                                               # the serial recurrence
+    k = kn[t]
+    s = s * jnp.exp(gs[t])[:, None]                                    # diag(e^g) S
     kv = jnp.sum(s * k[:, None], axis=0)                               # S^T k  [BV]
-    s = s + k[:, None] * (beta * (vs[t] - kv))[None, :]
-    o_ref[b, t, h, pl.ds(vb * bv, bv)] = jnp.sum(s * q[:, None], axis=0)   # S^T q
+    s = s + k[:, None] * (betas[t] * (vs[t] - kv))[None, :]
+    outs.append(jnp.sum(s * qn[t][:, None], axis=0))                   # o_t = S^T q
+  for t in range(t_len):
+    o_ref[b, t, h, pl.ds(vb * bv, bv)] = outs[t]
     vo_ref[b, t, h, pl.ds(vb * bv, bv)] = vs[t]
 
-    @pl.when(vb == 0)
-    def _():
-      ko_ref[b, t, h, :] = k
-      go_ref[b, t, h, :] = g
-      bo_ref[b, t, h] = beta
+  @pl.when(vb == 0)
+  def _():
+    for t in range(t_len):
+      ko_ref[b, t, h, :] = kn[t]
+      go_ref[b, t, h, :] = gs[t]
+      bo_ref[b, t, h] = betas[t]
 
 
 def _commit_kernel(s_ref, n_ref, k_ref, v_ref, g_ref, beta_ref, out_ref, *, t_len, bv):
@@ -209,12 +220,14 @@ def _commit_kernel(s_ref, n_ref, k_ref, v_ref, g_ref, beta_ref, out_ref, *, t_le
   cols = pl.ds(vb * bv, bv)
   s = s_ref[b, h, :, cols]                                             # [Dk, BV]
   n = n_ref[b]
+  ks = [k_ref[b, t, h, :] for t in range(t_len)]                       # all loads first
+  es = [jnp.exp(g_ref[b, t, h, :]) for t in range(t_len)]
+  vs = [v_ref[b, t, h, cols] for t in range(t_len)]
+  betas = [beta_ref[b, t, h] for t in range(t_len)]
   for t in range(t_len):
-    k = k_ref[b, t, h, :]
-    g = g_ref[b, t, h, :]
-    s_new = s * jnp.exp(g)[:, None]
-    kv = jnp.sum(s_new * k[:, None], axis=0)
-    s_new = s_new + k[:, None] * (beta_ref[b, t, h] * (v_ref[b, t, h, cols] - kv))[None, :]
+    s_new = s * es[t][:, None]
+    kv = jnp.sum(s_new * ks[t][:, None], axis=0)
+    s_new = s_new + ks[t][:, None] * (betas[t] * (vs[t] - kv))[None, :]
     s = jnp.where(t < n, s_new, s)
   out_ref[b, h, :, cols] = s
 
