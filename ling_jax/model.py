@@ -54,6 +54,7 @@ class ForwardOutput(NamedTuple):
     hidden: jax.Array  # [B, T, D] after the final norm (what lm_head and the MTP head consume)
     state: DecodeState
     pending: KdaPending | None  # verify only: stacked over KDA layers
+    expert_load: jax.Array | None = None  # int32[MoE layers, E] tokens routed to each expert (only when asked)
 
 
 def embed(params, tokens):
@@ -68,26 +69,32 @@ def lm_logits(params, hidden, opts: RuntimeOptions = RuntimeOptions()):
     return jnp.einsum("...d,vd->...v", hidden, w, preferred_element_type=jnp.float32)
 
 
-def ffn(p, x, cfg: ModelConfig, i: int, opts: RuntimeOptions):
-    """The feed-forward half of layer i (dense or MoE); i indexes the clamp schedule (MTP layers included)."""
+def ffn(p, x, cfg: ModelConfig, i: int, opts: RuntimeOptions, return_load: bool = False):
+    """The feed-forward half of layer i (dense or MoE); i indexes the clamp schedule (MTP layers included).
+    return_load: return (y, expert load int32[E] or None for a dense layer)."""
     if cfg.is_moe(i):
         return moe_layer(p, x, cfg, routed_limit=cfg.routed_limit(i), shared_limit=cfg.shared_limit(i),
-                         router_fp32=opts.router_fp32)
-    return dense_mlp(p, x, cfg.shared_limit(i))
+                         router_fp32=opts.router_fp32, return_load=return_load)
+    y = dense_mlp(p, x, cfg.shared_limit(i))
+    return (y, None) if return_load else y
 
 
-def mla_block(p, x, cache, lengths, cfg: ModelConfig, i: int, *, absorbed: bool, opts: RuntimeOptions):
-    """A decoder block with gated-MLA attention (target MLA layers and the MTP layer). Returns (x, cache)."""
+def mla_block(p, x, cache, lengths, cfg: ModelConfig, i: int, *, absorbed: bool, opts: RuntimeOptions,
+              return_load: bool = False):
+    """A decoder block with gated-MLA attention (target MLA layers and the MTP layer). Returns (x, cache),
+    or (x, cache, expert load) with return_load."""
     a, cache = mla_layer(p["attn"], rms_norm(x, p["input_norm"], cfg.rms_norm_eps), cache, lengths, cfg,
                          absorbed=absorbed)
     x = x + a
-    return x + ffn(p["mlp"], rms_norm(x, p["post_norm"], cfg.rms_norm_eps), cfg, i, opts), cache
+    f = ffn(p["mlp"], rms_norm(x, p["post_norm"], cfg.rms_norm_eps), cfg, i, opts, return_load)
+    return (x + f[0], cache, f[1]) if return_load else (x + f, cache)
 
 
 def forward(params, tokens, state: DecodeState, cfg: ModelConfig, *, mode: str, n_valid=None,
-            opts: RuntimeOptions = RuntimeOptions()) -> ForwardOutput:
+            opts: RuntimeOptions = RuntimeOptions(), expert_load: bool = False) -> ForwardOutput:
     """tokens [B, T] int32 at positions state.lengths[b] + t. n_valid [B] (prefill/decode): how many of the T
-    tokens are real (the rest are padding that leaves the state as it was); defaults to T."""
+    tokens are real (the rest are padding that leaves the state as it was); defaults to T.
+    expert_load: also count the tokens routed to each expert of each MoE layer (padding included)."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} not in {MODES}")
     B, T = tokens.shape
@@ -99,12 +106,14 @@ def forward(params, tokens, state: DecodeState, cfg: ModelConfig, *, mode: str, 
     absorbed = mode != "prefill" and opts.mla_absorbed
 
     rec, conv, cache = state.kda_recurrent, state.kda_conv, state.mla_cache
-    pending = []
+    pending, loads = [], []
     x = embed(params, tokens)
     ki = mi = 0
     for i, p in enumerate(params["layers"]):
         if cfg.is_mla(i):
-            x, layer_cache = mla_block(p, x, cache[mi], state.lengths, cfg, i, absorbed=absorbed, opts=opts)
+            x, layer_cache, *load = mla_block(p, x, cache[mi], state.lengths, cfg, i, absorbed=absorbed, opts=opts,
+                                              return_load=expert_load)
+            loads += [l for l in load if l is not None]
             cache = cache.at[mi].set(layer_cache)
             mi += 1
             continue
@@ -116,13 +125,18 @@ def forward(params, tokens, state: DecodeState, cfg: ModelConfig, *, mode: str, 
             pending.append(pend)
         ki += 1
         x = x + a
-        x = x + ffn(p["mlp"], rms_norm(x, p["post_norm"], cfg.rms_norm_eps), cfg, i, opts)
+        f = ffn(p["mlp"], rms_norm(x, p["post_norm"], cfg.rms_norm_eps), cfg, i, opts, expert_load)
+        if expert_load:
+            f, load = f
+            loads += [load] if load is not None else []
+        x = x + f
     hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
 
     lengths = state.lengths if mode == "verify" else state.lengths + n_valid.astype(jnp.int32)
     new_state = DecodeState(kda_recurrent=rec, kda_conv=conv, mla_cache=cache, lengths=lengths)
     stacked = jax.tree.map(lambda *a: jnp.stack(a), *pending) if pending else None
-    return ForwardOutput(hidden, new_state, stacked)
+    load = (jnp.stack(loads) if loads else None) if expert_load else None
+    return ForwardOutput(hidden, new_state, stacked, load)
 
 
 def commit(state: DecodeState, pending: KdaPending, n_accept) -> DecodeState:

@@ -18,10 +18,11 @@ from ling_jax.model import RuntimeOptions, embed, mla_block
 
 
 def mtp_forward(params, tokens, hidden, cache, start, cfg: ModelConfig, *, absorbed: bool,
-                opts: RuntimeOptions = RuntimeOptions()):
+                opts: RuntimeOptions = RuntimeOptions(), expert_load: bool = False):
     """tokens int32[B, T] (tok_{t+1}), hidden [B, T, D] (h_t), cache [B, S, F], start int32[B] (row of t=0).
 
-    Writes cache rows start..start+T-1. Returns (h' [B, T, D] after final_layernorm, cache).
+    Writes cache rows start..start+T-1. Returns (h' [B, T, D] after final_layernorm, cache), plus the MTP
+    layer's expert load int32[E] (or None if dense) when expert_load is set (training's router balancing).
     """
     if not cfg.mtp_layers:
         raise ValueError(f"{cfg.name} has no MTP layer (num_nextn_predict_layers=0): NEXTN needs one")
@@ -29,5 +30,7 @@ def mtp_forward(params, tokens, hidden, cache, start, cfg: ModelConfig, *, absor
     e = rms_norm(embed(params, tokens), p["enorm"], cfg.rms_norm_eps)
     h = rms_norm(hidden.astype(e.dtype), p["hnorm"], cfg.rms_norm_eps)
     x = jnp.einsum("btc,dc->btd", jnp.concatenate([e, h], axis=-1), p["eh_proj"])
-    x, cache = mla_block(p, x, cache, start, cfg, cfg.mtp_layers[0], absorbed=absorbed, opts=opts)
-    return rms_norm(x, p["final_norm"], cfg.rms_norm_eps), cache
+    x, cache, *load = mla_block(p, x, cache, start, cfg, cfg.mtp_layers[0], absorbed=absorbed, opts=opts,
+                                return_load=expert_load)
+    h = rms_norm(x, p["final_norm"], cfg.rms_norm_eps)
+    return (h, cache, load[0]) if expert_load else (h, cache)

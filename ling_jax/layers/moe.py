@@ -93,11 +93,18 @@ def routed_experts(x, ids, weights, w_gate, w_up, w_down, limit: float):
     return jnp.einsum("ted,te->td", y.astype(jnp.float32), combine)
 
 
-def moe_layer(p, x, cfg, *, routed_limit: float, shared_limit: float, router_fp32: bool):
-    """x [..., D] -> [..., D]. p: gate_w [E, D], expert_bias [E], w_gate, w_up, w_down, shared {gate,up,down}_proj."""
+def expert_load(ids, num_experts: int):
+    """ids [T, A] -> int32[E]: how many (token, slot) pairs each expert received (for noaux_tc bias updates)."""
+    return jnp.zeros((num_experts,), jnp.int32).at[ids.reshape(-1)].add(1)
+
+
+def moe_layer(p, x, cfg, *, routed_limit: float, shared_limit: float, router_fp32: bool, return_load: bool = False):
+    """x [..., D] -> [..., D]. p: gate_w [E, D], expert_bias [E], w_gate, w_up, w_down, shared {gate,up,down}_proj.
+    return_load: also return the expert load int32[E] of this call (training's router balancing)."""
     shape = x.shape
     xt = x.reshape(-1, shape[-1])
     ids, w = route(router_logits(xt, p["gate_w"], fp32_weight=router_fp32), p["expert_bias"], cfg)
     y = routed_experts(xt, ids, w, p["w_gate"], p["w_up"], p["w_down"], routed_limit)
     y = y + dense_mlp(p["shared"], xt, shared_limit).astype(jnp.float32)  # one fp32 sum, one rounding
-    return y.astype(x.dtype).reshape(shape)
+    y = y.astype(x.dtype).reshape(shape)
+    return (y, expert_load(ids, cfg.num_experts)) if return_load else y
