@@ -1,0 +1,280 @@
+"""The serving engine: one worker runs requests FIFO through ling_jax.runner.Generator (batch 1).
+
+The worker is an asyncio task; each request's blocking `Generator.stream` (itself run-ahead: step k+1 is
+dispatched before step k is read) runs in a thread, and every consumed step is handed back to the request's
+asyncio queue with `call_soon_threadsafe` — no polling anywhere. Concurrent requests wait in the FIFO queue.
+
+Text: token ids go through an `IncrementalDetokenizer`; stop strings are searched in the decoded text and cut
+exactly (the text ends right before the stop string, later tokens are dropped). While a stop string could still
+be completing, its possible prefix is held back so a stream never emits text that a non-stream reply would
+not contain. EOS and stop token ids are the Generator's business.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from ling_jax.runner import GenerationStats, Generator
+from ling_jax.tokenizer import IncrementalDetokenizer, Tokenizer
+from serve.protocol import GenRequest, ModelLimits
+
+log = logging.getLogger("serve.engine")
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512, 1.0, 2.0, 4.0,
+                    8.0, 16.0, 32.0, 64.0)
+
+
+class Metrics:
+    """Prometheus metrics in a registry owned by one app (names follow SGLang's, with a `ling:` prefix).
+
+    Each metric is already bound to this model's label; `requests` keeps a finish_reason label open.
+    """
+
+    def __init__(self, model_name: str):
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        lab = {"model_name": model_name}
+
+        def make(kind, name, doc, **kw):
+            return kind(name, doc, list(lab), registry=r, **kw).labels(**lab)
+
+        hist = dict(buckets=_LATENCY_BUCKETS)
+        self.requests = Counter("ling:num_requests", "Finished requests", ["model_name", "finish_reason"],
+                                registry=r)
+        self.model_name = model_name
+        self.aborted = make(Counter, "ling:num_aborted_requests", "Requests cancelled (client gone) or failed")
+        self.prompt_tokens = make(Counter, "ling:prompt_tokens", "Prompt tokens processed")
+        self.generation_tokens = make(Counter, "ling:generation_tokens", "Tokens generated")
+        self.ttft = make(Histogram, "ling:time_to_first_token_seconds", "Time to first token (queue included)",
+                         **hist)
+        self.itl = make(Histogram, "ling:inter_token_latency_seconds",
+                        "Time between output tokens (a step's interval shared over its tokens)", **hist)
+        self.tpot = make(Histogram, "ling:time_per_output_token_seconds",
+                         "(e2e - ttft) / (output tokens - 1) per request", **hist)
+        self.e2e = make(Histogram, "ling:e2e_request_latency_seconds", "End-to-end request latency", **hist)
+        self.accept_length = make(Histogram, "ling:spec_accept_length",
+                                  "Tokens emitted per verify step (bonus included)", buckets=tuple(range(1, 18)))
+        self.avg_accept_length = make(Gauge, "ling:avg_spec_accept_length", "Mean accept length since start")
+        self.queue = make(Gauge, "ling:num_queue_reqs", "Requests waiting")
+        self.running = make(Gauge, "ling:num_running_reqs", "Requests running")
+
+    def finished(self, kind: str):
+        self.requests.labels(model_name=self.model_name, finish_reason=kind).inc()
+
+
+@dataclass
+class Output:
+    """One step's worth of a request's output, as handed to the HTTP layer."""
+
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: dict | None = None  # SGLang's {"type": "stop" | "length" | "abort", ...}
+
+
+class TextAssembler:
+    """Token ids -> text deltas with exact stop-string truncation. Without a tokenizer the text stays empty."""
+
+    def __init__(self, tokenizer: Tokenizer | None, stops: tuple[str, ...] = ()):
+        self.detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        self.stops = stops
+        self.text = ""  # decoded so far (complete characters only)
+        self.sent = 0  # characters returned so far
+        self.matched: str | None = None
+
+    def add(self, ids: list[int]) -> tuple[int, str]:
+        """Feed ids; returns (ids consumed, new text). Fewer ids are consumed when a stop string completes."""
+        if self.detok is None:
+            return len(ids), ""
+        if not self.stops:
+            self.text += self.detok.add(ids)
+            return len(ids), self._take(len(self.text))
+        longest = max(map(len, self.stops))
+        for i, t in enumerate(ids):
+            start = max(0, len(self.text) - longest + 1)
+            self.text += self.detok.add([t])
+            hits = [(p, s) for s in self.stops if (p := self.text.find(s, start)) >= 0]
+            if hits:
+                p, self.matched = min(hits)
+                self.text = self.text[:p]
+                return i + 1, self._take(p)
+        return len(ids), self._take(len(self.text) - self._held_back())
+
+    def finish(self) -> str:
+        """The rest of the text (held-back stop prefixes, an incomplete UTF-8 tail) once generation ended."""
+        if self.detok is not None and self.matched is None:
+            self.text = self.detok.text
+        return self._take(len(self.text))
+
+    def _held_back(self) -> int:
+        """Length of the longest text suffix that is a proper prefix of a stop string."""
+        for n in range(min(len(self.text), max(map(len, self.stops)) - 1), 0, -1):
+            if any(s.startswith(self.text[-n:]) for s in self.stops):
+                return n
+        return 0
+
+    def _take(self, upto: int) -> str:
+        upto = max(upto, self.sent)
+        out, self.sent = self.text[self.sent : upto], upto
+        return out
+
+
+@dataclass
+class Request:
+    """Engine-side request: the validated input, its output queue, cancellation flag and result."""
+
+    gen: GenRequest
+    queue: asyncio.Queue
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: dict | None = None
+    t_arrival: float = field(default_factory=time.perf_counter)
+    ttft_s: float = 0.0
+    e2e_s: float = 0.0
+
+
+class Engine:
+    def __init__(self, generator: Generator, limits: ModelLimits, metrics: Metrics, seed: int = 0):
+        self.gen, self.limits, self.m = generator, limits, metrics
+        self.rng = random.Random(seed)
+        self.pending: asyncio.Queue[Request] = asyncio.Queue()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.worker: asyncio.Task | None = None
+        self.verify_ct_total = 0  # verify steps since start (warm-up excluded)
+        self.accept_tokens_total = 0  # tokens those steps emitted (sum of accept lengths)
+        self.num_finished = self.num_aborted = 0
+        self.last_gen_throughput = 0.0
+
+    # ---- async side -------------------------------------------------------------------------------------------
+    def start(self):
+        self.loop = asyncio.get_running_loop()
+        self.worker = asyncio.create_task(self._run(), name="engine-worker")
+
+    async def stop(self):
+        if self.worker is not None:
+            self.worker.cancel()
+
+    def submit(self, gen: GenRequest) -> Request:
+        req = Request(gen=gen, queue=asyncio.Queue())
+        self.pending.put_nowait(req)
+        self.m.queue.inc()
+        return req
+
+    def cancel(self, req: Request, why: str = "client disconnected"):
+        if req.finish_reason is None and not req.cancelled.is_set():
+            log.info("request %s cancelled: %s", req.id, why)
+            req.cancelled.set()
+
+    @property
+    def avg_accept_length(self) -> float:
+        return self.accept_tokens_total / self.verify_ct_total if self.verify_ct_total else 0.0
+
+    async def _run(self):
+        while True:
+            req = await self.pending.get()
+            self.m.queue.dec()
+            if req.cancelled.is_set():  # gone while waiting
+                self._finish(req, {"type": "abort", "message": "client disconnected"}, 0)
+                continue
+            self.m.running.inc()
+            try:
+                await asyncio.to_thread(self._process, req)
+            finally:
+                self.m.running.dec()
+
+    def _emit(self, req: Request, out: Output):
+        self.loop.call_soon_threadsafe(self._deliver, req, out)
+
+    def _deliver(self, req: Request, out: Output):
+        """On the event loop: the request's fields only ever reflect what its queue has delivered."""
+        req.output_ids += out.token_ids
+        req.text += out.text
+        if out.finished:
+            req.finish_reason = out.finish_reason
+            req.e2e_s = time.perf_counter() - req.t_arrival
+        req.queue.put_nowait(out)
+
+    # ---- worker thread -----------------------------------------------------------------------------------------
+    def _process(self, req: Request):
+        g = req.gen
+        eos = () if g.ignore_eos else self.limits.eos_ids
+        text = TextAssembler(self.limits.tokenizer, g.stop)
+        seed = g.seed if g.seed is not None else self.rng.randrange(2**31)
+        it = self.gen.stream(g.input_ids, max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
+                             seed=seed, stop_token_ids=tuple(eos) + tuple(g.stop_token_ids), stats=req.stats)
+        n_out, t_last = 0, req.t_arrival
+        try:
+            for ids in it:
+                now = time.perf_counter()
+                if n_out == 0:
+                    req.ttft_s = now - req.t_arrival
+                    self.m.ttft.observe(req.ttft_s)
+                else:
+                    for _ in ids:
+                        self.m.itl.observe((now - t_last) / len(ids))
+                t_last = now
+                n, delta = text.add(ids)
+                ids = ids[:n]
+                n_out += n
+                reason = None
+                if text.matched is not None:
+                    reason = {"type": "stop", "matched": text.matched}
+                elif req.cancelled.is_set():
+                    reason = {"type": "abort", "message": "client disconnected"}
+                elif req.stats.finish_reason == "stop":
+                    reason = {"type": "stop", "matched": ids[-1] if ids else None}
+                elif req.stats.finish_reason == "length":
+                    reason = {"type": "length", "length": g.max_new_tokens}
+                if reason is not None:
+                    it.close()  # cancels the run-ahead step still in flight
+                    return self._finish(req, reason, n_out, ids, delta + text.finish())
+                self._emit(req, Output(ids, delta))
+            # the generator ended without a reason (it should not): close as length
+            self._finish(req, {"type": "length", "length": g.max_new_tokens}, n_out, [], text.finish())
+        except Exception as e:  # noqa: BLE001 - report it to the client, keep serving
+            log.exception("request %s failed", req.id)
+            self._finish(req, {"type": "abort", "message": f"internal error: {e}"}, n_out, [], "")
+
+    def _finish(self, req: Request, reason: dict, n_out: int, ids: list[int] | None = None, delta: str = ""):
+        e2e = time.perf_counter() - req.t_arrival
+        kind = reason["type"]
+        if kind == "abort":
+            self.num_aborted += 1
+            self.m.aborted.inc()
+        else:
+            self.num_finished += 1
+            st = req.stats
+            self.verify_ct_total += st.verify_steps
+            self.accept_tokens_total += sum(st.accept_lengths)
+            for a in st.accept_lengths:
+                self.m.accept_length.observe(a)
+            self.m.avg_accept_length.set(self.avg_accept_length)
+            self.m.e2e.observe(e2e)
+            if n_out > 1:
+                self.m.tpot.observe((e2e - req.ttft_s) / (n_out - 1))
+                self.last_gen_throughput = (n_out - 1) / max(e2e - req.ttft_s, 1e-9)
+        self.m.finished(kind)
+        self.m.prompt_tokens.inc(len(req.gen.input_ids))
+        self.m.generation_tokens.inc(n_out)
+        if kind == "abort":
+            log.info("request %s aborted after %d tokens: %s", req.id, n_out, reason.get("message"))
+        self._emit(req, Output(ids or [], delta, finished=True, finish_reason=reason))
+
+
+def warmup(gen: Generator, limits: ModelLimits, progress=None):
+    """Compile and run the greedy and the sampled programs once (blocking; run before accepting traffic)."""
+    n = min(limits.max_new_tokens(4), 2 * gen.rows_per_step + 2)
+    for temp in (0.0, 1.0):
+        gen.generate([2, 3, 4, 5], max_new_tokens=n, temperature=temp, seed=0, stop_token_ids=())
+        if progress:
+            progress()

@@ -1,0 +1,153 @@
+"""Launch the HTTP server (SGLang's flag names).
+
+    python -m serve.launch_server --model-path test-tiny --port 30000 \
+        --speculative-algorithm NEXTN --speculative-num-steps 3 --speculative-eagle-topk 1 \
+        --speculative-num-draft-tokens 4 --context-length 4096
+
+--model-path is a preset (random weights) or an HF checkpoint dir (config.json + safetensors, and optionally
+tokenizer.json / tokenizer_config.json); --random-weights initialises randomly even for a dir. The server
+listens at once; /health answers 503 until the weights are loaded, the programs compiled and a greedy and a
+sampled warm-up request have run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+DTYPES = ("bfloat16", "float32")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="ling-jax HTTP server (OpenAI + SGLang-native APIs)")
+    p.add_argument("--model-path", required=True, help="preset name (random weights) or HF checkpoint dir")
+    p.add_argument("--served-model-name", default=None, help="the model name the API reports (default: model path)")
+    p.add_argument("--tp-size", type=int, default=1, help="tensor parallel size")
+    p.add_argument("--speculative-algorithm", choices=["NEXTN", "NONE"], default="NONE")
+    p.add_argument("--speculative-num-steps", type=int, default=3)
+    p.add_argument("--speculative-eagle-topk", type=int, default=1)
+    p.add_argument("--speculative-num-draft-tokens", type=int, default=None)
+    p.add_argument("--context-length", type=int, default=None,
+                   help="KV cache slots per request (default: the model's max_position_embeddings)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--random-weights", action="store_true", help="random init even when --model-path is a dir")
+    p.add_argument("--seed", type=int, default=0, help="random-init seed and the server's sampling-seed source")
+    p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def param_shardings(cfg, tp_size: int):
+    """None for one device; for tp_size > 1 the compiler's rules (`compile.sharding.make_param_shardings(cfg,
+    tp_size)` -> a callable ArrayInfo -> Sharding, as ling_jax.weights.load_params takes) when it offers them."""
+    if tp_size == 1:
+        return None
+    if tp_size < 1:
+        raise ValueError(f"--tp-size must be >= 1, got {tp_size}")
+    try:
+        from compile.sharding import make_param_shardings
+    except ImportError:
+        raise ValueError(f"--tp-size {tp_size}: tensor parallelism is not wired yet (compile.sharding."
+                         f"make_param_shardings is missing); use --tp-size 1") from None
+    import jax
+
+    if jax.device_count() < tp_size:
+        raise ValueError(f"--tp-size {tp_size} needs {tp_size} devices, found {jax.device_count()}")
+    return make_param_shardings(cfg, tp_size)
+
+
+def make_loader(a: argparse.Namespace, cfg, spec, tokenizer, shardings, context_length: int):
+    """The blocking load: weights (progress bar), Generator, compile + warm-up (progress bar)."""
+
+    def load():
+        import jax
+        import jax.numpy as jnp
+        from tqdm import tqdm
+
+        from ling_jax.runner import Generator
+        from ling_jax.weights import array_spec, init_params, load_params
+        from serve.engine import warmup
+        from serve.protocol import ModelLimits
+
+        dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[a.dtype]
+        t0 = time.perf_counter()
+        if a.random_weights or not os.path.isdir(a.model_path):
+            with tqdm(total=1, desc="random init", unit="model", file=sys.stderr) as bar:
+                params = init_params(cfg, a.seed, dtype, shardings)
+                jax.block_until_ready(params)
+                bar.update()
+        else:
+            with tqdm(total=len(array_spec(cfg)), desc="loading weights", unit="tensor", file=sys.stderr) as bar:
+                params = load_params(cfg, a.model_path, dtype=dtype, shardings=shardings,
+                                     progress=lambda i, n: bar.update(i - bar.n))
+                jax.block_until_ready(params)
+        logging.info("weights ready in %.1f s", time.perf_counter() - t0)
+        gen = Generator(cfg, params, spec=spec, max_len=context_length, dtype=dtype)
+        eos = (tokenizer.eos_ids if tokenizer is not None else ()) or (cfg.eos_token_id,)
+        limits = ModelLimits(a.served_model_name or a.model_path, cfg.vocab_size, context_length,
+                             2 * gen.rows_per_step, tokenizer, tuple(eos))
+        t1 = time.perf_counter()
+        with tqdm(total=2, desc="compile + warm-up (greedy, sampled)", unit="program", file=sys.stderr) as bar:
+            warmup(gen, limits, progress=bar.update)
+        logging.info("compiled and warm in %.1f s", time.perf_counter() - t1)
+        return gen, limits
+
+    return load
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    import uvicorn
+
+    from ling_jax.config import load_config
+    from ling_jax.spec import SpecConfig
+    from ling_jax.tokenizer import load_tokenizer
+    from serve.server import create_app
+
+    try:
+        spec = SpecConfig(a.speculative_algorithm, a.speculative_num_steps, a.speculative_eagle_topk,
+                          a.speculative_num_draft_tokens)
+        cfg = load_config(a.model_path)
+        if spec.enabled and not cfg.mtp_layers:
+            raise ValueError(f"{a.model_path} has no MTP layer: --speculative-algorithm NEXTN needs one")
+        tokenizer = load_tokenizer(a.model_path) if os.path.isdir(a.model_path) else None
+        context_length = a.context_length or cfg.max_position_embeddings
+        if context_length < 2 * spec.draft_tokens + 2:
+            raise ValueError(f"--context-length {context_length} is too small")
+        shardings = param_shardings(cfg, a.tp_size)
+    except (ValueError, KeyError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    name = a.served_model_name or a.model_path
+    server_args = {k: v for k, v in vars(a).items()}
+    server_args.update(served_model_name=name, context_length=context_length,
+                       has_tokenizer=tokenizer is not None, chat_template=bool(tokenizer and tokenizer.chat_template))
+    if tokenizer is None:
+        logging.warning("no tokenizer.json in %s: only token ids work (/generate input_ids, completions with a "
+                        "list-of-ints prompt)", a.model_path)
+    server: uvicorn.Server | None = None
+    failed: list[str] = []
+
+    def on_load_error(msg: str):
+        failed.append(msg)
+        server.should_exit = True
+
+    app = create_app(server_args, make_loader(a, cfg, spec, tokenizer, shardings, context_length),
+                     served_model_name=name, seed=a.seed, on_load_error=on_load_error)
+    server = uvicorn.Server(uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level.lower(),
+                                           timeout_graceful_shutdown=5))
+    server.run()
+    if failed:
+        print(f"error: {failed[0]}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,285 @@
+"""Request validation for the OpenAI and SGLang-native endpoints: JSON bodies -> `GenRequest`, or an `APIError`.
+
+Every rejection is an `APIError` carrying an HTTP status and an OpenAI-style body
+`{"error": {"message", "type", "param", "code"}}`. Checks that need the model (vocab, context length, tokenizer)
+read a `ModelLimits`; nothing here touches the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+MAX_BODY_BYTES = 1 << 20  # 1 MiB
+MAX_STOP_STRINGS = 16
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What validation needs to know about the served model."""
+
+    served_model_name: str
+    vocab_size: int
+    context_length: int
+    reserved_rows: int  # rows the run-ahead speculative loop may write past the last token (Generator.check_request)
+    tokenizer: Any | None  # ling_jax.tokenizer.Tokenizer
+    eos_ids: tuple[int, ...]
+
+    def max_new_tokens(self, n_prompt: int) -> int:
+        return self.context_length - self.reserved_rows - n_prompt
+
+
+@dataclass
+class GenRequest:
+    """One validated generation request, endpoint-independent."""
+
+    input_ids: list[int]
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    stream: bool = False
+    include_usage: bool = False
+    extra: dict = field(default_factory=dict)  # endpoint-specific bits (model name, chat or not)
+
+
+# ---- body and field parsing --------------------------------------------------------------------------------------
+
+
+def parse_body(raw: bytes) -> dict:
+    if len(raw) > MAX_BODY_BYTES:
+        raise APIError(413, f"request body is {len(raw)} bytes; the limit is {MAX_BODY_BYTES}", code="body_too_large")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"request body is not valid UTF-8: {e}", code="invalid_utf8") from None
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, f"request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
+    return body
+
+
+_MISSING = object()
+
+
+def _field(d: dict, name: str, kind: str, default: Any = _MISSING, *, param: str | None = None,
+           check: Callable[[Any], str | None] | None = None) -> Any:
+    """d[name] checked against `kind` ('int', 'number', 'bool', 'str', 'dict', 'list'); None counts as absent."""
+    param = param or name
+    v = d.get(name)
+    if v is None:
+        if default is _MISSING:
+            raise APIError(400, f"missing required field '{param}'", param=param, code="missing_field")
+        return default
+    ok = {
+        "int": isinstance(v, int) and not isinstance(v, bool),
+        "number": isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+        "bool": isinstance(v, bool),
+        "str": isinstance(v, str),
+        "dict": isinstance(v, dict),
+        "list": isinstance(v, list),
+    }[kind]
+    if not ok:
+        raise APIError(400, f"'{param}' must be {'a finite number' if kind == 'number' else 'of type ' + kind}, "
+                            f"got {json.dumps(v)[:80]}", param=param, code="invalid_type")
+    if check is not None and (msg := check(v)):
+        raise APIError(400, f"'{param}' {msg}, got {v}", param=param, code="invalid_value")
+    return v
+
+
+def _token_ids(v: Any, limits: ModelLimits, param: str) -> list[int]:
+    if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+        raise APIError(400, f"'{param}' must be a string or a list of token ids (integers)", param=param,
+                       code="invalid_type")
+    bad = [t for t in v if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise APIError(400, f"'{param}' has token ids outside the vocabulary [0, {limits.vocab_size}): {bad[:5]}",
+                       param=param, code="invalid_token_id")
+    return list(v)
+
+
+def _stop_strings(v: Any, param: str = "stop") -> tuple[str, ...]:
+    if v is None:
+        return ()
+    stops = [v] if isinstance(v, str) else v
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise APIError(400, f"'{param}' must be a string or a list of strings", param=param, code="invalid_type")
+    if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
+        raise APIError(400, f"'{param}' takes 1..{MAX_STOP_STRINGS} non-empty strings", param=param,
+                       code="invalid_value")
+    return tuple(stops)
+
+
+def _need_tokenizer(limits: ModelLimits, what: str, param: str):
+    if limits.tokenizer is None:
+        raise APIError(400, f"{what} needs a tokenizer, and this model has none (no tokenizer.json in the model "
+                            f"dir): only token ids work, e.g. /generate with input_ids", param=param,
+                       code="no_tokenizer")
+
+
+def _check_model(body: dict, limits: ModelLimits):
+    model = _field(body, "model", "str", None)
+    if model is not None and model != limits.served_model_name:
+        raise APIError(404, f"the model '{model}' does not exist; this server serves '{limits.served_model_name}'",
+                       param="model", code="model_not_found")
+
+
+def _sampling(d: dict, limits: ModelLimits, n_prompt: int, max_name: str, default_max: int | None,
+              prefix: str = "") -> dict:
+    """temperature, top_p, seed and max tokens, checked against the context."""
+    room = limits.max_new_tokens(n_prompt)
+    if room < 1:
+        raise APIError(400, f"the prompt has {n_prompt} tokens; with {limits.reserved_rows} reserved speculative "
+                            f"rows it leaves no room in the context length {limits.context_length}",
+                       param=prefix + max_name, code="context_length_exceeded")
+    max_new = _field(d, max_name, "int", None, param=prefix + max_name,
+                     check=lambda x: None if x >= 1 else "must be >= 1")
+    if max_new is None:
+        max_new = room if default_max is None else min(default_max, room)
+    elif max_new > room:
+        raise APIError(400, f"prompt ({n_prompt} tokens) + {max_name} ({max_new}) + {limits.reserved_rows} reserved "
+                            f"speculative rows exceeds the context length {limits.context_length} (at most {room} "
+                            f"new tokens fit)", param=prefix + max_name, code="context_length_exceeded")
+    return dict(
+        max_new_tokens=max_new,
+        temperature=float(_field(d, "temperature", "number", 1.0, param=prefix + "temperature",
+                                 check=lambda x: None if x >= 0 else "must be >= 0")),
+        top_p=float(_field(d, "top_p", "number", 1.0, param=prefix + "top_p",
+                           check=lambda x: None if 0 < x <= 1 else "must be in (0, 1]")),
+        seed=_field(d, "seed", "int", None, param=prefix + "seed"),
+    )
+
+
+def _nonempty(ids: list[int], param: str, limits: ModelLimits) -> list[int]:
+    if not ids:
+        raise APIError(400, f"'{param}' is empty", param=param, code="empty_prompt")
+    return _token_ids(ids, limits, param)  # text encodes to ids the model must know too
+
+
+def _openai_common(body: dict, limits: ModelLimits, ids: list[int], default_max: int | None) -> GenRequest:
+    _check_model(body, limits)
+    _field(body, "n", "int", 1, check=lambda x: None if x == 1 else "must be 1 (only one choice per request)")
+    for unsupported in ("logprobs", "top_logprobs", "best_of", "suffix", "tools", "functions"):
+        v = body.get(unsupported)
+        if v not in (None, False) and not (unsupported == "best_of" and v == 1):
+            raise APIError(400, f"'{unsupported}' is not supported", param=unsupported, code="unsupported")
+    if body.get("echo"):
+        raise APIError(400, "'echo' is not supported", param="echo", code="unsupported")
+    stop = _stop_strings(body.get("stop"))
+    if stop:
+        _need_tokenizer(limits, "'stop' strings", "stop")
+    opts = _field(body, "stream_options", "dict", {})
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    return GenRequest(
+        input_ids=ids, stop=stop, stream=_field(body, "stream", "bool", False),
+        include_usage=bool(_field(opts, "include_usage", "bool", False, param="stream_options.include_usage")),
+        extra={"model": limits.served_model_name},
+        **_sampling(body, limits, len(ids), key, default_max),
+    )
+
+
+# ---- endpoints ---------------------------------------------------------------------------------------------------
+
+
+def parse_completion(body: dict, limits: ModelLimits) -> GenRequest:
+    """OpenAI /v1/completions: prompt is a string, a list of token ids, or a one-element list of either."""
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise APIError(400, "missing required field 'prompt'", param="prompt", code="missing_field")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    elif isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        raise APIError(400, "batched prompts are not supported: send one prompt per request", param="prompt",
+                       code="unsupported")
+    if isinstance(prompt, str):
+        _need_tokenizer(limits, "a text prompt", "prompt")
+        ids = limits.tokenizer.encode(prompt)
+    else:
+        ids = _token_ids(prompt, limits, "prompt")
+    return _openai_common(body, limits, _nonempty(ids, "prompt", limits), default_max=16)
+
+
+def _message_text(m: Any, i: int) -> tuple[str, str]:
+    p = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise APIError(400, f"'{p}' must be an object with 'role' and 'content'", param=p, code="invalid_type")
+    role = _field(m, "role", "str", param=p + ".role")
+    content = m.get("content")
+    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+        parts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise APIError(400, f"'{p}.content' parts must be text parts", param=p + ".content",
+                               code="invalid_type")
+            parts.append(part["text"])
+        content = "".join(parts)
+    if not isinstance(content, str):
+        raise APIError(400, f"'{p}.content' must be a string or a list of text parts", param=p + ".content",
+                       code="invalid_type")
+    return role, content
+
+
+def render_chat(limits: ModelLimits, messages: list[dict]) -> str:
+    tok = limits.tokenizer
+    if tok.chat_template:
+        return tok.apply_chat_template(messages, add_generation_prompt=True)
+    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"  # no template shipped
+
+
+def parse_chat(body: dict, limits: ModelLimits) -> GenRequest:
+    """OpenAI /v1/chat/completions; the prompt is the chat template applied to the messages."""
+    messages = _field(body, "messages", "list")
+    if not messages:
+        raise APIError(400, "'messages' is empty", param="messages", code="empty_prompt")
+    msgs = [dict(zip(("role", "content"), _message_text(m, i))) for i, m in enumerate(messages)]
+    _need_tokenizer(limits, "chat", "messages")
+    ids = limits.tokenizer.encode(render_chat(limits, msgs))
+    req = _openai_common(body, limits, _nonempty(ids, "messages", limits), default_max=None)
+    req.extra["chat"] = True
+    return req
+
+
+def parse_generate(body: dict, limits: ModelLimits) -> GenRequest:
+    """SGLang /generate: `text` or `input_ids`, `sampling_params`, `stream`."""
+    text, input_ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (input_ids is None):
+        raise APIError(400, "give exactly one of 'text' and 'input_ids'", param="text", code="missing_field")
+    if text is not None:
+        if not isinstance(text, str):
+            raise APIError(400, "'text' must be a string (batched requests are not supported)", param="text",
+                           code="invalid_type")
+        _need_tokenizer(limits, "'text'", "text")
+        ids = limits.tokenizer.encode(text)
+    else:
+        ids = _token_ids(input_ids, limits, "input_ids")
+    ids = _nonempty(ids, "text" if text is not None else "input_ids", limits)
+    sp = _field(body, "sampling_params", "dict", {})
+    stop = _stop_strings(sp.get("stop"), "sampling_params.stop")
+    if stop:
+        _need_tokenizer(limits, "'stop' strings", "sampling_params.stop")
+    stop_ids = sp.get("stop_token_ids")
+    stop_ids = _token_ids(stop_ids, limits, "sampling_params.stop_token_ids") if stop_ids is not None else []
+    return GenRequest(
+        input_ids=ids, stop=stop, stop_token_ids=tuple(stop_ids),
+        ignore_eos=_field(sp, "ignore_eos", "bool", False, param="sampling_params.ignore_eos"),
+        stream=_field(body, "stream", "bool", False),
+        **_sampling(sp, limits, len(ids), "max_new_tokens", 128, prefix="sampling_params."),
+    )
