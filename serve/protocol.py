@@ -143,13 +143,13 @@ def _check_model(body: dict, limits: ModelLimits):
 
 
 def _sampling(d: dict, limits: ModelLimits, n_prompt: int, max_name: str, default_max: int | None,
-              prefix: str = "") -> dict:
+              prompt_param: str, prefix: str = "") -> dict:
     """temperature, top_p, seed and max tokens, checked against the context."""
     room = limits.max_new_tokens(n_prompt)
     if room < 1:
         raise APIError(400, f"the prompt has {n_prompt} tokens; with {limits.reserved_rows} reserved speculative "
                             f"rows it leaves no room in the context length {limits.context_length}",
-                       param=prefix + max_name, code="context_length_exceeded")
+                       param=prompt_param, code="context_length_exceeded")
     max_new = _field(d, max_name, "int", None, param=prefix + max_name,
                      check=lambda x: None if x >= 1 else "must be >= 1")
     if max_new is None:
@@ -174,7 +174,8 @@ def _nonempty(ids: list[int], param: str, limits: ModelLimits) -> list[int]:
     return _token_ids(ids, limits, param)  # text encodes to ids the model must know too
 
 
-def _openai_common(body: dict, limits: ModelLimits, ids: list[int], default_max: int | None) -> GenRequest:
+def _openai_common(body: dict, limits: ModelLimits, ids: list[int], default_max: int | None,
+                   prompt_param: str) -> GenRequest:
     _check_model(body, limits)
     _field(body, "n", "int", 1, check=lambda x: None if x == 1 else "must be 1 (only one choice per request)")
     for unsupported in ("logprobs", "top_logprobs", "best_of", "suffix", "tools", "functions"):
@@ -192,7 +193,7 @@ def _openai_common(body: dict, limits: ModelLimits, ids: list[int], default_max:
         input_ids=ids, stop=stop, stream=_field(body, "stream", "bool", False),
         include_usage=bool(_field(opts, "include_usage", "bool", False, param="stream_options.include_usage")),
         extra={"model": limits.served_model_name},
-        **_sampling(body, limits, len(ids), key, default_max),
+        **_sampling(body, limits, len(ids), key, default_max, prompt_param),
     )
 
 
@@ -214,7 +215,7 @@ def parse_completion(body: dict, limits: ModelLimits) -> GenRequest:
         ids = limits.tokenizer.encode(prompt)
     else:
         ids = _token_ids(prompt, limits, "prompt")
-    return _openai_common(body, limits, _nonempty(ids, "prompt", limits), default_max=16)
+    return _openai_common(body, limits, _nonempty(ids, "prompt", limits), default_max=16, prompt_param="prompt")
 
 
 def _message_text(m: Any, i: int) -> tuple[str, str]:
@@ -252,7 +253,8 @@ def parse_chat(body: dict, limits: ModelLimits) -> GenRequest:
     msgs = [dict(zip(("role", "content"), _message_text(m, i))) for i, m in enumerate(messages)]
     _need_tokenizer(limits, "chat", "messages")
     ids = limits.tokenizer.encode(render_chat(limits, msgs))
-    req = _openai_common(body, limits, _nonempty(ids, "messages", limits), default_max=None)
+    req = _openai_common(body, limits, _nonempty(ids, "messages", limits), default_max=None,
+                         prompt_param="messages")
     req.extra["chat"] = True
     return req
 
@@ -270,7 +272,8 @@ def parse_generate(body: dict, limits: ModelLimits) -> GenRequest:
         ids = limits.tokenizer.encode(text)
     else:
         ids = _token_ids(input_ids, limits, "input_ids")
-    ids = _nonempty(ids, "text" if text is not None else "input_ids", limits)
+    prompt_param = "text" if text is not None else "input_ids"
+    ids = _nonempty(ids, prompt_param, limits)
     sp = _field(body, "sampling_params", "dict", {})
     stop = _stop_strings(sp.get("stop"), "sampling_params.stop")
     if stop:
@@ -281,5 +284,5 @@ def parse_generate(body: dict, limits: ModelLimits) -> GenRequest:
         input_ids=ids, stop=stop, stop_token_ids=tuple(stop_ids),
         ignore_eos=_field(sp, "ignore_eos", "bool", False, param="sampling_params.ignore_eos"),
         stream=_field(body, "stream", "bool", False),
-        **_sampling(sp, limits, len(ids), "max_new_tokens", 128, prefix="sampling_params."),
+        **_sampling(sp, limits, len(ids), "max_new_tokens", 128, prompt_param, prefix="sampling_params."),
     )

@@ -1,0 +1,118 @@
+"""Bad input over raw HTTP: every case answers 4xx with an OpenAI-style error JSON and the server goes on serving."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.serve_helpers import Server, make_model_dir
+
+GOOD = {"prompt": "The quick brown fox", "max_tokens": 4, "temperature": 0}
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+GEN = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4}}
+LONG = [3 + i % 500 for i in range(600)]  # valid ids, longer than the 512-slot context
+CODES = {"prompt longer than context": "context_length_exceeded", "input_ids longer than context":
+         "context_length_exceeded", "max_tokens beyond context": "context_length_exceeded",
+         "unknown model": "model_not_found", "token id beyond vocab": "invalid_token_id", "invalid utf-8":
+         "invalid_utf8", "malformed json": "invalid_json", "oversized body": "body_too_large"}
+
+# (name, method, path, body: dict -> JSON, bytes -> raw, expected status, expected error param or None)
+CASES = [
+    ("malformed json", "POST", "/v1/completions", b'{"prompt": "hi", ', 400, None),
+    ("json not an object", "POST", "/v1/completions", b"[1, 2, 3]", 400, None),
+    ("invalid utf-8", "POST", "/v1/completions", b'{"prompt": "\xff\xfe\xfd"}', 400, None),
+    ("oversized body", "POST", "/v1/completions", {"prompt": "a" * (1 << 20) + "b"}, 413, None),
+    ("missing prompt", "POST", "/v1/completions", {"max_tokens": 4}, 400, "prompt"),
+    ("missing messages", "POST", "/v1/chat/completions", {"max_tokens": 4}, 400, "messages"),
+    ("missing text and input_ids", "POST", "/generate", {"sampling_params": {}}, 400, "text"),
+    ("message without role", "POST", "/v1/chat/completions", {"messages": [{"content": "hi"}]}, 400,
+     "messages[0].role"),
+    ("max_tokens is a string", "POST", "/v1/completions", {**GOOD, "max_tokens": "4"}, 400, "max_tokens"),
+    ("max_tokens is a bool", "POST", "/v1/completions", {**GOOD, "max_tokens": True}, 400, "max_tokens"),
+    ("temperature is a string", "POST", "/v1/completions", {**GOOD, "temperature": "hot"}, 400, "temperature"),
+    ("temperature is NaN", "POST", "/v1/completions", b'{"prompt": "hi", "temperature": NaN}', 400,
+     "temperature"),
+    ("stream is a string", "POST", "/v1/completions", {**GOOD, "stream": "yes"}, 400, "stream"),
+    ("prompt is a number", "POST", "/v1/completions", {**GOOD, "prompt": 42}, 400, "prompt"),
+    ("messages is a string", "POST", "/v1/chat/completions", {**CHAT, "messages": "hi"}, 400, "messages"),
+    ("sampling_params is a list", "POST", "/generate", {**GEN, "sampling_params": [1]}, 400, "sampling_params"),
+    ("input_ids of strings", "POST", "/generate", {"input_ids": ["a", "b"]}, 400, "input_ids"),
+    ("stop is a number", "POST", "/v1/completions", {**GOOD, "stop": 5}, 400, "stop"),
+    ("max_tokens 0", "POST", "/v1/completions", {**GOOD, "max_tokens": 0}, 400, "max_tokens"),
+    ("max_tokens negative", "POST", "/v1/chat/completions", {**CHAT, "max_tokens": -3}, 400, "max_tokens"),
+    ("max_new_tokens 0", "POST", "/generate", {**GEN, "sampling_params": {"max_new_tokens": 0}}, 400,
+     "sampling_params.max_new_tokens"),
+    ("max_tokens beyond context", "POST", "/v1/completions", {**GOOD, "max_tokens": 100000}, 400, "max_tokens"),
+    ("prompt longer than context", "POST", "/v1/completions", {**GOOD, "prompt": LONG}, 400, "prompt"),
+    ("input_ids longer than context", "POST", "/generate", {**GEN, "input_ids": LONG}, 400, "input_ids"),
+    ("unknown model", "POST", "/v1/completions", {**GOOD, "model": "gpt-4"}, 404, "model"),
+    ("unknown model (chat)", "POST", "/v1/chat/completions", {**CHAT, "model": "gpt-4"}, 404, "model"),
+    ("temperature < 0", "POST", "/v1/completions", {**GOOD, "temperature": -0.5}, 400, "temperature"),
+    ("temperature < 0 (generate)", "POST", "/generate", {**GEN, "sampling_params": {"temperature": -1}}, 400,
+     "sampling_params.temperature"),
+    ("top_p 0", "POST", "/v1/completions", {**GOOD, "top_p": 0}, 400, "top_p"),
+    ("empty prompt", "POST", "/v1/completions", {**GOOD, "prompt": ""}, 400, "prompt"),
+    ("empty token prompt", "POST", "/v1/completions", {**GOOD, "prompt": []}, 400, "prompt"),
+    ("empty messages", "POST", "/v1/chat/completions", {**CHAT, "messages": []}, 400, "messages"),
+    ("empty input_ids", "POST", "/generate", {**GEN, "input_ids": []}, 400, "input_ids"),
+    ("empty text", "POST", "/generate", {"text": ""}, 400, "text"),
+    ("n = 2", "POST", "/v1/completions", {**GOOD, "n": 2}, 400, "n"),
+    ("token id beyond vocab", "POST", "/generate", {**GEN, "input_ids": [5, 512]}, 400, "input_ids"),
+    ("negative token id", "POST", "/v1/completions", {**GOOD, "prompt": [5, -1]}, 400, "prompt"),
+    ("stop_token_ids beyond vocab", "POST", "/generate", {**GEN, "sampling_params": {"stop_token_ids": [10**6]}},
+     400, "sampling_params.stop_token_ids"),
+    ("batched prompts", "POST", "/v1/completions", {**GOOD, "prompt": ["a", "b"]}, 400, "prompt"),
+    ("logprobs", "POST", "/v1/completions", {**GOOD, "logprobs": 2}, 400, "logprobs"),
+    ("unknown route", "POST", "/v1/embeddings", {"input": "x"}, 404, None),
+    ("wrong method", "GET", "/v1/completions", None, 405, None),
+]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    d = tmp_path_factory.mktemp("serve-bad")
+    srv = Server(make_model_dir(str(d / "model")), str(d / "server.log"), "--random-weights")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+@pytest.mark.parametrize("name,method,path,body,status,param", CASES, ids=[c[0] for c in CASES])
+def test_bad_input(http, name, method, path, body, status, param):
+    if isinstance(body, bytes):
+        r = http.request(method, path, content=body, headers={"content-type": "application/json"})
+    else:
+        r = http.request(method, path, json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    if name in CODES:
+        assert err["code"] == CODES[name], err
+
+
+def test_oversized_body_without_content_length(http):
+    """A chunked upload has no Content-Length: the limit is enforced while reading."""
+    def chunks():
+        yield b'{"prompt": "'
+        for _ in range(20):
+            yield b"a" * 65536
+        yield b'"}'
+
+    r = http.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+
+
+def test_still_serving_after_bad_input(http):
+    for path, body in (("/v1/completions", GOOD), ("/v1/chat/completions", CHAT), ("/generate", GEN)):
+        r = http.post(path, json=body)
+        assert r.status_code == 200, r.text
+    r = http.post("/v1/completions", json={**GOOD, "stream": True})
+    assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
