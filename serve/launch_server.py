@@ -25,7 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="ling-jax HTTP server (OpenAI + SGLang-native APIs)")
     p.add_argument("--model-path", required=True, help="preset name (random weights) or HF checkpoint dir")
     p.add_argument("--served-model-name", default=None, help="the model name the API reports (default: model path)")
-    p.add_argument("--tp-size", type=int, default=1, help="tensor parallel size")
+    p.add_argument("--tp-size", type=int, default=1,
+                   help="tensor parallel size (> 1 through compile.runner.ShardedGenerator over a ('tp',) mesh)")
     p.add_argument("--speculative-algorithm", choices=["NEXTN", "NONE"], default="NONE")
     p.add_argument("--speculative-num-steps", type=int, default=3)
     p.add_argument("--speculative-eagle-topk", type=int, default=1)
@@ -41,26 +42,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def param_shardings(cfg, tp_size: int):
-    """None for one device; for tp_size > 1 the compiler's rules (`compile.sharding.make_param_shardings(cfg,
-    tp_size)` -> a callable ArrayInfo -> Sharding, as ling_jax.weights.load_params takes) when it offers them."""
+def tensor_parallel(cfg, tp_size: int):
+    """(mesh, param shardings) for tp_size > 1 from the compiler's modules; (None, None) on one device."""
     if tp_size == 1:
-        return None
+        return None, None
     if tp_size < 1:
         raise ValueError(f"--tp-size must be >= 1, got {tp_size}")
     try:
-        from compile.sharding import make_param_shardings
-    except ImportError:
-        raise ValueError(f"--tp-size {tp_size}: tensor parallelism is not wired yet (compile.sharding."
-                         f"make_param_shardings is missing); use --tp-size 1") from None
-    import jax
+        from compile.mesh import make_mesh
+        from compile.runner import ShardedGenerator  # noqa: F401 - checked here, used by the loader
+        from compile.sharding import shardings_for
+    except ImportError as e:
+        raise ValueError(f"--tp-size {tp_size}: tensor parallelism needs compile.mesh / compile.runner / "
+                         f"compile.sharding ({e}); use --tp-size 1") from None
+    mesh = make_mesh(tp_size)  # ValueError when fewer devices are visible
+    return mesh, shardings_for(cfg, mesh)
 
-    if jax.device_count() < tp_size:
-        raise ValueError(f"--tp-size {tp_size} needs {tp_size} devices, found {jax.device_count()}")
-    return make_param_shardings(cfg, tp_size)
 
-
-def make_loader(a: argparse.Namespace, cfg, spec, tokenizer, shardings, context_length: int):
+def make_loader(a: argparse.Namespace, cfg, spec, tokenizer, mesh, shardings, context_length: int):
     """The blocking load: weights (progress bar), Generator, compile + warm-up (progress bar)."""
 
     def load():
@@ -86,7 +85,12 @@ def make_loader(a: argparse.Namespace, cfg, spec, tokenizer, shardings, context_
                                      progress=lambda i, n: bar.update(i - bar.n))
                 jax.block_until_ready(params)
         logging.info("weights ready in %.1f s", time.perf_counter() - t0)
-        gen = Generator(cfg, params, spec=spec, max_len=context_length, dtype=dtype)
+        if mesh is None:
+            gen = Generator(cfg, params, spec=spec, max_len=context_length, dtype=dtype)
+        else:
+            from compile.runner import ShardedGenerator
+
+            gen = ShardedGenerator(cfg, params, mesh, spec=spec, max_len=context_length, dtype=dtype)
         eos = (tokenizer.eos_ids if tokenizer is not None else ()) or (cfg.eos_token_id,)
         limits = ModelLimits(a.served_model_name or a.model_path, cfg.vocab_size, context_length,
                              2 * gen.rows_per_step, tokenizer, tuple(eos))
@@ -120,13 +124,17 @@ def main(argv=None) -> int:
         context_length = a.context_length or cfg.max_position_embeddings
         if context_length < 2 * spec.draft_tokens + 2:
             raise ValueError(f"--context-length {context_length} is too small")
-        shardings = param_shardings(cfg, a.tp_size)
+        mesh, shardings = tensor_parallel(cfg, a.tp_size)
     except (ValueError, KeyError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     name = a.served_model_name or a.model_path
     server_args = {k: v for k, v in vars(a).items()}
-    server_args.update(served_model_name=name, context_length=context_length,
+    import jax
+
+    server_args.update(served_model_name=name, context_length=context_length, vocab_size=cfg.vocab_size,
+                       jax_version=jax.__version__,
+                       device=f"{jax.device_count()}x {jax.devices()[0].device_kind}",
                        has_tokenizer=tokenizer is not None, chat_template=bool(tokenizer and tokenizer.chat_template))
     if tokenizer is None:
         logging.warning("no tokenizer.json in %s: only token ids work (/generate input_ids, completions with a "
@@ -138,7 +146,7 @@ def main(argv=None) -> int:
         failed.append(msg)
         server.should_exit = True
 
-    app = create_app(server_args, make_loader(a, cfg, spec, tokenizer, shardings, context_length),
+    app = create_app(server_args, make_loader(a, cfg, spec, tokenizer, mesh, shardings, context_length),
                      served_model_name=name, seed=a.seed, on_load_error=on_load_error)
     server = uvicorn.Server(uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level.lower(),
                                            timeout_graceful_shutdown=5))

@@ -187,10 +187,13 @@ def _openai_common(body: dict, limits: ModelLimits, ids: list[int], default_max:
     stop = _stop_strings(body.get("stop"))
     if stop:
         _need_tokenizer(limits, "'stop' strings", "stop")
+    stop_ids = body.get("stop_token_ids")  # SGLang's extensions to the OpenAI request: stop_token_ids, ignore_eos
+    stop_ids = _token_ids(stop_ids, limits, "stop_token_ids") if stop_ids is not None else []
     opts = _field(body, "stream_options", "dict", {})
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     return GenRequest(
-        input_ids=ids, stop=stop, stream=_field(body, "stream", "bool", False),
+        input_ids=ids, stop=stop, stop_token_ids=tuple(stop_ids), ignore_eos=_field(body, "ignore_eos", "bool", False),
+        stream=_field(body, "stream", "bool", False),
         include_usage=bool(_field(opts, "include_usage", "bool", False, param="stream_options.include_usage")),
         extra={"model": limits.served_model_name},
         **_sampling(body, limits, len(ids), key, default_max, prompt_param),
