@@ -17,6 +17,7 @@ Model code is pure: jit, donation and sharding are applied by the caller.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -41,6 +42,9 @@ class RuntimeOptions:
     lm_head_fp32: lm_head weight upcast to fp32 vs bf16 with fp32 accumulation.
     kda_chunked_prefill: chunked (UT) KDA for prefill vs the recurrent scan.
     mla_absorbed: absorbed-weight MLA attention for decode/verify (prefill always uses the plain path).
+    kernels: "auto" (Pallas on GPU, the model's jnp on CPU), "pallas" or "reference" (force either), or
+      "interpret" (the Pallas kernels in the interpreter: CPU tests of the wiring). Pallas serves the MoE
+      experts everywhere and KDA in decode/verify/commit; prefill KDA stays chunked jnp.
     """
 
     router_fp32: bool = False
@@ -48,6 +52,18 @@ class RuntimeOptions:
     kda_chunked_prefill: bool = True
     kda_chunk: int = 64
     mla_absorbed: bool = True
+    kernels: str = "auto"
+
+    @property
+    def use_pallas(self) -> bool:
+        from pallas_kernels.dispatch import Backend, resolve
+
+        return self.kernels == "interpret" or resolve(self.kernels) is Backend.PALLAS
+
+    @property
+    def pallas(self) -> str | None:
+        """None (jnp), "gpu" or "interpret": what the layers hand to the kernels."""
+        return ("interpret" if self.kernels == "interpret" else "gpu") if self.use_pallas else None
 
 
 class ForwardOutput(NamedTuple):
@@ -74,7 +90,7 @@ def ffn(p, x, cfg: ModelConfig, i: int, opts: RuntimeOptions, return_load: bool 
     return_load: return (y, expert load int32[E] or None for a dense layer)."""
     if cfg.is_moe(i):
         return moe_layer(p, x, cfg, routed_limit=cfg.routed_limit(i), shared_limit=cfg.shared_limit(i),
-                         router_fp32=opts.router_fp32, return_load=return_load)
+                         router_fp32=opts.router_fp32, return_load=return_load, pallas=opts.pallas)
     y = dense_mlp(p, x, cfg.shared_limit(i))
     return (y, None) if return_load else y
 
@@ -118,7 +134,8 @@ def forward(params, tokens, state: DecodeState, cfg: ModelConfig, *, mode: str, 
             mi += 1
             continue
         a, new_conv, new_rec, pend = kda_layer(p["attn"], rms_norm(x, p["input_norm"], cfg.rms_norm_eps),
-                                               conv[ki], rec[ki], cfg, mode=mode, n_valid=n_valid, chunked=chunked)
+                                               conv[ki], rec[ki], cfg, mode=mode, n_valid=n_valid, chunked=chunked,
+                                               pallas=opts.pallas)
         if pend is None:
             conv, rec = conv.at[ki].set(new_conv), rec.at[ki].set(new_rec)
         else:
@@ -139,8 +156,9 @@ def forward(params, tokens, state: DecodeState, cfg: ModelConfig, *, mode: str, 
     return ForwardOutput(hidden, new_state, stacked, load)
 
 
-def commit(state: DecodeState, pending: KdaPending, n_accept) -> DecodeState:
+def commit(state: DecodeState, pending: KdaPending, n_accept, opts: RuntimeOptions = RuntimeOptions()) -> DecodeState:
     """Commit the first n_accept[b] verified positions: KDA states replayed from the pre-verify state (reads
     and writes |S| once per layer), conv windows slid, lengths advanced. MLA rows were written by verify."""
-    conv, rec = jax.vmap(kda_commit, in_axes=(0, 0, 0, None))(state.kda_conv, state.kda_recurrent, pending, n_accept)
+    replay = functools.partial(kda_commit, pallas=opts.pallas)
+    conv, rec = jax.vmap(replay, in_axes=(0, 0, 0, None))(state.kda_conv, state.kda_recurrent, pending, n_accept)
     return state.replace(kda_recurrent=rec, kda_conv=conv, lengths=state.lengths + n_accept.astype(jnp.int32))

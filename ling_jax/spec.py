@@ -170,7 +170,7 @@ def verify_and_commit(params, state: SpecState, drafts, q, cfg: ModelConfig, *, 
         n, bonus = greedy_verdict(drafts, greedy(logits))
     else:
         n, bonus = sampled_verdict(jax.random.fold_in(state.key, 2), drafts, q, probs(logits, state.sampling))
-    target = commit(out.state, out.pending, n + 1)
+    target = commit(out.state, out.pending, n + 1, opts)
     j = jnp.arange(K + 1)[None, :]
     committed = jnp.where(j < n[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), bonus[:, None])
     return target, n, bonus, committed, out.hidden

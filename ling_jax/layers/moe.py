@@ -98,13 +98,26 @@ def expert_load(ids, num_experts: int):
     return jnp.zeros((num_experts,), jnp.int32).at[ids.reshape(-1)].add(1)
 
 
-def moe_layer(p, x, cfg, *, routed_limit: float, shared_limit: float, router_fp32: bool, return_load: bool = False):
+def moe_layer(p, x, cfg, *, routed_limit: float, shared_limit: float, router_fp32: bool, return_load: bool = False,
+              pallas: str | None = None):
     """x [..., D] -> [..., D]. p: gate_w [E, D], expert_bias [E], w_gate, w_up, w_down, shared {gate,up,down}_proj.
     return_load: also return the expert load int32[E] of this call (training's router balancing)."""
     shape = x.shape
     xt = x.reshape(-1, shape[-1])
     ids, w = route(router_logits(xt, p["gate_w"], fp32_weight=router_fp32), p["expert_bias"], cfg)
-    y = routed_experts(xt, ids, w, p["w_gate"], p["w_up"], p["w_down"], routed_limit)
-    y = y + dense_mlp(p["shared"], xt, shared_limit).astype(jnp.float32)  # one fp32 sum, one rounding
-    y = y.astype(x.dtype).reshape(shape)
+    if pallas:  # reads only the activated experts, each once; the shared expert rides as an extra segment
+        from pallas_kernels.dispatch import Backend, moe
+        from pallas_kernels.moe import MoeConfig
+
+        sh = p["shared"]
+        E, I, D = p["w_gate"].shape
+        config = None if pallas == "gpu" else MoeConfig(block_i=min(32, I), block_k=min(256, D), block_d=min(64, D),
+                                                         block_kd=min(256, I), interpret=True)
+        y = moe(xt, ids, w, p["w_gate"], p["w_up"], p["w_down"], limit=routed_limit,
+                shared=(sh["gate_proj"], sh["up_proj"], sh["down_proj"]), shared_limit=shared_limit,
+                config=config, backend=Backend.PALLAS).astype(x.dtype).reshape(shape)
+    else:
+        y = routed_experts(xt, ids, w, p["w_gate"], p["w_up"], p["w_down"], routed_limit)
+        y = y + dense_mlp(p["shared"], xt, shared_limit).astype(jnp.float32)  # one fp32 sum, one rounding
+        y = y.astype(x.dtype).reshape(shape)
     return (y, expert_load(ids, cfg.num_experts)) if return_load else y
