@@ -210,7 +210,7 @@ def create_app(server_args: dict, load: Loader, *, served_model_name: str, seed:
             try:
                 return await fn(request, st)
             except APIError as e:
-                if e.status >= 500:
+                if e.status >= 500 and e.code != "not_ready":
                     log.warning("%s %s: %s", request.method, request.url.path, e.message)
                 return _error(e)
 
