@@ -122,8 +122,8 @@ def main(argv=None) -> int:
             raise ValueError(f"{a.model_path} has no MTP layer: --speculative-algorithm NEXTN needs one")
         tokenizer = load_tokenizer(a.model_path) if os.path.isdir(a.model_path) else None
         context_length = a.context_length or cfg.max_position_embeddings
-        if context_length < 2 * spec.draft_tokens + 2:
-            raise ValueError(f"--context-length {context_length} is too small")
+        if context_length < 2 * spec.draft_tokens + 5:  # the warm-up's 4-token prompt, 1 new token, 2 steps' rows
+            raise ValueError(f"--context-length {context_length} is too small (at least {2 * spec.draft_tokens + 5})")
         mesh, shardings = tensor_parallel(cfg, a.tp_size)
     except (ValueError, KeyError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,0 +1,39 @@
+"""serve.launch_server without starting a server: SGLang flag names, --tp-size checks, bad flags exit 2."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+from ling_jax.config import get_preset
+from serve import launch_server
+
+
+def test_sglang_flag_names_parse():
+    a = launch_server.build_parser().parse_args([
+        "--model-path", "test-tiny", "--tp-size", "1", "--speculative-algorithm", "NEXTN",
+        "--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4",
+        "--context-length", "512", "--host", "127.0.0.1", "--port", "30000", "--random-weights", "--seed", "1",
+        "--dtype", "float32"])
+    assert (a.speculative_algorithm, a.speculative_num_draft_tokens, a.context_length) == ("NEXTN", 4, 512)
+
+
+def test_tp_size_checks():
+    cfg = get_preset("test-tiny")
+    assert launch_server.tensor_parallel(cfg, 1) == (None, None)
+    with pytest.raises(ValueError, match="tp-size must be >= 1"):
+        launch_server.tensor_parallel(cfg, 0)
+    with pytest.raises(ValueError, match="device"):
+        launch_server.tensor_parallel(cfg, jax.device_count() + 1)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--model-path", "no-such-model"],
+    ["--model-path", "test-tiny", "--speculative-algorithm", "NEXTN", "--speculative-eagle-topk", "2"],
+    ["--model-path", "test-tiny", "--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3",
+     "--speculative-num-draft-tokens", "7"],
+    ["--model-path", "test-tiny", "--context-length", "4"],
+])
+def test_bad_flags_exit_2(argv, capsys):
+    assert launch_server.main(argv) == 2
+    assert capsys.readouterr().err.startswith("error: ")
