@@ -1,0 +1,17 @@
+# Two commands for a fresh clone:
+#   make run    set up .venv and generate from the shipped ling-demo model with NEXTN speculation (CPU)
+#   make test   set up .venv with the dev extras and run the test suite (CPU)
+PY := .venv/bin/python
+PROMPT ?= def fibonacci(n):
+
+.PHONY: setup setup-dev run test
+setup:
+	scripts/setup.sh
+setup-dev:
+	scripts/setup.sh dev
+run: setup
+	$(PY) -m ling_jax.generate --model models/ling-demo --prompt "$(PROMPT)" --max-new-tokens 200 \
+	  --speculative-algorithm NEXTN --speculative-num-steps 5 --speculative-eagle-topk 1 \
+	  --speculative-num-draft-tokens 6
+test: setup-dev
+	$(PY) -m pytest -q --timeout 1200 tests

@@ -1,0 +1,186 @@
+"""NEXTN speculative relay: lossless greedy, planted-mismatch acceptance and committed state, no state
+pollution across requests, speculative sampling's distribution, and the run-ahead dispatch order."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ling_jax.runner as runner_mod
+from ling_jax.config import TEST_PRESETS, get_preset
+from ling_jax.decode import plain_prefill, plain_step
+from ling_jax.runner import Generator
+from ling_jax.sampling import SamplingParams, sampled_verdict
+from ling_jax.spec import SpecConfig, spec_prefill, spec_step_with_drafts
+from ling_jax.weights import init_params
+from tests.conftest import rel_err
+
+MAX_LEN = 320
+PROMPTS = [[3, 7, 1, 9, 4], [11, 2, 2, 5, 8, 10, 6, 1, 3]]
+
+
+@functools.lru_cache(maxsize=None)
+def small_vocab_model(name: str, seed: int):
+    """A random model with a 12-token vocabulary: a random draft then agrees with the target often enough to
+    exercise partial acceptance (with 512 tokens it would reject every draft)."""
+    cfg = get_preset(name).replace(vocab_size=12, eos_token_id=1, pad_token_id=0)
+    return cfg, init_params(cfg, seed, jnp.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def generator(name: str, seed: int, steps: int):
+    cfg, params = small_vocab_model(name, seed)
+    spec = SpecConfig("NEXTN", steps) if steps else SpecConfig("NONE")
+    return Generator(cfg, params, spec=spec, max_len=MAX_LEN, dtype=jnp.float32)
+
+
+@pytest.mark.parametrize("steps", [1, 3, 5])
+@pytest.mark.parametrize("name,seed", list(zip(TEST_PRESETS, (0, 1, 2))))
+def test_nextn_greedy_equals_plain_greedy_256_tokens(name, seed, steps):
+    accepts = []
+    for prompt in PROMPTS[(seed + steps) % 2 :][:1]:  # one prompt per case, both prompts across the cases
+        plain, _ = generator(name, seed, 0).generate(prompt, max_new_tokens=256, stop_token_ids=())
+        spec, stats = generator(name, seed, steps).generate(prompt, max_new_tokens=256, stop_token_ids=())
+        assert spec == plain, f"first divergence at {next(i for i, (a, b) in enumerate(zip(spec, plain)) if a != b)}"
+        assert len(spec) == 256 and stats.finish_reason == "length"
+        accepts += stats.accept_lengths
+    assert 1 <= np.mean(accepts) <= steps + 1
+    assert max(accepts) > 1, "no draft was ever accepted: the test would not exercise acceptance"
+
+
+def test_eos_stops_and_drops_tokens_past_it():
+    gen = generator("test-tiny", 0, 3)
+    full, _ = gen.generate(PROMPTS[1], max_new_tokens=64, stop_token_ids=())
+    stop = full[10]
+    out, stats = gen.generate(PROMPTS[1], max_new_tokens=64, stop_token_ids=(stop,))
+    assert out == full[: full.index(stop) + 1] and stats.finish_reason == "stop"
+
+
+# ---- (b) planted mismatch: exact acceptance and committed KDA state -----------------------------------------
+
+
+@pytest.mark.parametrize("name,seed", [("test-tiny", 3), ("test-wide", 4)])
+def test_planted_mismatch_accepts_exactly_j_and_commits_plain_state(name, seed):
+    cfg = get_preset(name)
+    params = init_params(cfg, seed, jnp.float32)
+    K, prompt = 5, np.array([PROMPTS[1]], np.int32)
+    n = jnp.array([prompt.shape[1]], jnp.int32)
+    sp = SamplingParams.make()
+    kw = dict(max_len=128, is_greedy=True, sampling=sp, key=jax.random.key(0), dtype=jnp.float32)
+
+    # plain greedy: the continuation and the committed state after every length
+    pstate, first = jax.jit(functools.partial(plain_prefill, cfg=cfg, **kw))(params, prompt, n)
+    pstep = jax.jit(functools.partial(plain_step, cfg=cfg, is_greedy=True))
+    tokens, plain_states = [int(first[0])], {int(pstate.target.lengths[0]): pstate.target}
+    for _ in range(40):
+        pstate, out = pstep(params, pstate)
+        tokens.append(int(out.tokens[0, 0]))
+        plain_states[int(pstate.target.lengths[0])] = pstate.target
+
+    state, bonus = jax.jit(functools.partial(spec_prefill, cfg=cfg, steps=K, **kw))(params, prompt, n)
+    step = jax.jit(functools.partial(spec_step_with_drafts, cfg=cfg, is_greedy=True))
+    emitted = [int(bonus[0])]
+    for j in [0, 3, 5, 1, 2, 4]:  # j = the first wrong draft (5 = all correct)
+        pos = len(emitted)  # index in `tokens` of the token after the bonus
+        drafts = np.array(tokens[pos : pos + K], np.int32)
+        if j < K:
+            drafts[j] = (drafts[j] + 1) % cfg.vocab_size
+        state, out = step(params, state, jnp.asarray(drafts[None]), None, state.draft_cache)
+        n_emit = int(out.n_emit[0])
+        assert n_emit == j + 1, (j, n_emit)
+        emitted += [int(t) for t in out.tokens[0, :n_emit]]
+        assert emitted == tokens[: len(emitted)]
+        L = int(state.target.lengths[0])
+        assert L == prompt.shape[1] + len(emitted) - 1  # the bonus is emitted but not yet fed
+        want = plain_states[L]
+        # equal up to fp32 rounding (verify rows and decode rows take different matmul shapes)
+        assert rel_err(state.target.kda_recurrent, want.kda_recurrent) <= 1e-5
+        assert rel_err(state.target.kda_conv, want.kda_conv) <= 1e-5
+        assert rel_err(state.target.mla_cache[:, :, :L], want.mla_cache[:, :, :L]) <= 1e-5
+
+
+# ---- (c) no state pollution ------------------------------------------------------------------------------------
+
+
+def test_greedy_rerun_after_sampled_requests_is_identical():
+    gen = generator("test-qlora", 1, 3)
+    first, _ = gen.generate(PROMPTS[0], max_new_tokens=48, stop_token_ids=())
+    sampled = [gen.generate(PROMPTS[1], max_new_tokens=40, temperature=t, top_p=p, seed=s, stop_token_ids=())[0]
+               for t, p, s in [(0.8, 1.0, 1), (1.3, 0.9, 2), (0.8, 1.0, 1)]]
+    again, _ = gen.generate(PROMPTS[0], max_new_tokens=48, stop_token_ids=())
+    assert again == first
+    assert sampled[0] == sampled[2], "same seed, same sampled output"
+    assert sampled[0] != sampled[1]
+
+
+# ---- (d) speculative sampling reproduces the target distribution -----------------------------------------------
+
+
+def test_sampled_verdict_reproduces_target_distribution():
+    """Rows are independent trials: d_j ~ q_j, then the verdict. The first emitted token must follow p_0 and,
+    when d_1 was accepted, the second must follow p_1. With N = 200k trials each frequency has standard
+    deviation <= sqrt(0.25 / N) = 0.0011; we allow 0.006 (over 5 sigma) per token."""
+    V, K, N = 6, 3, 200_000
+    ks = jax.random.split(jax.random.key(0), 4)
+    p = jax.nn.softmax(2 * jax.random.normal(ks[0], (1, K + 1, V)), axis=-1)
+    q = jax.nn.softmax(2 * jax.random.normal(ks[1], (1, K, V)), axis=-1)
+    p, q = jnp.broadcast_to(p, (N, K + 1, V)), jnp.broadcast_to(q, (N, K, V))
+    drafts = jax.random.categorical(ks[2], jnp.log(q), axis=-1).astype(jnp.int32)
+    n, bonus = jax.jit(sampled_verdict)(ks[3], drafts, q, p)
+    emitted = jnp.where(jnp.arange(K + 1)[None] < n[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), bonus[:, None])
+    first = np.bincount(np.asarray(emitted[:, 0]), minlength=V) / N
+    assert np.max(np.abs(first - np.asarray(p[0, 0]))) < 0.006, (first, p[0, 0])
+    accepted = np.asarray(n) >= 1
+    second = np.bincount(np.asarray(emitted[accepted, 1]), minlength=V) / accepted.sum()
+    assert accepted.sum() > N // 10
+    assert np.max(np.abs(second - np.asarray(p[0, 1]))) < 0.006 * np.sqrt(N / accepted.sum())
+    # and the draft is not simply ignored: acceptance happens at the rate sum_x min(p, q)
+    expect = float(jnp.minimum(p[0, 0], q[0, 0]).sum())
+    assert abs(accepted.mean() - expect) < 0.006
+
+
+def test_sampled_generation_is_seeded_and_reproducible():
+    gen = generator("test-tiny", 0, 3)
+    a, _ = gen.generate(PROMPTS[0], max_new_tokens=30, temperature=1.0, seed=5, stop_token_ids=())
+    b, _ = gen.generate(PROMPTS[0], max_new_tokens=30, temperature=1.0, seed=5, stop_token_ids=())
+    c, _ = gen.generate(PROMPTS[0], max_new_tokens=30, temperature=1.0, seed=6, stop_token_ids=())
+    assert a == b and a != c
+
+
+# ---- (e) run-ahead -----------------------------------------------------------------------------------------------
+
+
+def test_run_ahead_dispatches_next_step_before_reading_previous(monkeypatch):
+    """Step k+1 is dispatched before step k's outputs are read, and the dispatch path makes no transfer
+    (the Generator dispatches under jax.transfer_guard("disallow"), so any implicit transfer would raise)."""
+    gen = generator("test-tiny", 0, 3)
+    gen.generate(PROMPTS[0], max_new_tokens=8, stop_token_ids=())  # compile
+    events = []
+    real_step = gen.step_fn(True)
+
+    def step(params, state):
+        state, out = real_step(params, state)
+        events.append(("dispatch", id(out.tokens)))
+        return state, out
+
+    real_get = runner_mod.jax.device_get
+
+    def device_get(x):
+        if isinstance(x, tuple) and len(x) == 2:
+            events.append(("read", id(x[0])))
+        return real_get(x)
+
+    monkeypatch.setattr(gen, "step_fn", lambda is_greedy: step)
+    monkeypatch.setattr(runner_mod.jax, "device_get", device_get)
+    with jax.transfer_guard("disallow"):
+        pass  # the guard itself works in this process
+    out, stats = gen.generate(PROMPTS[0], max_new_tokens=40, stop_token_ids=())
+    dispatch_index = {k: i for i, (kind, k) in enumerate(events) if kind == "dispatch"}
+    reads = [(i, k) for i, (kind, k) in enumerate(events) if kind == "read"]
+    assert len(reads) == stats.verify_steps >= 5
+    for i, k in reads[:-1]:
+        later = [j for kind_j, j in [(e[0], n) for n, e in enumerate(events)] if kind_j == "dispatch" and j > dispatch_index[k]]
+        assert later and later[0] < i, "the next step must be in flight before this step's outputs are read"
+    assert len(out) == 40
