@@ -21,6 +21,7 @@ def parse(argv=None):
     p.add_argument("--max-len", type=int, default=8192 + 512)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--expert-parallel", action="store_true", help="experts over tp instead of expert width")
+    p.add_argument("--shard-embedding", action="store_true", help="vocab-parallel embedding (default replicated)")
     p.add_argument("--report", action="store_true", help="print the report (default: only build)")
     p.add_argument("--json", default=None, help="also write the report as JSON here")
     p.add_argument("--exec-dir", default=None, help="store / load serialized executables here")
@@ -50,7 +51,7 @@ def main(argv=None):
     if a.layers:
         cfg = slice_config(cfg, a.layers)
     mesh = make_mesh(a.tp_size)
-    rules = ShardingRules.tensor_parallel(a.expert_parallel)
+    rules = ShardingRules.tensor_parallel(a.expert_parallel, not a.shard_embedding)
     prog = Program(cfg, mode="nextn" if a.spec == "nextn" else "plain", steps=a.steps, max_len=a.max_len,
                    dtype=a.dtype)
     built = build(prog, mesh, rules, exec_dir=a.exec_dir)

@@ -1,0 +1,296 @@
+"""Step bench: plain decode step and NEXTN step (steps 3 and 5) at context 8192, random bf16 weights, with floors.
+
+  python3 -m bench.bench_step --layers 12 --out $OUT [--spec-parts]     (one H200: a layer slice)
+  python3 -m bench.bench_step --tp 2 --out $OUT                         (two H200: the full model)
+
+Floor = bytes the step must move per device / HBM bandwidth measured here (large copy, read + write). Bytes
+count each dependent pass's weights once: per MoE call the DISTINCT experts the actual routing activated
+(captured from this model's router on this state) x 11.8 MB, attention/dense/router/shared weights, lm_head per
+lm_head pass, embedding rows, KDA state (plain: read+write; NEXTN: verify read + commit read+write), MLA cache
+reads. Time: chains of steps on donated state, device-synchronised, median over chains, warm-up excluded.
+Census: a jax.profiler trace of a few steps, kernels grouped by name, calibrated against the unprofiled time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import datetime
+import functools
+import glob
+import gzip
+import json
+import os
+import subprocess
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from compile.mesh import make_mesh
+from compile.runner import constrain, sharded_params
+from compile.sharding import ShardingRules, param_specs, state_shardings
+from compile.stages import Program, slice_config
+from ling_jax.config import get_preset
+from ling_jax.weights import array_spec
+
+SEED_NEXTN_US = 4970.0  # SGLang NEXTN step on 4xB200: TPOT 1.53 ms x accept 3.25 (DESIGN.md)
+SEED_ACCEPT = 3.25
+
+
+def hbm_bandwidth(dev) -> float:
+    """Bytes/s of a 4 GiB elementwise pass (read + write), median of 20."""
+    rows = 2048 if dev.platform == "gpu" else 8
+    x = jax.jit(lambda k: jax.random.normal(k, (rows, 1024 * 1024), jnp.bfloat16), device=dev)(jax.random.key(0))
+    f = jax.jit(lambda a: a + 1)
+    jax.block_until_ready(f(x))
+    ts = []
+    for _ in range(20):
+        t0 = time.perf_counter(); jax.block_until_ready(f(x)); ts.append(time.perf_counter() - t0)
+    return 2 * x.nbytes / float(np.median(ts))
+
+
+def random_state(prog: Program, mesh, rules, ctx: int):
+    """A step carry at context `ctx` with random contents (never zeros), born in its sharding."""
+    abstract = prog.abstract_state()
+    leaves, tree = jax.tree.flatten(abstract)
+
+    def make(key):
+        out = []
+        for k, a in zip(jax.random.split(key, len(leaves)), leaves):
+            if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
+                out.append(jax.random.key(1))
+            elif a.dtype == jnp.int32:
+                out.append(jnp.full(a.shape, ctx, jnp.int32) if a.shape == (prog.batch,) else jnp.zeros(a.shape, jnp.int32))
+            else:
+                out.append((0.05 * jax.random.normal(k, a.shape, jnp.float32)).astype(a.dtype))
+        st = jax.tree.unflatten(tree, out)
+        # tokens: random ids; sampling: greedy defaults
+        st = st.replace(bonus=jax.random.randint(key, (prog.batch,), 2, prog.cfg.vocab_size))
+        if hasattr(st, "seed"):
+            st = st.replace(seed=jax.random.randint(jax.random.fold_in(key, 1), (prog.batch,), 2, prog.cfg.vocab_size))
+        st = st.replace(sampling=type(st.sampling)(jnp.float32(0.0), jnp.float32(1.0)))  # greedy
+        return constrain(st, mesh, rules)  # the layout the step's outputs get: no recompile on the 2nd call
+
+    return jax.jit(make)(jax.random.key(7))
+
+
+def time_chain(step, params, state, n_steps=10, reps=20):
+    """Median seconds per step over `reps` chains of n_steps (donated state carried). Returns (s, state)."""
+    state, _ = step(params, state)  # warm-up (compile)
+    jax.block_until_ready(state)
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(n_steps):
+            state, out = step(params, state)
+        jax.block_until_ready((state, out))
+        ts.append((time.perf_counter() - t0) / n_steps)
+    return float(np.median(ts)), state
+
+
+@contextlib.contextmanager
+def capture_routing(sink: list):
+    """Record every router call's expert ids (tracers of the traced program) into `sink`."""
+    import ling_jax.layers.moe as moe
+
+    orig = moe.route
+
+    def route(logits, bias, cfg):
+        ids, w = orig(logits, bias, cfg)
+        sink.append(ids)
+        return ids, w
+
+    moe.route = route
+    try:
+        yield
+    finally:
+        moe.route = orig
+
+
+def distinct_experts(fn, params, state) -> list[int]:
+    """Distinct experts per router call of one step (its own jit; not the timed program)."""
+    sink: list = []
+
+    def run(p, s):
+        sink.clear()
+        with capture_routing(sink):
+            fn(p, s)
+        return list(sink)
+
+    ids = jax.jit(run)(params, state)
+    return [len(np.unique(np.asarray(i))) for i in ids]
+
+
+def byte_model(cfg, mesh, rules, dtype_bytes=2):
+    """Per-device bytes of each weight group (sharded arrays divided by their mesh axes)."""
+    specs = param_specs(cfg, rules)
+    tp = mesh.devices.size
+    groups = collections.Counter()
+    for a in array_spec(cfg):
+        n = int(np.prod(a.shape)) * (4 if a.dtype == "float32" else dtype_bytes)
+        split = tp if any(ax is not None for ax in specs[a.path]) else 1
+        name = a.path[-1]
+        if a.path[0] in ("embed", "lm_head", "final_norm"):
+            key = a.path[0]
+        elif name in ("w_gate", "w_up", "w_down"):
+            key = "routed"
+        else:
+            key = ("mtp" if a.path[0] == "mtp" else "layer") + f"{a.path[1]}"
+        groups[key] += n / split
+    per_expert = 3 * cfg.moe_intermediate_size * cfg.hidden_size * dtype_bytes / (
+        1 if rules.expert_mlp is None else tp)
+    return groups, per_expert
+
+
+def floor_bytes(cfg, mesh, rules, mode, K, routing, ctx) -> float:
+    """Bytes one device must move in one step (see module doc). routing: distinct experts per router call."""
+    g, per_expert = byte_model(cfg, mesh, rules)
+    tp = mesh.devices.size
+    D, H, Kd = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+    kda_state = len(cfg.kda_layers) * H * Kd * Kd * 4 / tp
+    mla_read = ctx * cfg.mla_cache_dim * 2  # per MLA layer per pass (replicated cache)
+    target = sum(v for k, v in g.items() if k.startswith("layer"))
+    mtp = sum(v for k, v in g.items() if k.startswith("mtp"))
+    lm = g["lm_head"]
+    experts = sum(routing) * per_expert
+    if mode == "plain":
+        return target + lm + experts + 2 * kda_state + len(cfg.mla_layers) * mla_read + D * 2
+    passes_mtp = K  # K-1 draft forwards + 1 extend
+    return (target + lm + experts + 3 * kda_state + len(cfg.mla_layers) * mla_read
+            + passes_mtp * (mtp + lm + mla_read) + (K + 1) * 2 * D * 2)
+
+
+def census(step, params, state, n_steps, unprofiled_s, logdir):
+    """Profile n_steps; kernels grouped by name; calibrated against the unprofiled step time."""
+    try:
+        with jax.profiler.trace(logdir, create_perfetto_trace=True):
+            for _ in range(n_steps):
+                state, out = step(params, state)
+            jax.block_until_ready((state, out))
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"profiler: {e}"}, state
+    files = glob.glob(os.path.join(logdir, "**", "*.trace.json.gz"), recursive=True) + \
+        glob.glob(os.path.join(logdir, "**", "perfetto_trace.json.gz"), recursive=True)
+    if not files:
+        return {"error": "no trace json written"}, state
+    with gzip.open(files[0]) as f:
+        tr = json.load(f)
+    events = tr["traceEvents"] if isinstance(tr, dict) else tr
+    pnames = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    gpu = {p for p, n in pnames.items() if "GPU" in n or "gpu" in n or "stream" in n.lower()}
+    per = collections.defaultdict(lambda: [0, 0.0])
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in gpu and "dur" in e:
+            per[e["name"]][0] += 1
+            per[e["name"]][1] += float(e["dur"])
+    devs = max(1, len({p for p in gpu}))
+    total_us = sum(v[1] for v in per.values()) / n_steps
+    kernels = sum(v[0] for v in per.values()) / n_steps
+    cats = collections.Counter()
+    for name, (c, d) in per.items():
+        cats[_category(name)] += d / n_steps
+    top = sorted(per.items(), key=lambda kv: -kv[1][1])[:20]
+    return {
+        "gpu_processes": [pnames[p] for p in gpu], "kernels_per_step_all_streams": kernels,
+        "kernel_us_per_step_all_streams": total_us, "unprofiled_step_us": unprofiled_s * 1e6,
+        "busy_fraction_per_device": total_us / devs / (unprofiled_s * 1e6),
+        "by_category_us": dict(cats.most_common()),
+        "top_kernels": [{"name": n[:120], "count_per_step": c / n_steps, "us_per_step": d / n_steps}
+                        for n, (c, d) in top],
+    }, state
+
+
+def _category(name: str) -> str:
+    n = name.lower()
+    for cat, keys in (("all-reduce/nccl", ("nccl", "all-reduce", "allreduce")), ("gemm", ("gemm", "cublas", "cutlass", "xmma", "nvjet", "matmul", "dot")),
+                      ("triton/pallas", ("triton", "pallas", "_kernel")), ("reduce", ("reduce", "reduction")),
+                      ("copy/slice", ("copy", "memcpy", "slice", "dynamic", "concatenate", "gather", "scatter")),
+                      ("loop fusion", ("loop_", "fusion")), ("sort/topk", ("sort", "topk", "top_k"))):
+        if any(k in n for k in keys):
+            return cat
+    return "other"
+
+
+def row(name, t_s, nbytes, bw, **kw):
+    t_us = t_s * 1e6
+    floor_us = nbytes / bw * 1e6
+    r = {"name": name, "time_us": t_us, "bytes": nbytes, "floor_us": floor_us, "fraction_of_floor": floor_us / t_us,
+         "baseline": "SGLang NEXTN step, 4xB200 (TPOT 1.53 ms x accept 3.25)", "baseline_time_us": SEED_NEXTN_US}
+    r.update(kw)
+    return r
+
+
+def write(out_dir, prefix, rows, extra, device):
+    date = datetime.date.today().isoformat()
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
+    d = {"command": "python3 -m bench." + os.path.basename(__file__)[:-3] + " " + " ".join(os.sys.argv[1:]),
+         "device": device, "jax_version": jax.__version__, "date": date, "git_commit": commit, "rows": rows, **extra}
+    path = os.path.join(out_dir, f"{prefix}-{device.lower().replace('nvidia ', '').replace(' ', '')}-{date}.json")
+    with open(path, "w") as f:
+        json.dump(d, f, indent=1)
+    return path
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="ling3-flash", help="a small preset smoke-tests the script on CPU")
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--tp", type=int, default=None)
+    ap.add_argument("--ctx", type=int, default=8192)
+    ap.add_argument("--steps", default="3,5", help="NEXTN steps to time (--spec-parts needs 5 among them)")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--spec-parts", action="store_true", help="also run bench_spec's parts on the same params")
+    ap.add_argument("--no-census", action="store_true")
+    a = ap.parse_args()
+    tp = a.tp or len(jax.devices())
+    cfg = get_preset(a.preset)
+    cfg = slice_config(cfg, a.layers) if a.layers else cfg
+    mesh, rules = make_mesh(tp), ShardingRules.tensor_parallel()
+    device = f"{jax.devices()[0].device_kind} x{tp}"
+    t0 = time.perf_counter()
+    bw = hbm_bandwidth(jax.devices()[0])
+    print(f"HBM copy bandwidth {bw / 1e12:.2f} TB/s (read+write)", flush=True)
+    params = sharded_params(cfg, mesh, rules, seed=0, dtype=jnp.bfloat16)
+    jax.block_until_ready(params)
+    print(f"params {cfg.name} TP{tp}: init {time.perf_counter() - t0:.1f} s", flush=True)
+    rows, extra = [], {"hbm_bw_bytes_per_s": bw, "model": cfg.name, "tp": tp, "ctx": a.ctx, "census": {}}
+    max_len = a.ctx + 1024
+    for mode, K in [("plain", 0)] + [("nextn", int(k)) for k in a.steps.split(",")]:
+        prog = Program(cfg, mode=mode, steps=max(K, 1), max_len=max_len)
+        fn = prog.fn()
+        step = jax.jit(lambda p, s, _f=fn: constrain(_f(p, s), mesh, rules), donate_argnums=(1,))
+        state = random_state(prog, mesh, rules, a.ctx)
+        routing = distinct_experts(fn, params, state)
+        tc = time.perf_counter()
+        t, state = time_chain(step, params, state, reps=a.reps)
+        nbytes = floor_bytes(cfg, mesh, rules, mode, K, routing, a.ctx)
+        name = "plain decode step" if mode == "plain" else f"NEXTN step (steps={K}, {K + 1} verify rows)"
+        r = row(name, t, nbytes, bw, distinct_experts_per_router_call=routing, compile_and_time_s=time.perf_counter() - tc)
+        if mode == "nextn":
+            r["projected_tpot_us_at_seed_accept"] = t * 1e6 / SEED_ACCEPT
+        rows.append(r)
+        print(f"{name:42s} {t * 1e6:9.1f} us  floor {r['floor_us']:8.1f} us  {100 * r['fraction_of_floor']:5.1f} %  "
+              f"({nbytes / 1e9:.2f} GB/device)", flush=True)
+        if not a.no_census and (mode == "plain" or K == 5):
+            c, state = census(step, params, state, 5, t, f"/tmp/prof-{mode}{K}")
+            extra["census"][name] = c
+            print(json.dumps({k: v for k, v in c.items() if k != "top_kernels"})[:1500], flush=True)
+        del state
+        if mode == "nextn" and K == 5:
+            kept = (step, routing)
+    os.makedirs(a.out, exist_ok=True)
+    print("wrote", write(a.out, "step", rows, extra, device))
+    if a.spec_parts:
+        from bench import bench_spec
+
+        srows = bench_spec.run(cfg, mesh, rules, params, bw, a.ctx, a.reps, K=5, fused=kept[0], routing=kept[1])
+        print("wrote", write(a.out, "spec", srows, {"hbm_bw_bytes_per_s": bw, "model": cfg.name, "tp": tp,
+                                                     "ctx": a.ctx}, device))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""The staged compiler on 4 simulated CPU devices: lowering checks (one program, no host callbacks, donated
+state aliased) at TP 1 and 4, collectives (none at TP 1, two per layer pass at TP 4), serialize/load, the CLI."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from compile.mesh import make_mesh
+from compile.report import format_report, report_dict
+from compile.sharding import ShardingRules, shardings_for, state_shardings
+from compile.stages import (Program, build, deserialize, enable_persistent_cache, serialize, slice_config)
+from ling_jax.config import get_preset
+from ling_jax.weights import init_params
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _concrete_state(abstract, mesh, seed=0):
+    keys = iter(jax.random.split(jax.random.key(seed), len(jax.tree.leaves(abstract))))
+
+    def make(a):
+        k = next(keys)
+        if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
+            return jax.random.key(seed)
+        if jnp.issubdtype(a.dtype, jnp.integer):
+            return jnp.full(a.shape, 3, a.dtype)
+        return (0.1 * jax.random.normal(k, a.shape, jnp.float32)).astype(a.dtype)
+
+    state = jax.tree.map(make, abstract)
+    return jax.device_put(state, state_shardings(state, mesh))
+
+
+@pytest.fixture(scope="module")
+def built_tp():
+    cfg = get_preset("test-tiny")
+    out = {}
+    for tp in (1, 4):
+        mesh = make_mesh(tp)
+        out[tp] = (build(Program(cfg, mode="nextn", steps=3, max_len=32, dtype="float32"), mesh), mesh)
+    return out
+
+
+@pytest.mark.parametrize("tp", [1, 4])
+def test_lowering_checks(built_tp, tp):
+    b, mesh = built_tp[tp]
+    assert b.checks.programs == 1
+    assert b.checks.host_callbacks == []
+    assert b.checks.aliased_outputs == b.checks.donated_leaves == 12
+    assert "input_output_alias" in b.compiled.as_text()
+    rep = report_dict(b, mesh, ShardingRules())
+    text = format_report(rep)
+    assert "programs per step        1" in text
+    if tp == 1:
+        assert rep["collectives_total"] == 0
+        assert rep["param_bytes_per_device"] == rep["param_bytes_total"]
+    else:
+        # Megatron layout: one all-reduce after attention, one after the FFN (routed + shared combined)
+        assert rep["collectives_per_layer_pass"] == pytest.approx(2.0)
+        assert rep["collectives_per_step"].get("all-gather", 0) <= 4 * 3  # argmaxes over vocab shards only
+        assert rep["param_bytes_per_device"] < rep["param_bytes_total"] / 2
+
+
+def test_serialized_executable_runs_the_same(built_tp):
+    b, mesh = built_tp[4]
+    cfg = b.prog.cfg
+    params = init_params(cfg, 0, jnp.float32, shardings_for(cfg, mesh))
+    loaded = deserialize(serialize(b.compiled))
+    outs = []
+    for exe in (b.compiled, loaded):
+        state = _concrete_state(b.prog.abstract_state(), mesh)
+        new, step_out = exe(params, state)
+        outs.append((new.target.kda_recurrent, new.draft_cache, step_out.tokens))
+    for x, y in zip(*outs):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_persistent_cache_and_plain_program(tmp_path):
+    enable_persistent_cache(str(tmp_path / "xla"))
+    try:
+        b = build(Program(get_preset("test-tiny"), mode="plain", max_len=32, dtype="float32"), make_mesh(2))
+    finally:
+        jax.config.update("jax_compilation_cache_dir", None)
+    assert b.checks.ok and b.checks.donated_leaves == 7
+    assert os.listdir(tmp_path / "xla")
+
+
+def test_slice_config_keeps_layout_and_clamps():
+    cfg = get_preset("ling3-flash")
+    s = slice_config(cfg, 12)
+    assert s.num_hidden_layers == 12 and s.mla_layers == (5, 11) and s.mtp_layers == (12,)
+    assert len(s.routed_swiglu_limits) == 13
+    assert s.routed_limit(12) == cfg.routed_limit(42) and s.shared_limit(11) == cfg.shared_limit(11)
+    with pytest.raises(ValueError):
+        slice_config(cfg, 2)
+
+
+def test_cli_report():
+    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-m", "compile", "--model", "test-tiny", "--tp-size", "2", "--spec", "none",
+                        "--max-len", "32", "--dtype", "float32", "--report"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "programs per step        1" in r.stdout and "TP 2 on cpu" in r.stdout
