@@ -124,6 +124,16 @@ def distinct_experts(fn, params, state) -> list[int]:
     return [len(np.unique(np.asarray(i))) for i in ids]
 
 
+def routing_from(path, cfg, mode, K) -> list[float]:
+    """Distinct experts per router call for this config, from the means of a (slice) run's rows."""
+    rows = {r["name"]: r["distinct_experts_per_router_call"] for r in json.load(open(path))["rows"]}
+    n_moe = sum(1 for i in range(cfg.num_hidden_layers) if cfg.is_moe(i))
+    if mode == "plain":
+        return [float(np.mean(rows["plain decode step"]))] * n_moe
+    src = next(v for k, v in rows.items() if k.startswith(f"NEXTN step (steps={K}"))
+    return src[:K - 1] + [float(np.mean(src[K - 1:-1]))] * n_moe + src[-1:]
+
+
 def byte_model(cfg, mesh, rules, dtype_bytes=2):
     """Per-device bytes of each weight group (sharded arrays divided by their mesh axes)."""
     specs = param_specs(cfg, rules)
@@ -245,6 +255,8 @@ def main():
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--spec-parts", action="store_true", help="also run bench_spec's parts on the same params")
     ap.add_argument("--no-census", action="store_true")
+    ap.add_argument("--routing-from", default=None, help="a slice run's step JSON: reuse its mean distinct experts "
+                    "per router call (saves compiling a routing-capture copy of the full model)")
     a = ap.parse_args()
     tp = a.tp or len(jax.devices())
     cfg = get_preset(a.preset)
@@ -257,14 +269,15 @@ def main():
     params = sharded_params(cfg, mesh, rules, seed=0, dtype=jnp.bfloat16)
     jax.block_until_ready(params)
     print(f"params {cfg.name} TP{tp}: init {time.perf_counter() - t0:.1f} s", flush=True)
-    rows, extra = [], {"hbm_bw_bytes_per_s": bw, "model": cfg.name, "tp": tp, "ctx": a.ctx, "census": {}}
+    rows, extra = [], {"hbm_bw_bytes_per_s": bw, "model": cfg.name, "tp": tp, "ctx": a.ctx, "census": {},
+                       "routing_source": a.routing_from or "captured from this run's router"}
     max_len = a.ctx + 1024
     for mode, K in [("plain", 0)] + [("nextn", int(k)) for k in a.steps.split(",")]:
         prog = Program(cfg, mode=mode, steps=max(K, 1), max_len=max_len)
         fn = prog.fn()
         step = jax.jit(lambda p, s, _f=fn: constrain(_f(p, s), mesh, rules), donate_argnums=(1,))
         state = random_state(prog, mesh, rules, a.ctx)
-        routing = distinct_experts(fn, params, state)
+        routing = routing_from(a.routing_from, cfg, mode, K) if a.routing_from else distinct_experts(fn, params, state)
         tc = time.perf_counter()
         t, state = time_chain(step, params, state, reps=a.reps)
         nbytes = floor_bytes(cfg, mesh, rules, mode, K, routing, a.ctx)
@@ -280,6 +293,8 @@ def main():
             extra["census"][name] = c
             print(json.dumps({k: v for k, v in c.items() if k != "top_kernels"})[:1500], flush=True)
         del state
+        os.makedirs(a.out, exist_ok=True)
+        write(a.out, "step", rows, extra, device)  # partial results survive a timeout
         if mode == "nextn" and K == 5:
             kept = (step, routing)
     os.makedirs(a.out, exist_ok=True)
