@@ -37,6 +37,7 @@ from compile.runner import constrain, sharded_params
 from compile.sharding import ShardingRules, param_specs, state_shardings
 from compile.stages import Program, slice_config
 from ling_jax.config import get_preset
+from ling_jax.model import RuntimeOptions
 from ling_jax.weights import array_spec
 
 SEED_NEXTN_US = 4970.0  # SGLang NEXTN step on 4xB200: TPOT 1.53 ms x accept 3.25 (DESIGN.md)
@@ -267,6 +268,9 @@ def main():
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--spec-parts", action="store_true", help="also run bench_spec's parts on the same params")
     ap.add_argument("--no-census", action="store_true")
+    ap.add_argument("--kernels", default=None, help="RuntimeOptions.kernels; default auto on one GPU, reference "
+                    "over TP (the Pallas custom calls are not yet under shard_map inside the model: XLA would "
+                    "replicate their operands)")
     ap.add_argument("--routing-from", default=None, help="a slice run's step JSON: reuse its mean distinct experts "
                     "per router call (saves compiling a routing-capture copy of the full model)")
     a = ap.parse_args()
@@ -284,8 +288,10 @@ def main():
     rows, extra = [], {"hbm_bw_bytes_per_s": bw, "model": cfg.name, "tp": tp, "ctx": a.ctx, "census": {},
                        "routing_source": a.routing_from or "captured from this run's router"}
     max_len = a.ctx + 1024
+    kernels = a.kernels or ("auto" if tp == 1 else "reference")
+    extra["kernels"] = kernels
     for mode, K in [("plain", 0)] + [("nextn", int(k)) for k in a.steps.split(",")]:
-        prog = Program(cfg, mode=mode, steps=max(K, 1), max_len=max_len)
+        prog = Program(cfg, mode=mode, steps=max(K, 1), max_len=max_len, opts=RuntimeOptions(kernels=kernels))
         fn = prog.fn()
         step = jax.jit(lambda p, s, _f=fn: constrain(_f(p, s), mesh, rules), donate_argnums=(1,))
         state = random_state(prog, mesh, rules, a.ctx)

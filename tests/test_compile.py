@@ -85,7 +85,7 @@ def test_persistent_cache_and_plain_program(tmp_path):
         b = build(Program(get_preset("test-tiny"), mode="plain", max_len=32, dtype="float32"), make_mesh(2))
     finally:
         jax.config.update("jax_compilation_cache_dir", None)
-    assert b.checks.ok and b.checks.donated_leaves == 7
+    assert b.checks.ok and b.checks.donated_leaves == 8
     assert os.listdir(tmp_path / "xla")
 
 
