@@ -158,14 +158,13 @@ class Generator:
 
         step = self.step_fn(is_greedy)
         in_flight = None  # the step whose outputs are read next (one step late)
-        dispatched = emitted  # upper bound on tokens emitted once everything in flight is read
         while True:
-            if dispatched < max_new_tokens:
+            # every step emits at least one token: dispatch while the request is not already sure to be done
+            if emitted + (in_flight is not None) < max_new_tokens:
                 with jax.transfer_guard("disallow"):
                     state, out = step(self.params, state)
                 for a in out:
                     a.copy_to_host_async()
-                dispatched += self.rows_per_step
             else:
                 out = None
             if in_flight is not None:
@@ -180,7 +179,6 @@ class Generator:
                         stats.finish_reason = "stop"
                         break
                 emitted += len(new)
-                dispatched = emitted + (self.rows_per_step if out is not None else 0)
                 stats.completion_tokens = emitted
                 yield new
                 if stats.finish_reason is None and emitted >= max_new_tokens:

@@ -124,8 +124,9 @@ def test_sampled_verdict_reproduces_target_distribution():
     deviation <= sqrt(0.25 / N) = 0.0011; we allow 0.006 (over 5 sigma) per token."""
     V, K, N = 6, 3, 200_000
     ks = jax.random.split(jax.random.key(0), 4)
-    p = jax.nn.softmax(2 * jax.random.normal(ks[0], (1, K + 1, V)), axis=-1)
-    q = jax.nn.softmax(2 * jax.random.normal(ks[1], (1, K, V)), axis=-1)
+    logits = 2 * jax.random.normal(ks[0], (1, K + 1, V))
+    p = jax.nn.softmax(logits, axis=-1)
+    q = jax.nn.softmax(logits[:, :K] + jax.random.normal(ks[1], (1, K, V)), axis=-1)  # a draft near the target
     p, q = jnp.broadcast_to(p, (N, K + 1, V)), jnp.broadcast_to(q, (N, K, V))
     drafts = jax.random.categorical(ks[2], jnp.log(q), axis=-1).astype(jnp.int32)
     n, bonus = jax.jit(sampled_verdict)(ks[3], drafts, q, p)
@@ -134,7 +135,7 @@ def test_sampled_verdict_reproduces_target_distribution():
     assert np.max(np.abs(first - np.asarray(p[0, 0]))) < 0.006, (first, p[0, 0])
     accepted = np.asarray(n) >= 1
     second = np.bincount(np.asarray(emitted[accepted, 1]), minlength=V) / accepted.sum()
-    assert accepted.sum() > N // 10
+    assert accepted.sum() > N // 4
     assert np.max(np.abs(second - np.asarray(p[0, 1]))) < 0.006 * np.sqrt(N / accepted.sum())
     # and the draft is not simply ignored: acceptance happens at the rate sum_x min(p, q)
     expect = float(jnp.minimum(p[0, 0], q[0, 0]).sum())
@@ -157,30 +158,29 @@ def test_run_ahead_dispatches_next_step_before_reading_previous(monkeypatch):
     (the Generator dispatches under jax.transfer_guard("disallow"), so any implicit transfer would raise)."""
     gen = generator("test-tiny", 0, 3)
     gen.generate(PROMPTS[0], max_new_tokens=8, stop_token_ids=())  # compile
-    events = []
+    events, outs = [], []  # outs keeps every step's outputs alive, so identity is unambiguous
     real_step = gen.step_fn(True)
 
     def step(params, state):
         state, out = real_step(params, state)
-        events.append(("dispatch", id(out.tokens)))
+        outs.append(out)
+        events.append(("dispatch", len(outs) - 1))
         return state, out
 
     real_get = runner_mod.jax.device_get
 
     def device_get(x):
-        if isinstance(x, tuple) and len(x) == 2:
-            events.append(("read", id(x[0])))
+        for k, o in enumerate(outs):
+            if x is o:
+                events.append(("read", k))
         return real_get(x)
 
     monkeypatch.setattr(gen, "step_fn", lambda is_greedy: step)
     monkeypatch.setattr(runner_mod.jax, "device_get", device_get)
-    with jax.transfer_guard("disallow"):
-        pass  # the guard itself works in this process
     out, stats = gen.generate(PROMPTS[0], max_new_tokens=40, stop_token_ids=())
-    dispatch_index = {k: i for i, (kind, k) in enumerate(events) if kind == "dispatch"}
-    reads = [(i, k) for i, (kind, k) in enumerate(events) if kind == "read"]
-    assert len(reads) == stats.verify_steps >= 5
-    for i, k in reads[:-1]:
-        later = [j for kind_j, j in [(e[0], n) for n, e in enumerate(events)] if kind_j == "dispatch" and j > dispatch_index[k]]
-        assert later and later[0] < i, "the next step must be in flight before this step's outputs are read"
     assert len(out) == 40
+    reads = [k for kind, k in events if kind == "read"]
+    assert reads == list(range(stats.verify_steps)) and len(reads) >= 5
+    for k in reads:
+        if k + 1 < len(outs):  # every read but possibly the last: step k+1 was already dispatched
+            assert events.index(("dispatch", k + 1)) < events.index(("read", k))
