@@ -162,7 +162,7 @@ def train_step(params, opt_state, key, lr, tokens, cfg: ModelConfig, sc: StepCon
     params = update_bias(params, loads, cfg, sc.bias_update)
     loads_f = loads.astype(jnp.float32)
     imbalance = jnp.max(jnp.max(loads_f, -1) / jnp.maximum(jnp.mean(loads_f, -1), 1e-9))
-    m = m._replace(grad_norm=optax.global_norm(grads), max_load=imbalance)
+    m = m._replace(grad_norm=optax.tree.norm(grads), max_load=imbalance)
     return params, opt_state, m
 
 

@@ -1,0 +1,184 @@
+"""NEXTN accept length of a trained checkpoint on held-out code, and the target's held-out loss.
+
+For each --steps k: ling_jax.runner.Generator with SpecConfig("NEXTN", k) generates --new-tokens greedy tokens
+(EOS ignored) from each of --prompts prompts of --prompt-len tokens cut from the corpus's held-out split. Reports
+the mean accept length (accepted drafts + the bonus token, SGLang's avg_spec_accept_length), the per-position
+acceptance rates, decode tok/s, and whether the output equals plain greedy decoding (lossless check).
+Held-out loss: the target's next-token cross-entropy over the first --eval-windows non-overlapping --eval-seq windows of the
+held-out split (the same windows the trainer evaluates; plus the NEXTN head's top-1 agreement with the target).
+
+    python -m bench.eval_accept --model models/ling-demo --data .data/stdlib --steps 1-8
+Writes bench/results/eval-accept-<device>-<date>.json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ling_jax.config import load_config
+from ling_jax.runner import Generator
+from ling_jax.spec import SpecConfig
+from ling_jax.train import corpus
+from ling_jax.train.data import fixed_windows
+from ling_jax.train.step import StepConfig, eval_step
+from ling_jax.weights import load_params
+
+
+def heldout_tokens(data: str, model: str) -> np.ndarray:
+    """The held-out token stream; packs and tokenizes the corpus from this interpreter's stdlib if absent."""
+    path = os.path.join(data, "tokens-heldout.npy")
+    if not os.path.exists(path):
+        from ling_jax.tokenizer import load_tokenizer
+
+        if not os.path.exists(os.path.join(data, corpus.CORPUS_FILE)):
+            corpus.build(data)
+        tok = load_tokenizer(model)
+        corpus.tokenize_splits(corpus.load(data), tok, data, tok.eos_ids[0])
+    return np.load(path)
+
+
+def make_prompts(tokens: np.ndarray, n: int, length: int, eos: int) -> list[list[int]]:
+    """n prompts of `length` tokens at evenly spaced offsets, each inside one file (no EOS inside)."""
+    out, starts = [], np.linspace(0, len(tokens) - length - 1, 4 * n).astype(int)
+    for s in starts:
+        w = tokens[s : s + length]
+        if eos not in w:
+            out.append([int(t) for t in w])
+        if len(out) == n:
+            break
+    return out
+
+
+def heldout_loss(cfg, params, tokens: np.ndarray, seq: int, windows: int, batch: int) -> dict:
+    sc = StepConfig(batch=batch, seq=seq, compute_dtype=str(params["embed"].dtype))
+    ev = jax.jit(functools.partial(eval_step, cfg=cfg, sc=sc))
+    w = fixed_windows(tokens, seq, windows)
+    ce, top1, n = 0.0, 0.0, 0
+    for i in range(0, len(w) - batch + 1, batch):
+        m = jax.device_get(ev(params, jnp.asarray(w[i : i + batch])))
+        ce, top1, n = ce + float(m.ce), top1 + float(m.mtp_top1), n + 1
+    return {"heldout_ce": ce / n, "heldout_ppl": math.exp(ce / n), "heldout_mtp_top1": top1 / n,
+            "heldout_eval_tokens": n * batch * seq}
+
+
+def run_steps(cfg, params, prompts, k: int, new_tokens: int, max_len: int):
+    spec = SpecConfig("NEXTN", k) if k > 0 else SpecConfig("NONE")
+    gen = Generator(cfg, params, spec=spec, max_len=max_len, dtype=params["embed"].dtype)
+    gen.generate(prompts[0], max_new_tokens=2 * spec.draft_tokens + 1, stop_token_ids=())  # compile
+    outs, accepts, decode_s, decode_tokens = [], [], 0.0, 0
+    for p in prompts:
+        ids, st = gen.generate(p, max_new_tokens=new_tokens, stop_token_ids=())
+        outs.append(ids)
+        accepts += st.accept_lengths
+        decode_s += st.total_s - st.ttft_s
+        decode_tokens += st.completion_tokens - 1
+    a = np.asarray(accepts) if accepts else np.zeros(1)
+    row = {"steps": k, "decode_tokens_per_s": decode_tokens / max(decode_s, 1e-9)}
+    if k > 0:
+        row.update({"mean_accept_length": float(a.mean()), "verify_steps": int(a.size),
+                    "acceptance_rate_per_position": [float(np.mean(a - 1 >= j)) for j in range(1, k + 1)],
+                    "accept_histogram": np.bincount(a, minlength=k + 2)[1:].tolist()})
+    return row, outs
+
+
+def plot(rows, path, title):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    spec = [r for r in rows if r["steps"] > 0]
+    a1.plot([r["steps"] for r in spec], [r["mean_accept_length"] for r in spec], "o-")
+    a1.set_xlabel("--speculative-num-steps")
+    a1.set_ylabel("mean accept length (incl. bonus)")
+    a1.grid(alpha=0.3)
+    for r in spec:
+        a2.plot(range(1, r["steps"] + 1), r["acceptance_rate_per_position"], "o-", label=f"steps={r['steps']}")
+    a2.set_xlabel("draft position j")
+    a2.set_ylabel("P(draft j accepted)")
+    a2.grid(alpha=0.3)
+    a2.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse_steps(s: str) -> list[int]:
+    if "-" in s:
+        lo, hi = s.split("-")
+        return list(range(int(lo), int(hi) + 1))
+    return [int(x) for x in s.split(",")]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="models/ling-demo")
+    p.add_argument("--data", default=".data/stdlib")
+    p.add_argument("--steps", default="1-8")
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--eval-seq", type=int, default=512)
+    p.add_argument("--eval-windows", type=int, default=96)
+    p.add_argument("--eval-batch", type=int, default=8)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="float32 makes the lossless check exact; in bf16 the 1-row decode and the multi-row verify "
+                        "round differently, so near-tied greedy choices can differ")
+    p.add_argument("--out", default="bench/results")
+    a = p.parse_args(argv)
+    cfg = load_config(a.model)
+    dtype = jnp.dtype(a.dtype)
+    params = load_params(cfg, a.model, dtype=dtype)  # bf16 weights, upcast exactly when --dtype float32
+    held = heldout_tokens(a.data, a.model)
+    prompts = make_prompts(held, a.prompts, a.prompt_len, cfg.eos_token_id)
+    max_len = a.prompt_len + a.new_tokens + 64
+    t0 = time.perf_counter()
+    loss = heldout_loss(cfg, params, held, a.eval_seq, a.eval_windows, a.eval_batch)
+    print(json.dumps(loss), flush=True)
+    base, base_outs = run_steps(cfg, params, prompts, 0, a.new_tokens, max_len)
+    rows = [base]
+    print(f"plain greedy: {base['decode_tokens_per_s']:.1f} tok/s", flush=True)
+    for k in parse_steps(a.steps):
+        row, outs = run_steps(cfg, params, prompts, k, a.new_tokens, max_len)
+        row["lossless_prompts"] = sum(o == b for o, b in zip(outs, base_outs))
+        row["speedup_vs_plain"] = row["decode_tokens_per_s"] / base["decode_tokens_per_s"]
+        rows.append(row)
+        print(f"steps={k}: accept {row['mean_accept_length']:.3f}, per-position "
+              f"{[round(x, 3) for x in row['acceptance_rate_per_position']]}, {row['decode_tokens_per_s']:.1f} tok/s, "
+              f"lossless {row['lossless_prompts']}/{len(prompts)}", flush=True)
+    dev = jax.devices()[0]
+    device = "cpu" if dev.platform == "cpu" else dev.device_kind.replace(" ", "-")
+    date = time.strftime("%Y-%m-%d")
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = "unknown"
+    report = {"command": "python -m bench.eval_accept " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "device": device, "jax_version": jax.__version__, "date": date, "git_commit": commit,
+              "model": a.model, "prompts": len(prompts), "prompt_len": a.prompt_len, "new_tokens": a.new_tokens,
+              "greedy": True, "dtype": a.dtype, **loss, "wall_s": time.perf_counter() - t0, "rows": rows,
+              "sample": {"prompt": prompts[0], "plain_output": base_outs[0]}}
+    os.makedirs(a.out, exist_ok=True)
+    path = os.path.join(a.out, f"eval-accept-{device}-{date}")
+    with open(path + ".json", "w") as f:
+        json.dump(report, f, indent=1)
+    plot(rows, path + ".png", f"{a.model}: NEXTN on {len(prompts)} held-out prompts, {device}")
+    print(f"wrote {path}.json")
+    return report
+
+
+if __name__ == "__main__":
+    main()

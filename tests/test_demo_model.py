@@ -1,0 +1,79 @@
+"""The shipped demo checkpoint (models/ling-demo): loads, NEXTN is lossless on it, drafts get accepted, and its
+tokenizer round-trips held-out stdlib files."""
+
+import functools
+import os
+
+import jax.numpy as jnp
+import pytest
+
+from ling_jax.config import load_config
+from ling_jax.runner import Generator
+from ling_jax.spec import SpecConfig
+from ling_jax.tokenizer import load_tokenizer
+from ling_jax.train import corpus
+from ling_jax.weights import load_params
+
+MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "ling-demo")
+NEW_TOKENS = 64
+
+pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(MODEL, "model.safetensors")),
+                                reason="models/ling-demo is not checked out")
+
+
+@functools.lru_cache(maxsize=None)
+def model():
+    cfg = load_config(MODEL)
+    return cfg, load_params(cfg, MODEL, dtype=jnp.bfloat16), load_tokenizer(MODEL)
+
+
+def heldout_texts() -> list[str]:
+    root, paths = corpus.stdlib_files()
+    out = []
+    for p in paths:
+        if corpus.heldout(p, 2):
+            with open(os.path.join(root, p), "rb") as f:
+                try:
+                    out.append(f.read().decode("utf-8"))
+                except UnicodeDecodeError:
+                    pass
+    return out
+
+
+def heldout_prompt(n: int = 32) -> list[int]:
+    """n tokens from inside the held-out file http/client.py (a function body: code, not license text)."""
+    _, _, tok = model()
+    root, _ = corpus.stdlib_files()
+    text = open(os.path.join(root, "http", "client.py"), encoding="utf-8").read()
+    start = text.index("    def _read_status(self):")
+    return tok.encode(text[start:])[:n]
+
+
+def test_checkpoint_config_and_tokenizer():
+    cfg, params, tok = model()
+    assert cfg.vocab_size == 4096 and cfg.num_nextn_predict_layers == 1 and cfg.eos_token_id == 0
+    assert params["embed"].dtype == jnp.bfloat16 and params["mtp"][0]["mlp"]["expert_bias"].dtype == jnp.float32
+    assert tok.eos_ids == (0,) and tok.token_id("<|pad|>") == 1
+    assert "<|assistant|>" in tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_tokenizer_round_trips_heldout_files():
+    _, _, tok = model()
+    texts = heldout_texts()
+    assert len(texts) >= 5
+    for text in texts:
+        assert tok.decode(tok.encode(text)) == text
+
+
+def test_nextn_is_lossless_and_accepts_drafts():
+    cfg, params, _ = model()
+    prompt = heldout_prompt()
+    max_len = 160
+    plain, _ = Generator(cfg, params, max_len=max_len).generate(prompt, max_new_tokens=NEW_TOKENS, stop_token_ids=())
+    assert len(plain) == NEW_TOKENS
+    for k in (1, 5):
+        out, stats = Generator(cfg, params, spec=SpecConfig("NEXTN", k), max_len=max_len).generate(
+            prompt, max_new_tokens=NEW_TOKENS, stop_token_ids=())
+        assert out == plain, f"NEXTN steps={k} differs from plain greedy"
+        if k == 5:
+            assert stats.mean_accept_length > 1.5, stats.as_dict()
