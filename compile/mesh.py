@@ -12,19 +12,14 @@ from jax.sharding import Mesh
 
 from compile.sharding import TP
 
-_initialized = False
-
-
 def init_distributed(coordinator: str | None = None, num_processes: int | None = None,
                      process_id: int | None = None, local_device_ids=None) -> None:
     """`jax.distributed.initialize` once per process (before any other JAX call touches a device). Arguments
     left None are discovered from the environment (SLURM, Open MPI, or JAX_COORDINATOR_ADDRESS etc.)."""
-    global _initialized
-    if _initialized:
+    if jax.distributed.is_initialized():
         return
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
                                process_id=process_id, local_device_ids=local_device_ids)
-    _initialized = True
 
 
 def make_mesh(tp_size: int, multi_host: bool = False, coordinator: str | None = None,
