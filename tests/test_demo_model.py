@@ -2,6 +2,7 @@
 tokenizer round-trips held-out stdlib files."""
 
 import functools
+import json
 import os
 
 import jax.numpy as jnp
@@ -23,8 +24,11 @@ pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(MODEL, "model.sa
 
 @functools.lru_cache(maxsize=None)
 def model():
+    """The bf16 checkpoint upcast (exactly) to float32: in fp32 the 1-row decode and the multi-row verify agree to
+    rounding, so greedy NEXTN must equal plain greedy token for token. (In bf16 they round differently and
+    near-tied greedy choices can flip; bench/eval_accept.py --dtype bfloat16 reports how often.)"""
     cfg = load_config(MODEL)
-    return cfg, load_params(cfg, MODEL, dtype=jnp.bfloat16), load_tokenizer(MODEL)
+    return cfg, load_params(cfg, MODEL, dtype=jnp.float32), load_tokenizer(MODEL)
 
 
 def heldout_texts() -> list[str]:
@@ -52,7 +56,9 @@ def heldout_prompt(n: int = 32) -> list[int]:
 def test_checkpoint_config_and_tokenizer():
     cfg, params, tok = model()
     assert cfg.vocab_size == 4096 and cfg.num_nextn_predict_layers == 1 and cfg.eos_token_id == 0
-    assert params["embed"].dtype == jnp.bfloat16 and params["mtp"][0]["mlp"]["expert_bias"].dtype == jnp.float32
+    with open(os.path.join(MODEL, "config.json")) as f:
+        assert json.load(f)["torch_dtype"] == "bfloat16"
+    assert params["mtp"][0]["mlp"]["expert_bias"].dtype == jnp.float32
     assert tok.eos_ids == (0,) and tok.token_id("<|pad|>") == 1
     assert "<|assistant|>" in tok.apply_chat_template([{"role": "user", "content": "hi"}])
 
@@ -69,10 +75,11 @@ def test_nextn_is_lossless_and_accepts_drafts():
     cfg, params, _ = model()
     prompt = heldout_prompt()
     max_len = 160
-    plain, _ = Generator(cfg, params, max_len=max_len).generate(prompt, max_new_tokens=NEW_TOKENS, stop_token_ids=())
+    plain, _ = Generator(cfg, params, max_len=max_len, dtype=jnp.float32).generate(
+        prompt, max_new_tokens=NEW_TOKENS, stop_token_ids=())
     assert len(plain) == NEW_TOKENS
     for k in (1, 5):
-        out, stats = Generator(cfg, params, spec=SpecConfig("NEXTN", k), max_len=max_len).generate(
+        out, stats = Generator(cfg, params, spec=SpecConfig("NEXTN", k), max_len=max_len, dtype=jnp.float32).generate(
             prompt, max_new_tokens=NEW_TOKENS, stop_token_ids=())
         assert out == plain, f"NEXTN steps={k} differs from plain greedy"
         if k == 5:
