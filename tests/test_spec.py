@@ -184,3 +184,17 @@ def test_run_ahead_dispatches_next_step_before_reading_previous(monkeypatch):
     for k in reads:
         if k + 1 < len(outs):  # every read but possibly the last: step k+1 was already dispatched
             assert events.index(("dispatch", k + 1)) < events.index(("read", k))
+
+
+def test_while_loop_generation_equals_host_loop():
+    """The benchmark variant (every step inside one lax.while_loop) emits the host loop's greedy tokens."""
+    from ling_jax.runner import generate_on_device
+
+    gen = generator("test-wide", 2, 3)
+    host, _ = generator("test-wide", 2, 0).generate(PROMPTS[0], max_new_tokens=60, stop_token_ids=())
+    state, first = gen.prefill(PROMPTS[0], SamplingParams.make(), jax.random.key(0), True)
+    run = generate_on_device(gen.cfg, gen.spec, n_steps=12)
+    _, buf, count = run(gen.params, state)
+    emitted = [int(first[0])] + [int(t) for t in np.asarray(buf[0, : int(count[0])])]
+    assert 12 <= int(count[0]) <= 48
+    assert emitted == host[: len(emitted)]
