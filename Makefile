@@ -14,4 +14,4 @@ run: setup
 	  --speculative-algorithm NEXTN --speculative-num-steps 5 --speculative-eagle-topk 1 \
 	  --speculative-num-draft-tokens 6
 test: setup-dev
-	$(PY) -m pytest -q --timeout 1200 --durations=25 tests
+	$(PY) -m pytest --timeout 1200 --durations=25 tests
