@@ -1,0 +1,246 @@
+"""KDA (Kimi Delta Attention) prefill: the chunked UT form, chunk 64, as one Pallas (Triton) kernel.
+
+Shape legend: B batch, T positions, H heads, Dk key dim, Dv value dim, L chunk (64), M sub-chunk (16),
+BV value columns of one program.
+
+Inputs are the per-position tensors after conv, norms and gates (the contract of ling_jax's
+`kda_recurrent` / `kda_chunked`): q [B,T,H,Dk] (l2-normed AND scaled by Dk^-0.5), k [B,T,H,Dk]
+(l2-normed), v [B,T,H,Dv], g [B,T,H,Dk] log-decays in (lower_bound, 0) fp32, beta [B,T,H] fp32,
+initial state [B,H,Dk,Dv] fp32 (or None = zeros). Per head (all fp32):
+    S_t = (I - b_t k_t k_t^T) Diag(e^g_t) S_{t-1} + b_t k_t v_t^T          o_t = S_t^T q_t
+
+Chunk form (G = cumsum(g) from the chunk start, S0 the state entering the chunk):
+    A[t,s]  = b_t sum_c k_t k_s e^(G_t - G_s)   (s < t)      (I + A) U = b (V - (k e^G) S0)
+    Aqk[t,s] = sum_c q_t k_s e^(G_t - G_s)        (s <= t)
+    o = (q e^G) S0 + Aqk U                       S_L = e^(G_L) S0 + (k e^(G_L - G))^T U
+
+Overflow-safe pairwise decays (the model forms e^(G_t - G_s) per pair, [L, L, Dk]; a kernel wants
+matmuls): split the chunk into four sub-chunks of M = 16 rows. For row block i let n_i be the
+cumulative log-decay just before its first row. Then
+    e^(G_t - G_s) = e^(G_t - n_i) * e^(n_i - G_s),     t in block i, s in block j <= i,
+and both factors are bounded: e^(G_t - n_i) in (e^-80, 1] (at most 16 steps of g > -5), and
+e^(n_i - G_s) <= 1 for j < i, < e^80 for j = i (finite in fp32; pairs s > t are masked after the dot,
+their magnitude stays < 128 e^75). So each [M, M] block of A and Aqk is one tensor-core dot
+    (k_i e^(G_i - n_i)) (k_j e^(n_i - G_j))^T.
+Every exponent is formed from sums of g over sub-chunks (never the difference of two long cumulative
+sums where avoidable), so its rounding error scales with the exponent itself.
+
+Triangular solve, block forward substitution over the 4 row blocks:
+    U_i = (I + A_ii)^-1 (R_i - sum_{j<i} A_ij U_j)
+with the 16x16 unit-lower inverse applied as the exact finite Neumann product (A_ii^16 = 0):
+    (I + N)^-1 = (I - N)(I + N^2)(I + N^4)(I + N^8)
+i.e. 3 squarings and 4 small dots instead of 16 dependent row steps.
+
+Kernel (Triton): grid (B, H, Dv/BV); each program keeps its [Dk, BV] state tile in registers and
+walks the chunks in order (lax.fori_loop). The A blocks depend only on (q, k, g, beta), so the Dv/BV
+programs of a head recompute them (no inter-program traffic). T need not be a multiple of 64: the
+last chunk's missing rows load as zeros (g = 0, beta = 0: no-ops) and are not stored.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+CHUNK, SUB = 64, 16
+_PRECISIONS = {"ieee": lax.Precision.HIGHEST, "tf32": lax.Precision.DEFAULT}
+
+
+@dataclasses.dataclass(frozen=True)
+class KdaPrefillConfig:
+  """Tiling for the Triton KDA prefill kernel.
+
+  Attributes:
+    block_v: value columns per program (power of 2, >= 16, dividing Dv).
+    num_warps: Triton warps per program.
+    precision: "ieee" (fp32 dots, matches the jnp reference to ~1e-6) or "tf32" (tensor-core
+      tf32 inputs, fp32 accumulate; ~1e-3 relative).
+    interpret: run in the Pallas interpreter (CPU tests).
+  """
+  block_v: int = 32
+  num_warps: int = 4
+  precision: str = "ieee"
+  interpret: bool = False
+
+  def __post_init__(self):
+    if self.block_v < 16 or self.block_v & (self.block_v - 1):
+      raise ValueError(f"block_v={self.block_v} must be a power of 2 >= 16 (tl.dot minimum)")
+    if self.precision not in _PRECISIONS:
+      raise ValueError(f"precision={self.precision!r} must be one of {sorted(_PRECISIONS)}")
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def _chunk_reference(s0, xs):
+  """One chunk with exact pairwise decays. s0 [B,H,Dk,Dv]; q,k,g [B,H,L,Dk]; v [B,H,L,Dv]; b [B,H,L]."""
+  q, k, v, g, b = xs
+  n = q.shape[-2]
+  gc = jnp.cumsum(g, axis=-2)                                           # G [B,H,L,Dk]
+  t_ge_s = jnp.arange(n)[:, None] >= jnp.arange(n)[None, :]             # [L(t), L(s)]
+  diff = gc[..., :, None, :] - gc[..., None, :, :]                      # G_t - G_s [B,H,L,L,Dk]
+  dec = jnp.exp(jnp.where(t_ge_s[..., None], diff, -jnp.inf))           # e^(G_t-G_s), s <= t
+  hi = lax.Precision.HIGHEST
+  a = jnp.einsum("bhtc,bhsc,bhtsc->bhts", k, k, dec, precision=hi)
+  a = b[..., None] * jnp.where(jnp.eye(n, dtype=bool), 0.0, a)          # strictly lower, * b_t
+  rhs = b[..., None] * (v - jnp.einsum("bhtk,bhkv->bhtv", k * jnp.exp(gc), s0, precision=hi))
+  u = jax.scipy.linalg.solve_triangular(jnp.eye(n) + a, rhs, lower=True, unit_diagonal=True)
+  aqk = jnp.einsum("bhtc,bhsc,bhtsc->bhts", q, k, dec, precision=hi)
+  o = (jnp.einsum("bhtk,bhkv->bhtv", q * jnp.exp(gc), s0, precision=hi)
+       + jnp.einsum("bhts,bhsv->bhtv", aqk, u, precision=hi))
+  g_end = gc[..., -1:, :]                                               # [B,H,1,Dk]
+  s = (jnp.exp(g_end)[..., 0, :, None] * s0
+       + jnp.einsum("bhsk,bhsv->bhkv", k * jnp.exp(g_end - gc), u, precision=hi))
+  return s, o
+
+
+def kda_prefill_reference(q, k, v, g, beta, initial_state=None, *, config=None):
+  """Pure-jnp chunked KDA (chunk 64, exact pairwise decays). Same signature as `kda_prefill`.
+
+  q, k [B,T,H,Dk] (q pre-scaled), v [B,T,H,Dv], g [B,T,H,Dk], beta [B,T,H], initial_state
+  [B,H,Dk,Dv] or None. Returns o [B,T,H,Dv] f32 and the final state [B,H,Dk,Dv] f32.
+  """
+  del config
+  bsz, t, h, dk = q.shape
+  dv = v.shape[-1]
+  s0 = (jnp.zeros((bsz, h, dk, dv), jnp.float32) if initial_state is None
+        else initial_state.astype(jnp.float32))
+  n = -(-t // CHUNK)
+  pad = n * CHUNK - t                       # padded rows: g = 0, beta = 0 leave S unchanged
+
+  def prep(a):                              # [B,T,H,...] -> [N,B,H,L,...] f32
+    a = jnp.pad(a.astype(jnp.float32), [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
+    a = a.reshape((bsz, n, CHUNK) + a.shape[2:])
+    return jnp.moveaxis(jnp.moveaxis(a, 1, 0), 2, 3)
+
+  s, o = lax.scan(_chunk_reference, s0, tuple(map(prep, (q, k, v, g, beta))))
+  o = jnp.moveaxis(jnp.moveaxis(o, 0, 1), 2, 3).reshape(bsz, n * CHUNK, h, dv)[:, :t]
+  return o, s
+
+
+# ----------------------------------------------------------------------------- kernel
+
+
+def _unit_lower_solve(nmat, r, dot):
+  """(I + N)^-1 r for strictly lower N [M,M] (N^16 = 0): (I - N)(I + N^2)(I + N^4)(I + N^8) r."""
+  n2 = dot(nmat, nmat)
+  n4 = dot(n2, n2)
+  n8 = dot(n4, n4)
+  r = r + dot(n8, r)
+  r = r + dot(n4, r)
+  r = r + dot(n2, r)
+  return r - dot(nmat, r)
+
+
+def _prefill_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, s0_ref, o_ref, s_ref, *, t_len, dk, bv,
+                    precision):
+  b, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  cols = pl.ds(vb * bv, bv)
+  f32 = jnp.float32
+  prec = _PRECISIONS[precision]
+  dot = lambda x, y: jnp.dot(x, y, precision=prec, preferred_element_type=f32)
+  dot_nt = lambda x, y: lax.dot_general(x, y, (((1,), (1,)), ((), ())), precision=prec,
+                                        preferred_element_type=f32)      # x @ y^T
+  dot_tn = lambda x, y: lax.dot_general(x, y, (((0,), (0,)), ((), ())), precision=prec,
+                                        preferred_element_type=f32)      # x^T @ y
+  row = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
+  col = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
+  incl, strict = row >= col, row > col
+  rows = lax.broadcasted_iota(jnp.int32, (SUB,), 0)
+  nsub = CHUNK // SUB
+
+  def chunk(c, s0):                                                    # s0 [Dk, BV]
+    qs, ks, gls, tots, rs, betas = [], [], [], [], [], []
+    for i in range(nsub):                                              # loads, local cumsums
+      t0 = c * CHUNK + i * SUB
+      live = rows + t0 < t_len                                         # [M]
+      m2 = jnp.broadcast_to(live[:, None], (SUB, dk))
+      ld = lambda ref, m, cs=slice(None): plt.load(ref.at[b, pl.ds(t0, SUB), h, cs], mask=m,
+                                                   other=0.0).astype(f32)
+      qs.append(ld(q_ref, m2))
+      ks.append(ld(k_ref, m2))
+      gi = ld(g_ref, m2)
+      gls.append(jnp.cumsum(gi, axis=0))                               # G - n_i  [M, Dk]
+      tots.append(jnp.sum(gi, axis=0))                                 # n_{i+1} - n_i  [Dk]
+      vi = ld(v_ref, jnp.broadcast_to(live[:, None], (SUB, bv)), cols)
+      betas.append(plt.load(b_ref.at[b, pl.ds(t0, SUB), h], mask=live, other=0.0).astype(f32))
+      rs.append(vi)
+    base = [jnp.zeros((dk,), f32)]                                     # n_i (chunk-relative)
+    for i in range(nsub):
+      base.append(base[-1] + tots[i])
+
+    def span(j, i):                                                    # n_i - n_j = sum tots[j:i]
+      acc = jnp.zeros((dk,), f32)
+      for m in range(j, i):
+        acc = acc + tots[m]
+      return acc
+
+    us, os_ = [], []
+    for i in range(nsub):
+      e_i = jnp.exp(gls[i])                                            # e^(G_t - n_i) <= 1
+      eg = jnp.exp(base[i])[None, :] * e_i                             # e^(G_t), chunk-relative
+      kr, qr = ks[i] * e_i, qs[i] * e_i
+      r = betas[i][:, None] * (rs[i] - dot(ks[i] * eg, s0))            # b (v - (k e^G) S0)
+      o = dot(qs[i] * eg, s0)                                          # (q e^G) S0
+      aqk = []
+      for j in range(i + 1):
+        kc = ks[j] * jnp.exp(span(j, i)[None, :] - gls[j])            # k_s e^(n_i - G_s)
+        a_kk = dot_nt(kr, kc)                                          # [M(t), M(s)]
+        a_qk = dot_nt(qr, kc)
+        if j < i:
+          r = r - dot(betas[i][:, None] * a_kk, us[j])
+        else:
+          a_ii = betas[i][:, None] * jnp.where(strict, a_kk, 0.0)
+          a_qk = jnp.where(incl, a_qk, 0.0)
+        aqk.append(a_qk)
+      u_i = _unit_lower_solve(a_ii, r, dot)                            # [M, BV]
+      us.append(u_i)
+      for j in range(i + 1):
+        o = o + dot(aqk[j], us[j])
+      os_.append(o)
+    s_new = jnp.exp(base[nsub])[:, None] * s0                          # e^(G_L) S0
+    for j in range(nsub):
+      kd = ks[j] * jnp.exp(span(j, nsub)[None, :] - gls[j])           # k e^(G_L - G_s)
+      s_new = s_new + dot_tn(kd, us[j])
+    for i in range(nsub):
+      t0 = c * CHUNK + i * SUB
+      live = rows + t0 < t_len
+      plt.store(o_ref.at[b, pl.ds(t0, SUB), h, cols], os_[i],
+                mask=jnp.broadcast_to(live[:, None], (SUB, bv)))
+    return s_new
+
+  s0 = s0_ref[b, h, :, cols].astype(f32)
+  s_ref[b, h, :, cols] = lax.fori_loop(0, pl.cdiv(t_len, CHUNK), chunk, s0)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def kda_prefill(q, k, v, g, beta, initial_state=None, *, config=None):
+  """Pallas (Triton) chunked KDA; same signature and results as `kda_prefill_reference`.
+
+  q, k [B,T,H,Dk] (q pre-scaled), v [B,T,H,Dv], g [B,T,H,Dk] fp32, beta [B,T,H] fp32 (any float
+  dtype is upcast), initial_state [B,H,Dk,Dv] f32 or None (zeros).
+  Returns o [B,T,H,Dv] f32 and the final state [B,H,Dk,Dv] f32.
+  """
+  cfg = config or KdaPrefillConfig()
+  bsz, t, h, dk = q.shape
+  dv = v.shape[-1]
+  assert k.shape == g.shape == q.shape and v.shape == (bsz, t, h, dv), (q.shape, v.shape, g.shape)
+  assert beta.shape == (bsz, t, h), beta.shape
+  assert dv % cfg.block_v == 0 and dk >= 16 and dk & (dk - 1) == 0, (dk, dv, cfg.block_v)
+  f32 = jnp.float32
+  s0 = jnp.zeros((bsz, h, dk, dv), f32) if initial_state is None else initial_state.astype(f32)
+  assert s0.shape == (bsz, h, dk, dv), s0.shape
+  kern = functools.partial(_prefill_kernel, t_len=t, dk=dk, bv=cfg.block_v,
+                           precision=cfg.precision)
+  return pl.pallas_call(
+      kern, grid=(bsz, h, dv // cfg.block_v),
+      out_shape=(jax.ShapeDtypeStruct((bsz, t, h, dv), f32),
+                 jax.ShapeDtypeStruct((bsz, h, dk, dv), f32)),
+      compiler_params=plt.CompilerParams(num_warps=cfg.num_warps, num_stages=1),
+      interpret=cfg.interpret, name="kda_prefill",
+  )(q, k, v, g, beta, s0)
