@@ -1,0 +1,269 @@
+"""Routed + shared MoE for small token counts: Mosaic GPU (Hopper: TMA + wgmma), swap-AB.
+
+Shape legend: T tokens, N token columns (T padded to 64), D hidden, A experts per token,
+E experts, I expert width, P = T*A (token, expert) pairs, S = P + 1 expert slots (slot P is
+the shared expert), BI/BK up tiles, BD/BKD down tiles, KS the fixed split of I in the down GEMM.
+
+Math (same as `pallas_kernels.moe.moe_reference`; clamp L > 0 only when on):
+  g = W_gate[e] @ x^T ; u = W_up[e] @ x^T                          [I, N] fp32 (wgmma)
+  h = silu(min(g, L)) * clip(u, -L, L)   (routed)                    h = min(silu(g), Ls) * clip(u, ±Ls) (shared)
+  h'[s] = bf16(wc[s] * h)         wc[s, t] = routing weight of token t on slot s's expert (0: not picked)
+  out^T = sum_s W_down[e_s] @ h'[s]                                  [D, N] fp32, one accumulator
+
+Kernel plan (the weights are the wgmma M side, the few tokens the N side; no host sync, no limit on E):
+  0. align (XLA on device): sort the P expert ids; each distinct id gets a slot s < n_active in
+     ascending expert order (an expert picked by several tokens, or twice, is read once);
+     wc [S, N] is a one-hot reduction (no scatter, no atomics).
+  1. `moe_mgpu_up`, grid (S, I/BI): slot s streams its expert's [BI, D] gate and up rows once
+     through a TMA pipeline; epilogue SwiGLU(+clamp) * wc -> h' [S, I, N] bf16. Empty slots exit.
+  2. `moe_mgpu_down`, grid (D/BD, KS): one accumulator [BD, N] runs over every active slot in
+     ascending expert order, then the shared slot: the routing-weighted combine is this sum.
+  3. out = sum of the KS partials in a fixed order, transposed to [T, D] (one XLA fusion).
+Batch invariance: column t only gets its own experts' products (the others add exact zeros),
+in ascending expert order, over a fixed I split; no float atomics anywhere.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.moe import _dense_expert, _swiglu, moe_reference  # noqa: F401  (reference re-export)
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicMoeConfig:
+  """Tiling for the Mosaic GPU MoE.
+
+  Attributes:
+    block_i: up GEMM: expert rows per CTA (wgmma M; multiple of 64).
+    block_k: up GEMM: reduction tile over D per pipeline step (multiple of 64: 128 B swizzle).
+    up_stages: up GEMM: TMA pipeline depth (SMEM slots in flight).
+    block_d: down GEMM: output rows of D per CTA (wgmma M; multiple of 64).
+    block_kd: down GEMM: reduction tile over I per pipeline step (multiple of 64).
+    split_k: down GEMM: I is cut into this many fixed chunks (one CTA each; partials summed in
+      a fixed order, so the result does not depend on the batch).
+    down_stages: down GEMM: TMA pipeline depth.
+    n_tokens: token columns N (wgmma N; multiple of 64 so h' tiles take the 128 B swizzle; T <= N).
+    interpret: run in the Mosaic GPU interpreter (CPU tests).
+  """
+  block_i: int = 64
+  block_k: int = 128
+  up_stages: int = 4
+  block_d: int = 64
+  block_kd: int = 128
+  split_k: int = 3
+  down_stages: int = 4
+  n_tokens: int = 64
+  interpret: bool = False
+
+  def __post_init__(self):
+    for name in ("block_i", "block_k", "block_d", "block_kd", "n_tokens"):
+      v = getattr(self, name)
+      if v <= 0 or v % 64:
+        raise ValueError(f"{name}={v} must be a positive multiple of 64")
+    if self.n_tokens > 256:
+      raise ValueError(f"n_tokens={self.n_tokens} must be <= 256 (wgmma N)")
+    for name in ("up_stages", "down_stages", "split_k"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+
+  def check(self, t: int, d: int, i: int):
+    for name, blk, dim in (("block_i", self.block_i, i), ("block_k", self.block_k, d),
+                           ("block_d", self.block_d, d),
+                           ("block_kd * split_k", self.block_kd * self.split_k, i)):
+      if dim % blk:
+        raise ValueError(f"{name}={blk} must divide {dim}")
+    if t > self.n_tokens:
+      raise ValueError(f"T={t} tokens exceed n_tokens={self.n_tokens}; raise n_tokens (<= 256)")
+
+
+# ----------------------------------------------------------------------------- alignment
+
+
+def _align(topk_ids, topk_weights, n, has_shared):
+  """Dedupe the P expert ids on device.
+
+  Returns meta [1 + P] int32 = (n_active, expert of slot 0..P-1; slots >= n_active hold 0)
+  and wc [P + 1, N] f32: wc[s, t] = sum of token t's routing weights on slot s's expert; row P is
+  the shared expert (1 for real tokens, 0 otherwise).
+  """
+  t, a = topk_ids.shape
+  p = t * a
+  flat = topk_ids.reshape(p).astype(jnp.int32)
+  keys = jnp.sort(flat * p + jnp.arange(p, dtype=jnp.int32))         # expert-major, stable
+  order, e_sorted = keys % p, keys // p                               # [P] pair, expert
+  is_start = jnp.concatenate([jnp.ones((1,), bool), e_sorted[1:] != e_sorted[:-1]])
+  slot_sorted = jnp.cumsum(is_start.astype(jnp.int32)) - 1           # [P] slot of sorted pair
+  n_active = slot_sorted[-1] + 1
+  # slot -> expert: the first sorted pair of each slot (a one-hot max, no scatter).
+  hit = (slot_sorted[None, :] == jnp.arange(p)[:, None]) & is_start[None, :]   # [S', P]
+  slot_expert = jnp.max(jnp.where(hit, e_sorted[None, :], 0), axis=1)
+  tok = order // a                                                    # [P]
+  w = topk_weights.reshape(p).astype(jnp.float32)[order]              # [P]
+  # wc[s, c] = sum_j [slot_j == s][tok_j == c] w_j : one fused reduction, fixed order.
+  onehot_s = slot_sorted[None, None, :] == jnp.arange(p)[:, None, None]       # [P, 1, P]
+  onehot_t = tok[None, None, :] == jnp.arange(n)[None, :, None]              # [1, N, P]
+  wc = jnp.sum(jnp.where(onehot_s & onehot_t, w[None, None, :], 0.0), axis=2)  # [P, N]
+  shared_row = (jnp.arange(n) < t).astype(jnp.float32) * float(has_shared)
+  wc = jnp.concatenate([wc, shared_row[None]])                        # [S, N]
+  meta = jnp.concatenate([n_active[None], slot_expert]).astype(jnp.int32)
+  return meta, wc
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+def _load_row(src_gmem, n):
+  """wc row [N] f32 from GMEM via SMEM (TMA + barrier)."""
+  def scope(row_smem, bar):
+    plgpu.copy_gmem_to_smem(src_gmem, row_smem, bar)
+    plgpu.barrier_wait(bar)
+    return row_smem[...]
+  return pl.run_scoped(scope, plgpu.SMEM((n,), jnp.float32), plgpu.Barrier(num_barriers=1))
+
+
+def _up_slot(wg_gmem, wu_gmem, x_gmem, wc_gmem, h_gmem, s, ib, *, cfg, d, limit, shared):
+  """h'[s, ib*BI:(ib+1)*BI, :] = wc[s] * SwiGLU(wg_tile @ x^T, wu_tile @ x^T)."""
+  bi, bk, n = cfg.block_i, cfg.block_k, cfg.n_tokens
+
+  def acc_scope(acc_g, acc_u):
+    def step(_, g_smem, u_smem, x_smem):
+      plgpu.wgmma(acc_g, g_smem, x_smem.transpose((1, 0)))            # [BI, BK] @ [BK, N]
+      plgpu.wgmma(acc_u, u_smem, x_smem.transpose((1, 0)))
+
+    spec = lambda shape, imap: plgpu.BlockSpec(shape, imap, delay_release=1)
+    plgpu.emit_pipeline(
+        step, grid=(d // bk,),
+        in_specs=[spec((bi, bk), lambda k: (ib, k)), spec((bi, bk), lambda k: (ib, k)),
+                  spec((n, bk), lambda k: (0, k))],
+        max_concurrent_steps=cfg.up_stages,
+    )(wg_gmem, wu_gmem, x_gmem)
+    return acc_g[...], acc_u[...]
+
+  g, u = pl.run_scoped(acc_scope, plgpu.ACC((bi, n)), plgpu.ACC((bi, n)))
+  wc = _load_row(wc_gmem.at[s], n)                                    # [N]
+  h = _swiglu(g, u, limit, shared) * lax.broadcast_in_dim(wc, (bi, n), (1,))
+
+  def store(h_smem):
+    h_smem[...] = h.astype(h_smem.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(h_smem, h_gmem.at[s, pl.ds(ib * bi, bi), :])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  pl.run_scoped(store, plgpu.SMEM((bi, n), h_gmem.dtype))
+
+
+def _up_kernel(meta, x_gmem, wc_gmem, wg_gmem, wu_gmem, *rest, cfg, d, p, limit, shared_limit,
+               has_shared):
+  swg, swu, h_gmem = rest if has_shared else (None, None, rest[0])
+  s, ib = lax.axis_index("s"), lax.axis_index("i")
+  up = functools.partial(_up_slot, x_gmem=x_gmem, wc_gmem=wc_gmem, h_gmem=h_gmem, s=s, ib=ib,
+                         cfg=cfg, d=d)
+
+  @pl.when(s < meta[0])
+  def _routed():
+    e = meta[1 + s]
+    up(wg_gmem.at[e], wu_gmem.at[e], limit=limit, shared=False)
+
+  if has_shared:
+    @pl.when(s == p)
+    def _shared():
+      up(swg, swu, limit=shared_limit, shared=True)
+
+
+def _down_kernel(meta, h_gmem, wd_gmem, *rest, cfg, d, i, p, has_shared):
+  """out_part[ks, db*BD:(db+1)*BD, :] = sum_s W_down[e_s][rows, chunk ks] @ h'[s, chunk ks]."""
+  swd, out_gmem = rest if has_shared else (None, rest[0])
+  db, ks = lax.axis_index("d"), lax.axis_index("k")
+  bd, bkd, n = cfg.block_d, cfg.block_kd, cfg.n_tokens
+  kper = i // (cfg.split_k * bkd)                   # pipeline steps per slot
+  k0 = ks * kper                                    # first I block of this CTA's chunk
+  spec = lambda shape, imap: plgpu.BlockSpec(shape, imap, delay_release=1)
+
+  def acc_scope(acc):
+    def step(_, w_smem, h_smem):
+      plgpu.wgmma(acc, w_smem, h_smem)                                # [BD, BKD] @ [BKD, N]
+
+    # Routed: step j -> slot j // kper (ascending expert), I block k0 + j % kper.
+    # wd_gmem is [E * D, I]; h_gmem is [S * I, N].
+    plgpu.emit_pipeline(
+        step, grid=(meta[0] * kper,),
+        in_specs=[
+            spec((bd, bkd), lambda j: (meta[1 + j // kper] * (d // bd) + db, k0 + j % kper)),
+            spec((bkd, n), lambda j: ((j // kper) * (i // bkd) + k0 + j % kper, 0))],
+        max_concurrent_steps=cfg.down_stages,
+    )(wd_gmem, h_gmem)
+    if has_shared:
+      plgpu.emit_pipeline(
+          step, grid=(kper,),
+          in_specs=[spec((bd, bkd), lambda j: (db, k0 + j)),
+                    spec((bkd, n), lambda j: (p * (i // bkd) + k0 + j, 0))],
+          max_concurrent_steps=cfg.down_stages,
+      )(swd, h_gmem)
+    return acc[...]
+
+  out = pl.run_scoped(acc_scope, plgpu.ACC((bd, n)))
+
+  def store(o_smem):
+    o_smem[...] = out
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[ks, pl.ds(db * bd, bd), :])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  pl.run_scoped(store, plgpu.SMEM((bd, n), jnp.float32))
+
+
+# ----------------------------------------------------------------------------- wrapper
+
+
+@functools.partial(jax.jit, static_argnames=("limit", "shared_limit", "config"))
+def moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, limit=0.0, shared=None,
+        shared_limit=0.0, config=None):
+  """Mosaic GPU MoE; same signature and result as `moe_reference` (bf16 / f16 operands)."""
+  cfg = config or MosaicMoeConfig()
+  t, d = x.shape
+  e, i, d2 = w_gate.shape
+  a = topk_ids.shape[1]
+  assert d2 == d and w_up.shape == w_gate.shape and w_down.shape == (e, d, i), (
+      x.shape, w_gate.shape, w_up.shape, w_down.shape)
+  if x.dtype not in (jnp.bfloat16, jnp.float16) or w_gate.dtype != x.dtype:
+    raise ValueError(f"x {x.dtype} / weights {w_gate.dtype}: the wgmma path takes bf16 or f16 "
+                     "(f32 would run as tf32); use pallas_kernels.moe.moe for f32")
+  cfg.check(t, d, i)
+  if shared is not None and shared[0].shape[0] != i:
+    # Shared width differs: run it as its own dense XLA expert (weight 1) and add.
+    routed = moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, limit=limit, config=cfg)
+    sh = _dense_expert(x, *shared, shared_limit, True)
+    return (routed.astype(jnp.float32) + sh).astype(x.dtype)
+
+  has_shared, p, n = shared is not None, t * a, cfg.n_tokens
+  meta, wc = _align(topk_ids, topk_weights, n, has_shared)            # [1+P], [S, N]
+  x_pad = jnp.pad(x, ((0, n - t), (0, 0)))                            # [N, D]
+  interp = plgpu.InterpretGPUParams() if cfg.interpret else None
+  params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+
+  up = plgpu.kernel(
+      functools.partial(_up_kernel, cfg=cfg, d=d, p=p, limit=float(limit),
+                        shared_limit=float(shared_limit), has_shared=has_shared),
+      out_type=jax.ShapeDtypeStruct((p + 1, i, n), x.dtype),
+      grid=(p + 1, i // cfg.block_i), grid_names=("s", "i"),
+      compiler_params=params, interpret=interp)
+  h = up(meta, x_pad, wc, w_gate, w_up, *(shared[:2] if has_shared else ()))  # [S, I, N]
+
+  down = plgpu.kernel(
+      functools.partial(_down_kernel, cfg=cfg, d=d, i=i, p=p, has_shared=has_shared),
+      out_type=jax.ShapeDtypeStruct((cfg.split_k, d, n), jnp.float32),
+      grid=(d // cfg.block_d, cfg.split_k), grid_names=("d", "k"),
+      compiler_params=params, interpret=interp)
+  parts = down(meta, h.reshape((p + 1) * i, n), w_down.reshape(e * d, i),
+               *(shared[2:] if has_shared else ()))                  # [KS, D, N]
+  out = parts[0]
+  for k in range(1, cfg.split_k):                                     # fixed order
+    out = out + parts[k]
+  return out[:, :t].T.astype(x.dtype)
