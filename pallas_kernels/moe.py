@@ -1,8 +1,9 @@
-"""Routed + shared MoE: a Pallas (Triton) kernel pair that reads only the activated experts.
+"""Routed + shared MoE: Pallas (Triton) kernels that read only the activated experts.
 
 Shape legend: T tokens, D hidden, A experts per token, E experts, I expert width,
-P = T*A (token, expert) pairs, S = P (+ T rows for the shared expert) segment slots,
-M rows per block inside one expert segment.
+P = T*A (token, expert) pairs, S = P (+1 slot for the shared expert) segment slots,
+R = P (+T rows for the shared expert) sorted rows, M rows per block inside one segment,
+T' = T padded to a power of 2, BD / BDC output tiles over D.
 
 Math (per token t, chosen experts e_a with weights w_a, clamp L > 0 only when on):
   g = x @ w_gate[e].T ; u = x @ w_up[e].T                  (fp32 accumulate)
@@ -11,15 +12,26 @@ Math (per token t, chosen experts e_a with weights w_a, clamp L > 0 only when on
   out[t] = sum_a w_a * (h_a @ w_down[e_a].T) + shared(x_t)  (fp32, returned in x.dtype)
 
 Kernel plan (no host sync, no limit on E):
-  1. on device, argsort the P pairs by expert id; each run of equal ids is a segment;
-     segment s has (start, length, expert) and its rows xs[start:start+len] = x[token];
-  2. `_up_kernel`, grid (S, I/BI): each program reads the [BI, D] gate and up tiles of ITS
-     segment's expert once, for all the segment's rows, and writes h = SwiGLU(+clamp) [M, BI];
-  3. `_down_kernel`, grid (S, D/BD): reads the [BD, I] down tile once, scales each row by its
-     routing weight and writes y[row] (fp32);
-  4. combine: out[t] = sum_a y[pos(t, a)] (+ shared row), one XLA gather-sum fusion.
+  1. align: sort the P pairs by expert id (key expert * P + pair); each run of equal ids is a
+     segment (start, length, expert), slots in ascending expert order, empty slots last.
+     `device_align`: one single-program Pallas kernel `moe_align` (rank by counting, O(P^2)
+     compares in [P, C] chunks, no scatter); else XLA (sort + nonzero + gathers).
+     Row r of the sorted order belongs to token tok[r] with routing weight w[r].
+  2. `moe_up_swiglu`, grid (S, I/BI): each program gathers its segment's x rows (x[tok]),
+     reads the [BI, D] gate and up tiles of ITS expert once, writes h = SwiGLU(+clamp) [M, BI].
+  3. `fuse_combine`: `moe_down_combine`, grid (D/BDC): each program runs over every segment in
+     slot order (ascending expert, shared last), out_acc[T', BDC] += onehot(tok) . (w * h @ wd.T)
+     in registers, and writes out[T, BDC] once. Else (v1) `moe_down`, grid (S, D/BD), writes
+     y[r] = w[r] * h[r] @ wd.T (fp32) and an XLA gather-sum does the combine.
 The shared expert rides as one extra segment (all T tokens, weight 1) when Is == I.
-Empty segment slots (fewer distinct experts than P) exit without loading anything.
+Empty segment slots load nothing.
+
+Batch invariance of the fused combine: token t's accumulator gets exact zeros from rows of
+other tokens and its own A products in ascending expert-id order, then the shared product;
+that order depends on t's own expert set only. Each row's GEMM (tl.dot over a fixed K loop)
+depends on that row only. So a token's output is bitwise the same alone or in any batch
+(when its A experts are distinct, as top-k gives; a token that picks one expert twice gets
+its two products summed in a row-block order that can depend on other tokens).
 """
 from __future__ import annotations
 
@@ -35,15 +47,20 @@ from jax.experimental.pallas import triton as plt
 
 @dataclasses.dataclass(frozen=True)
 class MoeConfig:
-  """Tiling for the Triton MoE kernels.
+  """Tiling and path choices for the Triton MoE kernels.
 
   Attributes:
     block_m: rows (pairs of one expert) per block; >= 16 for tl.dot.
     block_i: expert-width tile of the up kernel (output columns of gate/up).
     block_k: reduction tile over D in the up kernel.
-    block_d: output tile over D in the down kernel.
-    block_kd: reduction tile over I in the down kernel.
+    block_d: output tile over D in the unfused (v1) down kernel.
+    block_kd: reduction tile over I in the down kernels.
+    block_dc: output tile over D of the fused down+combine kernel (grid = D / block_dc).
     num_warps, num_stages: Triton launch parameters.
+    fuse_combine: combine in the down kernel (one launch) instead of the v1 XLA gather-sum.
+    device_align: segments from the one-launch Pallas `moe_align` kernel instead of XLA's
+      sort + nonzero + gathers (used when P <= align_max_pairs; XLA above that).
+    align_max_pairs: the align kernel is O(P^2); larger P (prefill) uses the XLA sort.
     interpret: run the kernels in the Pallas interpreter (CPU tests).
   """
   block_m: int = 16
@@ -51,21 +68,27 @@ class MoeConfig:
   block_k: int = 256
   block_d: int = 64
   block_kd: int = 256
+  block_dc: int = 16
   num_warps: int = 4
   num_stages: int = 4
+  fuse_combine: bool = True
+  device_align: bool = False
+  align_max_pairs: int = 1024
   interpret: bool = False
 
   def __post_init__(self):
-    for name in ("block_m", "block_i", "block_k", "block_d", "block_kd"):
+    for name in ("block_m", "block_i", "block_k", "block_d", "block_kd", "block_dc"):
       v = getattr(self, name)
       if v <= 0 or v & (v - 1):
         raise ValueError(f"{name}={v} must be a positive power of 2")
-    if self.block_m < 16:
-      raise ValueError(f"block_m={self.block_m} must be >= 16 (tl.dot minimum)")
+    if self.block_m < 16 or self.block_dc < 16:
+      raise ValueError(f"block_m={self.block_m}, block_dc={self.block_dc} must be >= 16 "
+                       "(tl.dot minimum)")
 
   def check(self, d: int, i: int):
     for name, blk, dim in (("block_i", self.block_i, i), ("block_k", self.block_k, d),
-                           ("block_d", self.block_d, d), ("block_kd", self.block_kd, i)):
+                           ("block_d", self.block_d, d), ("block_kd", self.block_kd, i),
+                           ("block_dc", self.block_dc, d)):
       if dim % blk:
         raise ValueError(f"{name}={blk} must divide {dim}")
 
@@ -110,6 +133,130 @@ def moe_reference(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, limit=0.0,
   return out.astype(x.dtype)
 
 
+# ----------------------------------------------------------------------------- align
+
+_BIG = 1 << 30            # expert id of padding lanes: never < or == a real id
+
+
+def _pow2(n):
+  return 1 << max(0, (n - 1).bit_length())
+
+
+def _align_kernel(ids_ref, w_ref, order_ref, seg_ref, tok_ref, wrow_ref, *, p, pp, a, t,
+                  has_shared, chunk):
+  """Counting sort of the P (expert, pair) keys in one program; no scatter, no atomics.
+
+  Per pair p (a [PP, 1] column), over q in chunks of C ([1, C] rows):
+    start_p = #{q: e_q < e_p}   len_p = #{q: e_q == e_p}   rank_p = start_p + #{q < p: e_q == e_p}
+    first_p = (rank_p == start_p)   slot_p = #{q: e_q < e_p, first_q}   (distinct ids below e_p)
+  Then per sorted row / slot r (chunks of C): order[r] = the p with rank_p == r, tok = order // A,
+  w = w[order]; seg[:, r] = (start, len, e) of the first pair with slot_p == r, else (P, 0, max e).
+  """
+  lane = lax.broadcasted_iota(jnp.int32, (pp, 1), 0)                  # [PP, 1] pair p
+  valid = lane < p
+  e_p = plt.load(ids_ref.at[pl.ds(0, pp)], mask=valid[:, 0], other=_BIG)[:, None]
+  w_p = plt.load(w_ref.at[pl.ds(0, pp)], mask=valid[:, 0], other=0.0)[:, None]
+  csum = lambda m, ax: jnp.sum(m.astype(jnp.int32), axis=ax)
+
+  def count(c, carry):
+    lt, eq, eqb, slot = carry
+    q = c * chunk + lax.broadcasted_iota(jnp.int32, (1, chunk), 1)      # [1, C]
+    e_q = plt.load(ids_ref.at[pl.ds(c * chunk, chunk)], mask=q[0] < p, other=_BIG)[None, :]
+    less, same = e_q < e_p, e_q == e_p                                  # [PP, C]
+    first_q = csum(same & (lane < q), 0)[None, :] == 0                  # [1, C]
+    return (lt + csum(less, 1)[:, None], eq + csum(same, 1)[:, None],
+            eqb + csum(same & (q < lane), 1)[:, None],
+            slot + csum(less & first_q, 1)[:, None])
+
+  zero = jnp.zeros((pp, 1), jnp.int32)
+  start, length, before, slot = lax.fori_loop(0, pl.cdiv(pp, chunk), count, (zero,) * 4)
+  rank = start + before                                                 # [PP, 1]
+  first = valid & (before == 0)
+  n_distinct = jnp.sum(first[:, 0].astype(jnp.int32))
+  e_max = jnp.max(jnp.where(valid, e_p, -1)[:, 0])
+  n_rows = p + t if has_shared else p
+  n_slots = p + 1 if has_shared else p
+
+  def gather(c, carry):
+    r = c * chunk + lax.broadcasted_iota(jnp.int32, (1, chunk), 1)      # [1, C] row / slot
+    rr = r[0]
+    hit = valid & (rank == r)                                           # [PP, C]
+    pair = jnp.sum(jnp.where(hit, lane, 0), axis=0)                     # [C]
+    wr = jnp.sum(jnp.where(hit, w_p, 0.0), axis=0)
+    plt.store(order_ref.at[pl.ds(c * chunk, chunk)], pair, mask=rr < p)
+    plt.store(tok_ref.at[pl.ds(c * chunk, chunk)], jnp.where(rr < p, pair // a, rr - p),
+              mask=rr < n_rows)
+    plt.store(wrow_ref.at[pl.ds(c * chunk, chunk)], jnp.where(rr < p, wr, 1.0),
+              mask=rr < n_rows)
+    sel = first & (slot == r)                                           # [PP, C]
+    empty = rr >= n_distinct
+    st = jnp.where(empty, p, jnp.sum(jnp.where(sel, start, 0), axis=0))
+    ln = jnp.where(empty, 0, jnp.sum(jnp.where(sel, length, 0), axis=0))
+    ex = jnp.where(empty, e_max, jnp.sum(jnp.where(sel, e_p, 0), axis=0))
+    if has_shared:                                                      # slot P: shared expert
+      st, ln, ex = (jnp.where(rr == p, v, z) for v, z in ((p, st), (t, ln), (0, ex)))
+    for k, v in enumerate((st, ln, ex)):
+      plt.store(seg_ref.at[pl.ds(k, 1), pl.ds(c * chunk, chunk)], v[None, :],
+                mask=r < n_slots)
+    return carry
+
+  lax.fori_loop(0, pl.cdiv(n_rows, chunk), gather, 0)
+
+
+def _align(topk_ids, topk_weights, *, has_shared, interpret=False, num_warps=4):
+  """One-launch align: (order [P], seg [3, S], tok [R], w_rows [R] f32); see _align_kernel."""
+  t, a = topk_ids.shape
+  p = t * a
+  pp = _pow2(p)
+  chunk = max(1, min(pp, 4096 // pp, 64))
+  n_rows, n_slots = (p + t, p + 1) if has_shared else (p, p)
+  kern = functools.partial(_align_kernel, p=p, pp=pp, a=a, t=t, has_shared=has_shared,
+                           chunk=chunk)
+  i32 = jnp.int32
+  return pl.pallas_call(
+      kern, grid=(1,),
+      out_shape=(jax.ShapeDtypeStruct((p,), i32), jax.ShapeDtypeStruct((3, n_slots), i32),
+                 jax.ShapeDtypeStruct((n_rows,), i32),
+                 jax.ShapeDtypeStruct((n_rows,), jnp.float32)),
+      compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+      interpret=interpret, name="moe_align",
+  )(topk_ids.reshape(p).astype(i32), topk_weights.reshape(p).astype(jnp.float32))
+
+
+def _segments_xla(topk_ids, topk_weights):
+  """XLA align: sort + nonzero + gathers (several launches)."""
+  t, a = topk_ids.shape
+  p = t * a
+  flat = topk_ids.reshape(p).astype(jnp.int32)
+  # One single-operand sort: key = expert * P + pair index (stable, unique keys).
+  keys = jnp.sort(flat * p + jnp.arange(p, dtype=jnp.int32))
+  order = keys % p                                                    # [P] pair index
+  e_sorted = keys // p                                                # [P]
+  is_start = jnp.concatenate([jnp.ones((1,), bool), e_sorted[1:] != e_sorted[:-1]])
+  (starts,) = jnp.nonzero(is_start, size=p, fill_value=p)            # [P], padded with P
+  ends = jnp.concatenate([starts[1:], jnp.full((1,), p, starts.dtype)])
+  lengths = jnp.where(starts < p, ends - starts, 0)
+  experts = e_sorted[jnp.minimum(starts, p - 1)]
+  seg = jnp.stack([starts, lengths, experts]).astype(jnp.int32)       # [3, P]
+  w_sorted = topk_weights.reshape(p).astype(jnp.float32)[order]
+  return order, seg, w_sorted
+
+
+def _segments(topk_ids, topk_weights, *, use_pallas=None, interpret=False):
+  """Sort the P pairs by expert; return (order, seg [3, P] = start/len/expert, w_sorted).
+
+  use_pallas: the one-launch `moe_align` kernel (None: when the default backend is a GPU and
+  P <= 1024); else XLA. Both give identical outputs.
+  """
+  p = topk_ids.shape[0] * topk_ids.shape[1]
+  if use_pallas is None:
+    use_pallas = jax.default_backend() == "gpu" and p <= MoeConfig.align_max_pairs
+  if not use_pallas:
+    return _segments_xla(topk_ids, topk_weights)
+  order, seg, _, w_rows = _align(topk_ids, topk_weights, has_shared=False, interpret=interpret)
+  return order, seg, w_rows
+
+
 # ----------------------------------------------------------------------------- kernels
 
 
@@ -119,22 +266,24 @@ def _dot_t(a, b):
   return plt.dot(a, b, trans_b=True, precision=prec)
 
 
-def _up_body(xs_ref, wg, wu, h_ref, start, length, col0, *, cfg, d, limit, shared):
-  """h[start:start+length, col0:col0+BI] = SwiGLU(xs @ wg.T, xs @ wu.T).
+def _up_body(x_ref, tok_ref, wg, wu, h_ref, start, length, col0, *, cfg, d, limit, shared):
+  """h[start:start+length, col0:col0+BI] = SwiGLU(x[tok] @ wg.T, x[tok] @ wu.T).
 
   wg, wu: callables kb -> [BI, BK] weight tiles of this segment's expert.
   """
   bm, bk = cfg.block_m, cfg.block_k
   rows = lax.broadcasted_iota(jnp.int32, (bm, 1), 0)
+  kcols = lax.broadcasted_iota(jnp.int32, (1, bk), 1)
 
   def m_block(mb, carry):
     r0 = start + mb * bm
     mask = rows + mb * bm < length                                     # [M, 1]
+    tok = plt.load(tok_ref.at[pl.ds(r0, bm)], mask=mask[:, 0], other=0)[:, None]   # [M, 1]
+    xmask = jnp.broadcast_to(mask, (bm, bk))
 
     def k_step(kb, acc):
       ag, au = acc
-      xb = plt.load(xs_ref.at[pl.ds(r0, bm), pl.ds(kb * bk, bk)],
-                    mask=jnp.broadcast_to(mask, (bm, bk)), other=0.0)
+      xb = plt.load(x_ref.at[tok, kcols + kb * bk], mask=xmask, other=0.0)   # gather [M, BK]
       return ag + _dot_t(xb, wg(kb)), au + _dot_t(xb, wu(kb))
 
     zero = jnp.zeros((bm, cfg.block_i), jnp.float32)
@@ -147,7 +296,7 @@ def _up_body(xs_ref, wg, wu, h_ref, start, length, col0, *, cfg, d, limit, share
   lax.fori_loop(0, pl.cdiv(length, bm), m_block, 0)
 
 
-def _up_kernel(seg_ref, xs_ref, wg_ref, wu_ref, *rest, cfg, d, limit, shared_limit,
+def _up_kernel(seg_ref, tok_ref, x_ref, wg_ref, wu_ref, *rest, cfg, d, limit, shared_limit,
                n_routed_slots, has_shared):
   if has_shared:
     swg_ref, swu_ref, h_ref = rest
@@ -157,7 +306,7 @@ def _up_kernel(seg_ref, xs_ref, wg_ref, wu_ref, *rest, cfg, d, limit, shared_lim
   start, length, e = seg_ref[0, s], seg_ref[1, s], seg_ref[2, s]
   col0 = ib * cfg.block_i
   cols, bk = pl.ds(col0, cfg.block_i), cfg.block_k
-  body = functools.partial(_up_body, xs_ref, cfg=cfg, d=d)
+  body = functools.partial(_up_body, x_ref, tok_ref, cfg=cfg, d=d)
 
   @pl.when((s < n_routed_slots) & (length > 0))
   def _routed():
@@ -173,21 +322,27 @@ def _up_kernel(seg_ref, xs_ref, wg_ref, wu_ref, *rest, cfg, d, limit, shared_lim
            h_ref, start, length, col0, limit=shared_limit, shared=True)
 
 
+def _down_rows(h_ref, wd, r0, mask, *, bn, bk, i):
+  """[M, BN] fp32 = h[r0:r0+M] @ wd.T over I in BK steps (masked rows read as 0)."""
+  bm = mask.shape[0]
+
+  def k_step(kb, acc):
+    hb = plt.load(h_ref.at[pl.ds(r0, bm), pl.ds(kb * bk, bk)],
+                  mask=jnp.broadcast_to(mask, (bm, bk)), other=0.0)
+    return acc + _dot_t(hb, wd(kb))
+
+  return lax.fori_loop(0, i // bk, k_step, jnp.zeros((bm, bn), jnp.float32))
+
+
 def _down_body(h_ref, wd, w_ref, y_ref, start, length, col0, *, cfg, i):
-  """y[rows, col0:col0+BD] = w[row] * (h[rows] @ wd.T) for one segment."""
-  bm, bk = cfg.block_m, cfg.block_kd
+  """v1: y[rows, col0:col0+BD] = w[row] * (h[rows] @ wd.T) for one segment."""
+  bm = cfg.block_m
   rows = lax.broadcasted_iota(jnp.int32, (bm, 1), 0)
 
   def m_block(mb, carry):
     r0 = start + mb * bm
     mask = rows + mb * bm < length
-
-    def k_step(kb, acc):
-      hb = plt.load(h_ref.at[pl.ds(r0, bm), pl.ds(kb * bk, bk)],
-                    mask=jnp.broadcast_to(mask, (bm, bk)), other=0.0)
-      return acc + _dot_t(hb, wd(kb))
-
-    acc = lax.fori_loop(0, i // bk, k_step, jnp.zeros((bm, cfg.block_d), jnp.float32))
+    acc = _down_rows(h_ref, wd, r0, mask, bn=cfg.block_d, bk=cfg.block_kd, i=i)
     w = plt.load(w_ref.at[pl.ds(r0, bm)], mask=mask[:, 0], other=0.0)   # [M]
     plt.store(y_ref.at[pl.ds(r0, bm), pl.ds(col0, cfg.block_d)], acc * w[:, None],
               mask=jnp.broadcast_to(mask, acc.shape))
@@ -217,26 +372,68 @@ def _down_kernel(seg_ref, h_ref, w_ref, wd_ref, *rest, cfg, i, n_routed_slots, h
       body(lambda kb: swd_ref[cols, pl.ds(kb * bk, bk)], w_ref, y_ref, start, length, col0)
 
 
+def _combine_segment(h_ref, w_ref, tok_ref, wd, acc, start, length, *, cfg, i):
+  """acc[T', BDC] += sum over the segment's rows m of onehot(tok[m]) * w[m] * (h[m] @ wd.T).
+
+  Rows of other tokens contribute exact zeros (a select, not a multiply: no 0 * inf).
+  """
+  bm, tp = cfg.block_m, acc.shape[0]
+  rows = lax.broadcasted_iota(jnp.int32, (bm, 1), 0)
+  tids = lax.broadcasted_iota(jnp.int32, (tp, 1, 1), 0)
+
+  def m_block(mb, acc):
+    r0 = start + mb * bm
+    mask = rows + mb * bm < length                                      # [M, 1]
+    y = _down_rows(h_ref, wd, r0, mask, bn=cfg.block_dc, bk=cfg.block_kd, i=i)   # [M, BDC]
+    w = plt.load(w_ref.at[pl.ds(r0, bm)], mask=mask[:, 0], other=0.0)    # [M]
+    tok = plt.load(tok_ref.at[pl.ds(r0, bm)], mask=mask[:, 0], other=-1)   # [M]
+    hit = tids == tok[None, :, None]                                    # [T', M, 1]
+    return acc + jnp.sum(jnp.where(hit, (y * w[:, None])[None], 0.0), axis=1)
+
+  return lax.fori_loop(0, pl.cdiv(length, bm), m_block, acc)
+
+
+def _down_combine_kernel(seg_ref, tok_ref, h_ref, w_ref, wd_ref, *rest, cfg, i, t, tp,
+                         n_routed_slots, has_shared):
+  """Grid (D/BDC,): out[:, cols] = sum over slots in order (ascending expert, shared last)."""
+  if has_shared:
+    swd_ref, out_ref = rest
+  else:
+    (out_ref,) = rest
+  col0 = pl.program_id(0) * cfg.block_dc
+  cols, bk = pl.ds(col0, cfg.block_dc), cfg.block_kd
+  seg_body = functools.partial(_combine_segment, h_ref, w_ref, tok_ref, cfg=cfg, i=i)
+
+  def slot(s, acc):       # empty slots (length 0) run zero row blocks
+    start, length, e = seg_ref[0, s], seg_ref[1, s], seg_ref[2, s]
+    return seg_body(lambda kb: wd_ref[e, cols, pl.ds(kb * bk, bk)], acc, start, length)
+
+  acc = lax.fori_loop(0, n_routed_slots, slot, jnp.zeros((tp, cfg.block_dc), jnp.float32))
+  if has_shared:
+    s = n_routed_slots
+    acc = seg_body(lambda kb: swd_ref[cols, pl.ds(kb * bk, bk)], acc, seg_ref[0, s],
+                   seg_ref[1, s])
+  rows = lax.broadcasted_iota(jnp.int32, (tp, 1), 0)
+  plt.store(out_ref.at[pl.ds(0, tp), cols], acc.astype(out_ref.dtype),
+            mask=jnp.broadcast_to(rows < t, acc.shape))
+
+
 # ----------------------------------------------------------------------------- wrapper
 
 
-def _segments(topk_ids, topk_weights):
-  """Sort the P pairs by expert; return (order, seg [3, P] = start/len/expert, w_sorted)."""
+def _rows(topk_ids, topk_weights, cfg, has_shared):
+  """(order [P], seg [3, S], tok [R], w_rows [R]) from the Pallas or the XLA align."""
   t, a = topk_ids.shape
   p = t * a
-  flat = topk_ids.reshape(p).astype(jnp.int32)
-  # One single-operand sort: key = expert * P + pair index (stable, unique keys).
-  keys = jnp.sort(flat * p + jnp.arange(p, dtype=jnp.int32))
-  order = keys % p                                                    # [P] pair index
-  e_sorted = keys // p                                                # [P]
-  is_start = jnp.concatenate([jnp.ones((1,), bool), e_sorted[1:] != e_sorted[:-1]])
-  (starts,) = jnp.nonzero(is_start, size=p, fill_value=p)            # [P], padded with P
-  ends = jnp.concatenate([starts[1:], jnp.full((1,), p, starts.dtype)])
-  lengths = jnp.where(starts < p, ends - starts, 0)
-  experts = e_sorted[jnp.minimum(starts, p - 1)]
-  seg = jnp.stack([starts, lengths, experts]).astype(jnp.int32)       # [3, P]
-  w_sorted = topk_weights.reshape(p).astype(jnp.float32)[order]
-  return order, seg, w_sorted
+  if cfg.device_align and p <= cfg.align_max_pairs:
+    return _align(topk_ids, topk_weights, has_shared=has_shared, interpret=cfg.interpret)
+  order, seg, w_rows = _segments_xla(topk_ids, topk_weights)
+  tok = order // a
+  if has_shared:
+    tok = jnp.concatenate([tok, jnp.arange(t, dtype=jnp.int32)])
+    w_rows = jnp.concatenate([w_rows, jnp.ones((t,), jnp.float32)])
+    seg = jnp.concatenate([seg, jnp.array([[p], [t], [0]], jnp.int32)], axis=1)
+  return order, seg, tok, w_rows
 
 
 @functools.partial(jax.jit, static_argnames=("limit", "shared_limit", "config"))
@@ -257,19 +454,10 @@ def moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, limit=0.0, shared=No
     return (routed.astype(jnp.float32) + sh).astype(x.dtype)
 
   p = t * a
-  order, seg, w_sorted = _segments(topk_ids, topk_weights)
-  xs = x[order // a]                                                  # [P, D]
   has_shared = shared is not None
-  if has_shared:
-    xs = jnp.concatenate([xs, x])                                     # [P + T, D]
-    w_sorted = jnp.concatenate([w_sorted, jnp.ones((t,), jnp.float32)])
-    seg = jnp.concatenate([seg, jnp.array([[p], [t], [0]], jnp.int32)], axis=1)
-  n_slots = seg.shape[1]
-  rows = xs.shape[0]
-  # Pad rows so every masked [M, *] block stays inside the buffers.
-  pad = cfg.block_m
-  xs = jnp.pad(xs, ((0, pad), (0, 0)))
-  w_sorted = jnp.pad(w_sorted, (0, pad))
+  order, seg, tok, w_rows = _rows(topk_ids, topk_weights, cfg, has_shared)
+  n_slots, rows = seg.shape[1], tok.shape[0]
+  pad = cfg.block_m              # h rows: every masked [M, *] block stays inside the buffer
   params = plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
   up = functools.partial(_up_kernel, cfg=cfg, d=d, limit=float(limit),
@@ -280,16 +468,25 @@ def moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, limit=0.0, shared=No
       up, grid=(n_slots, i // cfg.block_i),
       out_shape=jax.ShapeDtypeStruct((rows + pad, i), x.dtype),
       compiler_params=params, interpret=cfg.interpret, name="moe_up_swiglu",
-  )(seg, xs, w_gate, w_up, *extra_up)
+  )(seg, tok, x, w_gate, w_up, *extra_up)
+
+  extra_down = (shared[2],) if has_shared else ()
+  if cfg.fuse_combine:
+    down = functools.partial(_down_combine_kernel, cfg=cfg, i=i, t=t, tp=_pow2(t),
+                             n_routed_slots=p, has_shared=has_shared)
+    return pl.pallas_call(
+        down, grid=(d // cfg.block_dc,),
+        out_shape=jax.ShapeDtypeStruct((t, d), x.dtype),
+        compiler_params=params, interpret=cfg.interpret, name="moe_down_combine",
+    )(seg, tok, h, w_rows, w_down, *extra_down)
 
   down = functools.partial(_down_kernel, cfg=cfg, i=i, n_routed_slots=p,
                            has_shared=has_shared)
-  extra_down = (shared[2],) if has_shared else ()
   y = pl.pallas_call(
       down, grid=(n_slots, d // cfg.block_d),
       out_shape=jax.ShapeDtypeStruct((rows + pad, d), jnp.float32),
-      compiler_params=params, interpret=cfg.interpret, name="moe_down_combine",
-  )(seg, h, w_sorted, w_down, *extra_down)
+      compiler_params=params, interpret=cfg.interpret, name="moe_down",
+  )(seg, h, w_rows, w_down, *extra_down)
 
   # Combine: pair j (= t*A + a) sits at sorted row inv[j].
   inv = jnp.zeros((p,), jnp.int32).at[order].set(jnp.arange(p, dtype=jnp.int32))
