@@ -54,14 +54,23 @@ class KdaConfig:
     block_v: value columns per program (power of 2 dividing Dv).
     num_warps: Triton warps per program.
     interpret: run in the Pallas interpreter (CPU tests).
+    algorithm: "chunk" (UT form: the T steps as [Tp, Dk] @ [Dk, BV] dots and a [Tp, Tp] triangular
+      inverse, Tp = max(16, next power of 2 >= T)) or "serial" (v2: T unrolled register steps).
+    precision: fp32 dot algorithm of the chunk kernels: "tf32x3" (tensor cores, ~fp32) or "ieee".
   """
   block_v: int = 32
   num_warps: int = 4
   interpret: bool = False
+  algorithm: str = "chunk"
+  precision: str = "tf32x3"
 
   def __post_init__(self):
     if self.block_v <= 0 or self.block_v & (self.block_v - 1):
       raise ValueError(f"block_v={self.block_v} must be a positive power of 2")
+    if self.algorithm not in ("chunk", "serial"):
+      raise ValueError(f"algorithm={self.algorithm!r}: 'chunk' (UT form, dots) or 'serial' (v2)")
+    if self.precision not in ("tf32x3", "ieee"):
+      raise ValueError(f"precision={self.precision!r}: 'tf32x3' or 'ieee' (fp32 dots)")
 
 
 # ----------------------------------------------------------------------------- reference
@@ -232,6 +241,152 @@ def _commit_kernel(s_ref, n_ref, k_ref, v_ref, g_ref, beta_ref, out_ref, *, t_le
   out_ref[b, h, :, cols] = s
 
 
+# ----------------------------------------------------------------------------- chunked (UT) kernels
+#
+# Per head, with G_t = sum_{i<=t} g_i (cumulative log decay, [Tp, Dk]) and u_t the delta-rule write
+# (S_t = diag(e^g_t) S_{t-1} + k_t u_t^T):
+#   u_t  = beta_t (v_t - S_0^T (e^G_t k_t) - sum_{i<t} A_ti u_i),   A_ti = k_t . (e^(G_t - G_i) k_i)
+#     <=> (I + diag(beta) A) U = diag(beta) (V - (e^G k) S_0)      a unit lower-triangular [Tp, Tp] solve
+#   o_t  = S_0^T (e^G_t q_t) + sum_{i<=t} M_ti u_i,                M_ti = q_t . (e^(G_t - G_i) k_i)
+#   S_n  = diag(e^G_{n-1}) S_0 + sum_{i<n} (e^(G_{n-1} - G_i) k_i) u_i^T
+# Every product with the state is a [Tp, Dk] @ [Dk, BV] dot; the only serial part is the triangular
+# inverse, done by recursive block doubling (log2 Tp levels of two [Tp, Tp] dots, each level inverting
+# 2b-blocks from the b-block inverses: X <- X - X Off X), which is as stable as forward substitution.
+# Rows t >= T are padding: k = q = v = g = beta = 0 there, so they add nothing.
+
+
+def _pad_t(t):
+  """Tp: rows of the chunk tiles (a power of 2, >= 16 for tl.dot)."""
+  return max(16, 1 << (t - 1).bit_length())
+
+
+def _dot_precision(cfg):
+  if cfg.interpret:                       # the CPU interpreter knows no TF32 algorithm
+    return lax.Precision.HIGHEST
+  return {"tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
+          "ieee": lax.DotAlgorithmPreset.F32_F32_F32}[cfg.precision]
+
+
+def _mm(a, b, prec, ta=False, tb=False):
+  """a @ b (a^T if ta, b^T if tb), fp32."""
+  dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
+  return lax.dot_general(a, b, dims, precision=prec, preferred_element_type=jnp.float32)
+
+
+def _iota2(shape, dim):
+  return lax.broadcasted_iota(jnp.int32, shape, dim)
+
+
+def _conv_tile(raw_ref, cs_ref, w_ref, b, c0, n, cs_off, t_len, tp, width):
+  """silu(causal conv) of channels [c0, c0+n) for rows t < Tp (rows >= T are garbage): [Tp, n] f32.
+
+  Row t needs xcat rows t..t+W-1, xcat = [conv window (W-1 rows), raw (T rows)]: each shift j is
+  one gather of clipped rows from the window and one from raw, then a select."""
+  r, c = _iota2((tp, n), 0), _iota2((tp, n), 1) + c0
+  y = None
+  for j in range(width):
+    src = r + j
+    xs = cs_ref[b, jnp.clip(src, 0, width - 2), c + cs_off].astype(jnp.float32)
+    xr = raw_ref[b, jnp.clip(src - (width - 1), 0, t_len - 1), c].astype(jnp.float32)
+    wj = w_ref[pl.ds(c0, n), 0, j].astype(jnp.float32)
+    term = wj[None, :] * jnp.where(src < width - 1, xs, xr)
+    y = term if y is None else y + term
+  return y * _sigmoid(y)
+
+
+def _chunk_prepare(k_ref, v_ref, f_ref, b_ref, alog_ref, dtb_ref, kw_ref, vw_ref, cs_ref, *,
+                   b, h, c0, v0, t_len, tp, width, hd, dk, bv, lower_bound):
+  """k [Tp, Dk] (l2-normed), v [Tp, BV], g [Tp, Dk], beta [Tp] f32; zero on padding rows."""
+  valid = _iota2((tp, 1), 0) < t_len
+  k = _conv_tile(k_ref, cs_ref, kw_ref, b, c0, dk, hd, t_len, tp, width)
+  v = _conv_tile(v_ref, cs_ref, vw_ref, b, v0, bv, 2 * hd, t_len, tp, width)
+  rows = jnp.clip(_iota2((tp, dk), 0), 0, t_len - 1)
+  f = f_ref[b, rows, _iota2((tp, dk), 1) + c0].astype(jnp.float32)
+  rows1 = jnp.clip(lax.broadcasted_iota(jnp.int32, (tp,), 0), 0, t_len - 1)
+  braw = b_ref[b, rows1, h].astype(jnp.float32)
+  a = jnp.exp(alog_ref[h].astype(jnp.float32))
+  dtb = dtb_ref[pl.ds(c0, dk)].astype(jnp.float32)
+  k = jnp.where(valid, k * lax.rsqrt(jnp.sum(k * k, axis=1, keepdims=True) + 1e-6), 0.0)
+  v = jnp.where(valid, v, 0.0)
+  g = jnp.where(valid, lower_bound * _sigmoid(a * (f + dtb[None, :])), 0.0)
+  beta = jnp.where(valid[:, 0], _sigmoid(braw), 0.0)
+  return k, v, g, beta
+
+
+def _chunk_solve(k, v, g, beta, s0, prec, t_len, tp):
+  """U [Tp, BV] (delta-rule writes), G [Tp, Dk] (cumulative log decay), e^G, e^(G - G_m),
+  e^(G_m - G) k."""
+  r, c = _iota2((tp, tp), 0), _iota2((tp, tp), 1)
+  big_g = jnp.cumsum(g, axis=0)                                        # G_t
+  # e^(G_t - G_i) = e^(G_t - G_m) e^(G_m - G_i) around the middle row m: no factor leaves
+  # e^(+-|lower_bound| T / 2), far from fp32 over/underflow (e^(+-85) would not be).
+  g_mid = jnp.sum(jnp.where(_iota2((tp, 1), 0) == (t_len - 1) // 2, big_g, 0.0), axis=0)
+  eg_mid = jnp.exp(big_g - g_mid[None, :])
+  kinv = k * jnp.exp(g_mid[None, :] - big_g)                           # e^(G_m - G_i) k_i
+  n = jnp.where(r > c, beta[:, None] * _mm(k * eg_mid, kinv, prec, tb=True), 0.0)  # diag(b) A
+  x = (r == c).astype(jnp.float32)                                     # (I + N)^-1, 1-blocks
+  blk = 1
+  while blk < tp:                                                      # b-blocks -> 2b-blocks
+    off = jnp.where((r // (2 * blk) == c // (2 * blk)) & (r // blk != c // blk), n, 0.0)
+    x = x - _mm(_mm(x, off, prec), x, prec)
+    blk *= 2
+  eg = jnp.exp(big_g)
+  rhs = beta[:, None] * (v - _mm(k * eg, s0, prec))                    # diag(beta)(V - e^G k S_0)
+  return _mm(x, rhs, prec), big_g, eg, eg_mid, kinv
+
+
+def _verify_chunk_kernel(q_ref, k_ref, v_ref, f_ref, b_ref, alog_ref, dtb_ref, qw_ref, kw_ref,
+                         vw_ref, cs_ref, s_ref, o_ref, ko_ref, vo_ref, go_ref, bo_ref, *, t_len,
+                         tp, width, h_n, dk, bv, lower_bound, prec):
+  b, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  hd = h_n * dk
+  c0, v0 = h * dk, h * dk + vb * bv
+  k, v, g, beta = _chunk_prepare(k_ref, v_ref, f_ref, b_ref, alog_ref, dtb_ref, kw_ref, vw_ref,
+                                 cs_ref, b=b, h=h, c0=c0, v0=v0, t_len=t_len, tp=tp, width=width,
+                                 hd=hd, dk=dk, bv=bv, lower_bound=lower_bound)
+  q = _conv_tile(q_ref, cs_ref, qw_ref, b, c0, dk, 0, t_len, tp, width)
+  q = q * lax.rsqrt(jnp.sum(q * q, axis=1, keepdims=True) + 1e-6) * dk ** -0.5
+  q = jnp.where(_iota2((tp, 1), 0) < t_len, q, 0.0)
+  s0 = s_ref[b, h, :, pl.ds(vb * bv, bv)]                              # [Dk, BV] f32
+  u, _, eg, eg_mid, kinv = _chunk_solve(k, v, g, beta, s0, prec, t_len, tp)
+  r, c = _iota2((tp, tp), 0), _iota2((tp, tp), 1)
+  m = jnp.where(r >= c, _mm(q * eg_mid, kinv, prec, tb=True), 0.0)     # M_ti, i <= t
+  o = _mm(q * eg, s0, prec) + _mm(m, u, prec)                          # [Tp, BV]
+  rv, cv = _iota2((tp, bv), 0), _iota2((tp, bv), 1) + vb * bv
+  plt.store(o_ref.at[b, rv, h, cv], o, mask=rv < t_len)
+  plt.store(vo_ref.at[b, rv, h, cv], v, mask=rv < t_len)
+
+  @pl.when(vb == 0)
+  def _():
+    rk, ck = _iota2((tp, dk), 0), _iota2((tp, dk), 1)
+    plt.store(ko_ref.at[b, rk, h, ck], k, mask=rk < t_len)
+    plt.store(go_ref.at[b, rk, h, ck], g, mask=rk < t_len)
+    r1 = lax.broadcasted_iota(jnp.int32, (tp,), 0)
+    plt.store(bo_ref.at[b, r1, h], beta, mask=r1 < t_len)
+
+
+def _commit_chunk_kernel(s_ref, n_ref, k_ref, v_ref, g_ref, beta_ref, out_ref, *, t_len, tp, dk,
+                         bv, prec):
+  b, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  cols = pl.ds(vb * bv, bv)
+  n = n_ref[b]
+  s0 = s_ref[b, h, :, cols]                                            # [Dk, BV]
+  rk = _iota2((tp, dk), 0)
+  rows = jnp.clip(rk, 0, t_len - 1)
+  valid = rk < t_len
+  k = jnp.where(valid, k_ref[b, rows, h, _iota2((tp, dk), 1)], 0.0)
+  g = jnp.where(valid, g_ref[b, rows, h, _iota2((tp, dk), 1)], 0.0)
+  rv = _iota2((tp, bv), 0)
+  v = jnp.where(rv < t_len, v_ref[b, jnp.clip(rv, 0, t_len - 1), h, _iota2((tp, bv), 1) + vb * bv],
+                0.0)
+  r1 = lax.broadcasted_iota(jnp.int32, (tp,), 0)
+  beta = jnp.where(r1 < t_len, beta_ref[b, jnp.clip(r1, 0, t_len - 1), h], 0.0)
+  u, big_g, _, _, _ = _chunk_solve(k, v, g, beta, s0, prec, t_len, tp)
+  g_n = jnp.sum(jnp.where(rk < n, g, 0.0), axis=0)                     # G_{n-1}  [Dk]
+  kdec = jnp.where(rk < n, k * jnp.exp(g_n[None, :] - big_g), 0.0)     # e^(G_{n-1} - G_i) k_i
+  out_ref[b, h, :, cols] = jnp.exp(g_n)[:, None] * s0 + _mm(kdec, u, prec, ta=True)
+
+
 @functools.partial(jax.jit, static_argnames=("lower_bound", "config"))
 def kda_verify(q_raw, k_raw, v_raw, f_raw, b_raw, A_log, dt_bias, q_conv_w, k_conv_w, v_conv_w,
                conv_state, rec_state, *, lower_bound=-5.0, config=None):
@@ -245,8 +400,13 @@ def kda_verify(q_raw, k_raw, v_raw, f_raw, b_raw, A_log, dt_bias, q_conv_w, k_co
   assert rec_state.shape == (bsz, h, dk, dv) and conv_state.shape == (bsz, width - 1, 3 * hd)
   assert dv % cfg.block_v == 0, (dv, cfg.block_v)
   f32 = jnp.float32
-  kern = functools.partial(_verify_kernel, t_len=t, width=width, h_n=h, dk=dk, bv=cfg.block_v,
-                           lower_bound=float(lower_bound))
+  if cfg.algorithm == "serial":
+    kern = functools.partial(_verify_kernel, t_len=t, width=width, h_n=h, dk=dk, bv=cfg.block_v,
+                             lower_bound=float(lower_bound))
+  else:
+    kern = functools.partial(_verify_chunk_kernel, t_len=t, tp=_pad_t(t), width=width, h_n=h,
+                             dk=dk, bv=cfg.block_v, lower_bound=float(lower_bound),
+                             prec=_dot_precision(cfg))
   o, k, v, g, beta = pl.pallas_call(
       kern, grid=(bsz, h, dv // cfg.block_v),
       out_shape=(jax.ShapeDtypeStruct((bsz, t, h, dv), f32),
@@ -268,7 +428,11 @@ def kda_commit(rec_state, commit_inputs, n_accept, *, config=None):
   cfg = config or KdaConfig()
   bsz, h, dk, dv = rec_state.shape
   t = commit_inputs.k.shape[1]
-  kern = functools.partial(_commit_kernel, t_len=t, bv=cfg.block_v)
+  if cfg.algorithm == "serial":
+    kern = functools.partial(_commit_kernel, t_len=t, bv=cfg.block_v)
+  else:
+    kern = functools.partial(_commit_chunk_kernel, t_len=t, tp=_pad_t(t), dk=dk, bv=cfg.block_v,
+                             prec=_dot_precision(cfg))
   return pl.pallas_call(
       kern, grid=(bsz, h, dv // cfg.block_v),
       out_shape=jax.ShapeDtypeStruct(rec_state.shape, rec_state.dtype),

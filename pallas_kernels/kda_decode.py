@@ -1,0 +1,107 @@
+"""Fused KDA decode (T = 1): conv1d + gates + beta + l2norm + delta rule + state update in place.
+
+Shape legend: B batch, H heads, Dk = Dv head dims, HD = H*Dk, W conv kernel (4), BV value tile.
+
+One kernel per layer and token: `kda_verify` + `kda_commit(n_accept=1)` + `conv_window_commit`
+in one launch, reading the state once and writing it once (in place: the state output aliases
+rec_state, donate it). Per head (fp32), with e = exp(g):
+  u = beta (v - S^T (e k))                                       the delta-rule write
+  S' = diag(e) S + k u^T                                         state update
+  o = S'^T q = S^T (e q) + u (k . q)                             both state reductions independent
+Grid (B, H, Dv/BV). Program (b, h, vb) owns state columns [vb*BV, (vb+1)*BV) of head h and
+writes the new conv window for the BV channels h*Dk + vb*BV + [0, BV) of each of q, k and v
+(disjoint across programs; the window is a fresh output, not aliased, because every program of a
+head reads its whole q/k window).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from pallas_kernels.kda_verify import (KdaConfig, _conv_rows, _sigmoid, conv_window_commit,
+                                       kda_commit_reference, kda_verify_reference)
+
+
+def kda_decode_reference(q_raw, k_raw, v_raw, f_raw, b_raw, A_log, dt_bias, q_conv_w, k_conv_w,
+                         v_conv_w, conv_state, rec_state, *, lower_bound=-5.0, config=None):
+  """Pure-jnp decode step. Inputs as `kda_verify_reference` with T = 1: *_raw [B,1,HD]
+  (b_raw [B,1,H]), conv_state [B,W-1,3HD], rec_state [B,H,Dk,Dv] f32.
+  Returns (o [B,1,H,Dv] f32, new rec_state [B,H,Dk,Dv] f32, new conv_state [B,W-1,3HD])."""
+  del config
+  assert q_raw.shape[1] == 1, q_raw.shape
+  o, ci = kda_verify_reference(q_raw, k_raw, v_raw, f_raw, b_raw, A_log, dt_bias, q_conv_w,
+                               k_conv_w, v_conv_w, conv_state, rec_state, lower_bound=lower_bound)
+  ones = jnp.ones((q_raw.shape[0],), jnp.int32)
+  s = kda_commit_reference(rec_state, ci, ones)
+  cs = conv_window_commit(conv_state, jnp.concatenate([q_raw, k_raw, v_raw], axis=-1), ones)
+  return o, s, cs
+
+
+def _decode_kernel(q_ref, k_ref, v_ref, f_ref, b_ref, alog_ref, dtb_ref, qw_ref, kw_ref, vw_ref,
+                   cs_ref, s_ref, o_ref, so_ref, cso_ref, *, width, h_n, dk, bv, lower_bound):
+  b, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  hd = h_n * dk
+  c0, v0 = h * dk, h * dk + vb * bv
+  cols = pl.ds(vb * bv, bv)
+  (q,) = _conv_rows(q_ref, cs_ref, qw_ref, b, c0, dk, 0, 1, width)        # [Dk]
+  (k,) = _conv_rows(k_ref, cs_ref, kw_ref, b, c0, dk, hd, 1, width)
+  (v,) = _conv_rows(v_ref, cs_ref, vw_ref, b, v0, bv, 2 * hd, 1, width)   # [BV]
+  f = f_ref[b, 0, pl.ds(c0, dk)].astype(jnp.float32)
+  braw = b_ref[b, 0, h].astype(jnp.float32)
+  a = jnp.exp(alog_ref[h].astype(jnp.float32))
+  dtb = dtb_ref[pl.ds(c0, dk)].astype(jnp.float32)
+  s = s_ref[b, h, :, cols]                                             # [Dk, BV] f32
+  # the new conv window rows of this program's channels (loaded before any store)
+  win = []
+  for off, raw_ref in ((0, q_ref), (hd, k_ref), (2 * hd, v_ref)):
+    ch = pl.ds(off + c0 + vb * bv, bv)
+    rows = [cs_ref[b, i, ch] for i in range(1, width - 1)]
+    rows.append(raw_ref[b, 0, pl.ds(c0 + vb * bv, bv)].astype(cs_ref.dtype))
+    win.append((ch, rows))
+  q = q * lax.rsqrt(jnp.sum(q * q) + 1e-6) * dk ** -0.5
+  k = k * lax.rsqrt(jnp.sum(k * k) + 1e-6)
+  e = jnp.exp(lower_bound * _sigmoid(a * (f + dtb)))                   # e^g  [Dk]
+  beta = _sigmoid(braw)
+  s = s * e[:, None]                                                   # diag(e^g) S
+  kv = jnp.sum(s * k[:, None], axis=0)                                 # S^T (e k)  [BV]
+  sq = jnp.sum(s * q[:, None], axis=0)                                 # S^T (e q)  [BV]
+  u = beta * (v - kv)
+  o_ref[b, 0, h, cols] = sq + u * jnp.sum(k * q)
+  so_ref[b, h, :, cols] = s + k[:, None] * u[None, :]
+  for ch, rows in win:
+    for i, row in enumerate(rows):
+      cso_ref[b, i, ch] = row
+
+
+@functools.partial(jax.jit, static_argnames=("lower_bound", "config"))
+def kda_decode(q_raw, k_raw, v_raw, f_raw, b_raw, A_log, dt_bias, q_conv_w, k_conv_w, v_conv_w,
+               conv_state, rec_state, *, lower_bound=-5.0, config=None):
+  """Pallas (Triton) fused decode; same signature and results as `kda_decode_reference`.
+  The state output aliases rec_state (donate it to update in place). config: KdaConfig
+  (block_v, num_warps, interpret; the algorithm/precision fields do not apply at T = 1)."""
+  cfg = config or KdaConfig()
+  bsz, t, hd = q_raw.shape
+  h = b_raw.shape[-1]
+  dk = hd // h
+  dv = rec_state.shape[-1]
+  width = q_conv_w.shape[-1]
+  assert t == 1, f"kda_decode is T = 1; got T = {t} (use kda_verify + kda_commit)"
+  assert rec_state.shape == (bsz, h, dk, dv) and conv_state.shape == (bsz, width - 1, 3 * hd)
+  assert dv % cfg.block_v == 0 and dk == dv, (dk, dv, cfg.block_v)
+  kern = functools.partial(_decode_kernel, width=width, h_n=h, dk=dk, bv=cfg.block_v,
+                           lower_bound=float(lower_bound))
+  return pl.pallas_call(
+      kern, grid=(bsz, h, dv // cfg.block_v),
+      out_shape=(jax.ShapeDtypeStruct((bsz, 1, h, dv), jnp.float32),
+                 jax.ShapeDtypeStruct(rec_state.shape, rec_state.dtype),
+                 jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype)),
+      input_output_aliases={11: 1},
+      compiler_params=plt.CompilerParams(num_warps=cfg.num_warps, num_stages=1),
+      interpret=cfg.interpret, name="kda_decode",
+  )(q_raw, k_raw, v_raw, f_raw, b_raw, A_log, dt_bias, q_conv_w, k_conv_w, v_conv_w,
+    conv_state, rec_state)
