@@ -1,14 +1,19 @@
 """MoE kernel (Pallas Triton, interpret mode on CPU) vs moe_reference; router; dispatcher.
 
-Shapes are small real shapes: D = 256, I = 64..128, E = 16..64, A = 8, T in {1, 3, 6, 17}.
+Shapes are small real shapes: D = 256, I = 64..128, E = 4..64, A = 8, T in {1, 3, 5, 6, 17}.
 Tolerance ||out - ref|| / ||ref||: fp32 1e-5, bf16 operands 1e-2.
+Paths: the default config (combine fused into the down kernel, XLA align), the one-launch
+Pallas align (`device_align`), the v1 unfused down + XLA combine (`fuse_combine=False`).
 """
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pallas_kernels import dispatch
+from pallas_kernels import moe as moe_mod
 from pallas_kernels.moe import MoeConfig, moe, moe_reference
 from pallas_kernels.router import route_reference
 
@@ -26,8 +31,12 @@ def make(seed, t, d, e, i, dtype, ids_mode="random", shared=True):
   x = jax.random.normal(k[0], (t, d), jnp.float32).astype(dtype)
   if ids_mode == "random":        # distinct experts per token, duplicates across tokens
     ids = jnp.argsort(jax.random.uniform(k[1], (t, e)), axis=1)[:, :A]
-  else:                            # every token on the same 8 experts (segments longer than M)
+  elif ids_mode == "same":         # every token on the same 8 experts (segments longer than M)
     ids = jnp.tile(jax.random.permutation(k[1], e)[:A], (t, 1))
+  elif ids_mode == "one":          # every pair on one expert: one segment of P rows
+    ids = jnp.full((t, A), e // 2)
+  else:                            # "dup": repeats inside a token too
+    ids = jax.random.randint(k[1], (t, A), 0, e)
   w = jax.random.uniform(k[2], (t, A), jnp.float32, 0.1, 1.0)
   nrm = lambda kk, s, sc: (jax.random.normal(kk, s, jnp.float32) * sc).astype(dtype)
   wg, wu = nrm(k[3], (e, i, d), d ** -0.5), nrm(k[4], (e, i, d), d ** -0.5)
@@ -108,3 +117,87 @@ def test_dispatch_backend_switch(monkeypatch):
   x, ids, w, wg, wu, wd, sh = make(9, 2, 256, 16, 64, jnp.float32, shared=False)
   out = dispatch.moe(x, ids, w, wg, wu, wd, backend=dispatch.Backend.REFERENCE)
   np.testing.assert_array_equal(out, moe_reference(x, ids, w, wg, wu, wd))
+
+
+# ----------------------------------------------------------------------------- align, paths
+
+
+ALIGN = dataclasses.replace(CFG, device_align=True)
+V1 = dataclasses.replace(CFG, fuse_combine=False, device_align=True)
+
+
+@pytest.mark.parametrize("t,e,ids_mode,has_shared", [(6, 64, "random", False),
+                                                     (5, 4, "dup", True)])
+def test_align_kernel_matches_xla(t, e, ids_mode, has_shared):
+  """The one-launch Pallas align gives exactly XLA's (order, seg, w_sorted), through the
+  `_segments` wrapper and with the shared expert's rows and slot appended."""
+  _, ids, w, *_ = make(t + e, t, 8, e, 8, jnp.float32, ids_mode, shared=False)
+  want = [np.asarray(a) for a in moe_mod._segments_xla(ids, w)]
+  p = t * A
+  if not has_shared:
+    got = moe_mod._segments(ids, w, use_pallas=True, interpret=True)
+    for a, b in zip(got, want):
+      np.testing.assert_array_equal(np.asarray(a), b)
+    return
+  order, seg, tok, w_rows = moe_mod._align(ids, w, has_shared=True, interpret=True)
+  np.testing.assert_array_equal(order, want[0])
+  np.testing.assert_array_equal(seg[:, :p], want[1])
+  np.testing.assert_array_equal(seg[:, p], [p, t, 0])
+  np.testing.assert_array_equal(tok, np.concatenate([want[0] // A, np.arange(t)]))
+  np.testing.assert_array_equal(w_rows, np.concatenate([want[2], np.ones(t)]))
+
+
+PATH_CASES = [  # (config, t, e, i, dtype, ids_mode, shared, limit, tol)
+    (ALIGN, 17, 32, 64, jnp.bfloat16, "same", True, 0.3, 1e-2),
+    (ALIGN, 5, 4, 64, jnp.float32, "dup", True, 0.3, 1e-5),
+    (V1, 3, 16, 64, jnp.float32, "one", False, 0.0, 1e-5),
+]
+
+
+@pytest.mark.parametrize("cfg,t,e,i,dtype,ids_mode,shared,limit,tol", PATH_CASES)
+def test_moe_paths_match_reference(cfg, t, e, i, dtype, ids_mode, shared, limit, tol):
+  x, ids, w, wg, wu, wd, sh = make(t * 5 + e, t, 256, e, i, dtype, ids_mode, shared)
+  kw = dict(limit=limit, shared=sh, shared_limit=limit)
+  out = moe(x, ids, w, wg, wu, wd, config=cfg, **kw)
+  assert out.shape == x.shape and out.dtype == x.dtype
+  assert rel_err(out, moe_reference(x, ids, w, wg, wu, wd, **kw)) <= tol
+
+
+def test_fused_combine_batch_invariant():
+  """fp32 interpret: each token's output is bitwise the same alone (T=1) as in a batch of 6."""
+  x, ids, w, wg, wu, wd, sh = make(11, 6, 256, 16, 64, jnp.float32, "random", True)
+  kw = dict(limit=0.3, shared=sh, shared_limit=0.3, config=ALIGN)
+  batch = np.asarray(moe(x, ids, w, wg, wu, wd, **kw))
+  for t in range(6):
+    alone = np.asarray(moe(x[t:t + 1], ids[t:t + 1], w[t:t + 1], wg, wu, wd, **kw))
+    np.testing.assert_array_equal(alone[0], batch[t])
+
+
+# ----------------------------------------------------------------------------- CUDA lowering
+
+_S = jax.ShapeDtypeStruct
+
+
+def _lower_moe_cuda(t, cfg):
+  from jax.sharding import AbstractDevice, AbstractMesh
+  h200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
+      device_kind="NVIDIA H200", num_cores=132, platform="cuda"))
+  d, e, i, bf = 2560, 512, 768, jnp.bfloat16
+  args = (_S((t, d), bf), _S((t, A), jnp.int32), _S((t, A), jnp.float32), _S((e, i, d), bf),
+          _S((e, i, d), bf), _S((e, d, i), bf), _S((i, d), bf), _S((i, d), bf), _S((d, i), bf))
+  f = lambda *a: moe(*a[:6], limit=4.0, shared=a[6:], shared_limit=5.0, config=cfg)
+  with jax.sharding.use_abstract_mesh(h200):
+    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("t", [1, 17])
+def test_moe_paths_lower_for_cuda(t):
+  """Full Ling-3.0-flash shapes. Pallas align + fused combine: the whole MoE is 3 kernels
+  (align, up, down+combine) and nothing else but reshapes; the default is 2 Triton kernels."""
+  text = _lower_moe_cuda(t, MoeConfig(device_align=True))
+  assert text.count("__gpu$xla.gpu.triton") == 3
+  for op in ("stablehlo.sort", "stablehlo.gather", "stablehlo.scatter", "stablehlo.reduce",
+             "stablehlo.concatenate"):
+    assert op not in text, op
+  assert _lower_moe_cuda(t, MoeConfig()).count("__gpu$xla.gpu.triton") == 2
+  assert _lower_moe_cuda(t, MoeConfig(fuse_combine=False)).count("__gpu$xla.gpu.triton") == 2
