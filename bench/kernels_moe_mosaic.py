@@ -47,7 +47,7 @@ def bench(rows, bw, key, small=False, configs=None):
   sh = tuple(nrm(k[3 + j], s) for j, s in enumerate(((i, d), (i, d), (d, i))))
   cs, ebytes = (wg, wu, wd, sh), 3 * i * d * 2
   chain = lambda prev, s: (prev,) + s[1:]
-  for t in ((1, 6) if small else (1, 6, 17)):
+  for t in ((1, 6) if small else (6, 1, 17)):
     sets = []
     for j in range(8):
       kk = jax.random.split(jax.random.fold_in(key, 100 * t + j), 3)
