@@ -19,33 +19,33 @@ from bench.bench_step import (SEED_NEXTN_US, byte_model, distinct_experts, floor
                               random_state, time_chain, write)
 from compile.mesh import make_mesh
 from compile.runner import constrain, sharded_params
-from compile.sharding import ShardingRules
+from compile.sharding import ShardingRules, kernel_calls_for
 from compile.stages import Program, slice_config
 from ling_jax.config import get_preset
-from ling_jax.model import commit, forward, lm_logits
+from ling_jax.model import RuntimeOptions, commit, forward, lm_logits
 from ling_jax.sampling import greedy, greedy_verdict
 from ling_jax.spec import draft, extend, spec_step
 
 
-def parts(cfg, K):
+def parts(cfg, K, opts):
     """Four programs over (params, SpecState, extras) -> (SpecState, extras), each donating the carry."""
 
     def p_draft(params, s):
-        drafts, _, cache = draft(params, s, cfg, steps=K, is_greedy=True)
+        drafts, _, cache = draft(params, s, cfg, steps=K, is_greedy=True, opts=opts)
         return s.replace(draft_cache=cache, seed=drafts[:, -1]), drafts
 
     def p_verify(params, s, drafts):
         rows = jnp.concatenate([s.bonus[:, None], drafts], axis=1)
-        out = forward(params, rows, s.target, cfg, mode="verify")
+        out = forward(params, rows, s.target, cfg, mode="verify", opts=opts)
         n, bonus = greedy_verdict(drafts, greedy(lm_logits(params, out.hidden)))
         return s.replace(target=out.state, bonus=bonus), (out.pending, n, out.hidden)
 
     def p_commit(params, s, pending, n):
         del params
-        return s.replace(target=commit(s.target, pending, n + 1))
+        return s.replace(target=commit(s.target, pending, n + 1, opts))
 
     def p_extend(params, s, committed, hidden, n):
-        seed, _, h, cache = extend(params, s, s.draft_cache, committed, hidden, n, cfg, is_greedy=True)
+        seed, _, h, cache = extend(params, s, s.draft_cache, committed, hidden, n, cfg, is_greedy=True, opts=opts)
         return s.replace(seed=seed, draft_hidden=h, draft_cache=cache)
 
     return p_draft, p_verify, p_commit, p_extend
@@ -53,9 +53,10 @@ def parts(cfg, K):
 
 def run(cfg, mesh, rules, params, bw, ctx, reps, K=5, fused=None, routing=None):
     """fused / routing: bench_step's compiled NEXTN step and its routing census, reused (no recompile)."""
-    prog = Program(cfg, mode="nextn", steps=K, max_len=ctx + 1024)
+    opts = kernel_calls_for(RuntimeOptions(), mesh, rules)  # Pallas on GPU, under shard_map over TP
+    prog = Program(cfg, mode="nextn", steps=K, max_len=ctx + 1024, opts=opts)
     c = lambda t: constrain(t, mesh, rules)
-    p_draft, p_verify, p_commit, p_extend = parts(cfg, K)
+    p_draft, p_verify, p_commit, p_extend = parts(cfg, K, opts)
     state = random_state(prog, mesh, rules, ctx)
     if routing is None:  # draft K-1 calls, verify (MoE layers), extend 1
         routing = distinct_experts(prog.fn(), params, state)

@@ -34,7 +34,7 @@ import numpy as np  # noqa: E402
 
 from compile.mesh import make_mesh
 from compile.runner import constrain, sharded_params
-from compile.sharding import ShardingRules, param_specs, state_shardings
+from compile.sharding import ShardingRules, kernel_calls_for, param_specs, state_shardings
 from compile.stages import Program, slice_config
 from ling_jax.config import get_preset
 from ling_jax.model import RuntimeOptions
@@ -268,9 +268,10 @@ def main():
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--spec-parts", action="store_true", help="also run bench_spec's parts on the same params")
     ap.add_argument("--no-census", action="store_true")
-    ap.add_argument("--kernels", default=None, help="RuntimeOptions.kernels; default auto on one GPU, reference "
-                    "over TP (the Pallas custom calls are not yet under shard_map inside the model: XLA would "
-                    "replicate their operands)")
+    ap.add_argument("--kernels", default="auto", help="RuntimeOptions.kernels (auto: Pallas on GPU, run per "
+                    "device under shard_map over TP)")
+    ap.add_argument("--baseline-kernels", default=None, help="also time the steps with these kernels (e.g. "
+                    "reference: the XLA-only model) in the same run, as the baseline")
     ap.add_argument("--routing-from", default=None, help="a slice run's step JSON: reuse its mean distinct experts "
                     "per router call (saves compiling a routing-capture copy of the full model)")
     a = ap.parse_args()
@@ -288,10 +289,14 @@ def main():
     rows, extra = [], {"hbm_bw_bytes_per_s": bw, "model": cfg.name, "tp": tp, "ctx": a.ctx, "census": {},
                        "routing_source": a.routing_from or "captured from this run's router"}
     max_len = a.ctx + 1024
-    kernels = a.kernels or ("auto" if tp == 1 else "reference")
-    extra["kernels"] = kernels
-    for mode, K in [("plain", 0)] + [("nextn", int(k)) for k in a.steps.split(",")]:
-        prog = Program(cfg, mode=mode, steps=max(K, 1), max_len=max_len, opts=RuntimeOptions(kernels=kernels))
+    extra["kernels"] = a.kernels
+    runs = [("plain", 0, a.kernels)] + [("nextn", int(k), a.kernels) for k in a.steps.split(",")]
+    if a.baseline_kernels:
+        runs += [(m, k, a.baseline_kernels) for m, k, _ in runs]
+    for mode, K, kernels in runs:
+        baseline = kernels != a.kernels
+        opts = kernel_calls_for(RuntimeOptions(kernels=kernels), mesh, rules)
+        prog = Program(cfg, mode=mode, steps=max(K, 1), max_len=max_len, opts=opts)
         fn = prog.fn()
         step = jax.jit(lambda p, s, _f=fn: constrain(_f(p, s), mesh, rules), donate_argnums=(1,))
         state = random_state(prog, mesh, rules, a.ctx)
@@ -300,20 +305,22 @@ def main():
         t, state = time_chain(step, params, state, reps=a.reps)
         nbytes = floor_bytes(cfg, mesh, rules, mode, K, routing, a.ctx)
         name = "plain decode step" if mode == "plain" else f"NEXTN step (steps={K}, {K + 1} verify rows)"
-        r = row(name, t, nbytes, bw, distinct_experts_per_router_call=routing, compile_and_time_s=time.perf_counter() - tc)
+        name += f" [kernels={kernels}]" if baseline else ""
+        r = row(name, t, nbytes, bw, distinct_experts_per_router_call=routing, compile_and_time_s=time.perf_counter() - tc,
+                kernels=kernels)
         if mode == "nextn":
             r["projected_tpot_us_at_seed_accept"] = t * 1e6 / SEED_ACCEPT
         rows.append(r)
         print(f"{name:42s} {t * 1e6:9.1f} us  floor {r['floor_us']:8.1f} us  {100 * r['fraction_of_floor']:5.1f} %  "
               f"({nbytes / 1e9:.2f} GB/device)", flush=True)
-        if not a.no_census and (mode == "plain" or K == 5):
+        if not a.no_census and not baseline and (mode == "plain" or K == 5):
             c, state = census(step, params, state, 5, t, f"/tmp/prof-{mode}{K}")
             extra["census"][name] = c
             print(json.dumps({k: v for k, v in c.items() if k != "top_kernels"})[:1500], flush=True)
         del state
         os.makedirs(a.out, exist_ok=True)
         write(a.out, "step", rows, extra, device)  # partial results survive a timeout
-        if mode == "nextn" and K == 5:
+        if mode == "nextn" and K == 5 and not baseline:
             kept = (step, routing)
     os.makedirs(a.out, exist_ok=True)
     print("wrote", write(a.out, "step", rows, extra, device))

@@ -22,6 +22,16 @@ def init_distributed(coordinator: str | None = None, num_processes: int | None =
                                process_id=process_id, local_device_ids=local_device_ids)
 
 
+def barrier(name: str, timeout_s: float = 1800.0) -> None:
+    """Wait until every process reaches `name` (the coordination service's barrier, not a device collective).
+    Used before the first collective of a phase: gloo's CPU context gives a late peer only 30 s."""
+    if jax.process_count() == 1:
+        return
+    from jax._src import distributed  # the public API has no barrier on the coordination service
+
+    distributed.global_state.client.wait_at_barrier(name, int(timeout_s * 1000))
+
+
 def make_mesh(tp_size: int, multi_host: bool = False, coordinator: str | None = None,
               num_processes: int | None = None, process_id: int | None = None, devices=None) -> Mesh:
     """A 1-D mesh ("tp",) of tp_size devices. multi_host: initialise jax.distributed first and span all

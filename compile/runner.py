@@ -2,7 +2,8 @@
 
 The model code stays sharding-free: the step and prefill programs are the Generator's own, wrapped in one more
 jit whose outputs are pinned with `with_sharding_constraint` to `state_shardings`, so the donated state comes
-back in the layout it went in (XLA aliases it) and the parameters' shardings drive the rest.
+back in the layout it went in (XLA aliases it) and the parameters' shardings drive the rest. The Pallas kernel
+calls (which XLA cannot partition) go through `ShardedKernelCalls`, i.e. run per device under shard_map.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import functools
 import jax
 from jax.sharding import Mesh
 
-from compile.sharding import ShardingRules, shardings_for, state_shardings
+from compile.sharding import ShardingRules, kernel_calls_for, shardings_for, state_shardings
 from ling_jax.config import ModelConfig
 from ling_jax.runner import Generator
 from ling_jax.weights import init_params
@@ -30,6 +31,7 @@ class ShardedGenerator(Generator):
     def __init__(self, cfg: ModelConfig, params, mesh: Mesh, rules: ShardingRules = ShardingRules(), **kw):
         super().__init__(cfg, params, **kw)
         self.mesh, self.rules = mesh, rules
+        self.opts = kernel_calls_for(self.opts, mesh, rules)  # Pallas calls under shard_map
 
     @functools.lru_cache(maxsize=None)
     def prefill_fn(self, bucket: int, is_greedy: bool):

@@ -10,7 +10,8 @@ Tensor parallelism over one mesh axis (Megatron layout, two all-reduces per laye
     are replicated ("embed" and None never split).
 `shardings_for(cfg, mesh, rules)` returns the callable that `init_params` / `load_hf_checkpoint` /
 `abstract_params` take; `state_shardings` maps any state pytree (DecodeState, SpecState, PlainState, step
-outputs) by leaf path; `shard_kernel` runs a per-device kernel under `jax.shard_map` with specs from the rules.
+outputs) by leaf path; `shard_kernel` runs a per-device kernel under `jax.shard_map` with specs from the rules;
+`ShardedKernelCalls` / `kernel_calls_for` hand the model its Pallas calls wrapped that way.
 """
 
 from __future__ import annotations
@@ -20,11 +21,14 @@ from dataclasses import dataclass
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ling_jax.config import ModelConfig
+from ling_jax.kernel_calls import KernelCalls
 from ling_jax.weights import ArrayInfo, array_spec
+from pallas_kernels.kda_verify import KdaCommitInputs
 
 TP = "tp"
 
@@ -174,46 +178,74 @@ def shard_kernel(fn: Callable, mesh: Mesh, in_axes, out_axes, rules: ShardingRul
     return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
-def sharded_moe(mesh: Mesh, rules: ShardingRules = ShardingRules(), *, limit: float = 0.0, shared_limit: float = 0.0,
-                backend=None) -> Callable:
-    """pallas_kernels.dispatch.moe over expert_mlp-sharded weights: each device runs the kernel on its slice of
-    the expert width (SwiGLU is elementwise in it, so the slices are exact), returns fp32 partials, one psum.
+@dataclass(frozen=True)
+class ShardedKernelCalls(KernelCalls):
+    """The model's Pallas kernel calls, each run per device under `jax.shard_map` with specs from the rules
+    (a Pallas custom call cannot be auto-partitioned). Pass as RuntimeOptions(kernel_calls=...).
 
-    f(x [T, D], ids [T, A], w [T, A], w_gate [E, I, D], w_up, w_down [E, D, I], shared (g, u, d)) -> [T, D] f32.
+    moe: TP splits the expert width ("expert_mlp"/"mlp"): SwiGLU is elementwise in it, so each device's slice is
+      exact; the down projections give fp32 partial sums, summed with ONE psum (routed + shared together).
+      EP ("expert" -> tp) gives each device E/N experts: pairs routed elsewhere get weight 0 on local expert 0
+      (read once per device when any pair is remote: up to one expert's bytes wasted), and the same one psum
+      combines the devices.
+    kda_verify / kda_commit: every head-indexed operand split over "tp"; heads are independent, no collective.
     """
-    from pallas_kernels import dispatch  # kernels sit below compile/
 
-    if rules.expert_mlp is None or rules.mlp is None:
-        raise ValueError("sharded_moe splits the expert width: rules.expert_mlp and rules.mlp must map to 'tp'")
+    mesh: Mesh | None = None
+    rules: ShardingRules = ShardingRules()
 
-    def kernel(x, ids, w, wg, wu, wd, sg, su, sd):
-        out = dispatch.moe(x.astype(wg.dtype), ids, w, wg, wu, wd, limit=limit, shared=(sg, su, sd),
-                           shared_limit=shared_limit, backend=backend)
-        return out.astype(jax.numpy.float32)
+    def __post_init__(self):
+        if self.mesh is None:
+            raise ValueError("ShardedKernelCalls needs a mesh")
 
-    ex_in, ex_out = ("expert", "expert_mlp", "embed"), ("expert", "embed", "expert_mlp")
-    in_axes = (None, None, None, ex_in, ex_in, ex_out, ("mlp", "embed"), ("mlp", "embed"), ("embed", "mlp"))
-    return shard_kernel(kernel, mesh, in_axes, None, rules, reduce_out=True)
+    def moe(self, x, ids, weights, w_gate, w_up, w_down, *, limit: float, shared, shared_limit: float):
+        rules, base = self.rules, super()
+        if rules.mlp is None or (rules.expert is None and rules.expert_mlp is None):
+            raise ValueError("sharded MoE needs the shared expert's width (mlp) and either the experts (expert) "
+                             f"or their width (expert_mlp) on tp; got {rules}")
+        ep = rules.expert is not None
+        n_local = w_gate.shape[0] // self.mesh.shape[TP] if ep else w_gate.shape[0]
+
+        def kernel(x, ids, w, wg, wu, wd, sg, su, sd):
+            if ep:  # global expert ids -> this device's; pairs of other devices' experts contribute 0
+                local = ids - jax.lax.axis_index(TP) * n_local
+                mine = (local >= 0) & (local < n_local)
+                ids, w = jnp.where(mine, local, 0), jnp.where(mine, w, 0.0)
+            # The shared expert is split by its width ("mlp") in both layouts: each device adds its partial.
+            return base.moe(x, ids, w, wg, wu, wd, limit=limit, shared=(sg, su, sd), shared_limit=shared_limit)
+
+        ex_in, ex_out = ("expert", "expert_mlp", "embed"), ("expert", "embed", "expert_mlp")
+        in_axes = (None, None, None, ex_in, ex_in, ex_out, ("mlp", "embed"), ("mlp", "embed"), ("embed", "mlp"))
+        f = shard_kernel(kernel, self.mesh, in_axes, None, rules, reduce_out=True)
+        return f(x, ids, weights, w_gate, w_up, w_down, *shared)
+
+    def kda_verify(self, q_raw, k_raw, v_raw, f_raw, b_raw, A_log, dt_bias, q_conv_w, k_conv_w, v_conv_w,
+                   conv_window, rec_state, *, lower_bound: float):
+        base = super()
+
+        def kernel(*a):
+            return base.kda_verify(*a, lower_bound=lower_bound)
+
+        ch, w = (None, None, "heads"), ("heads", None, None)
+        in_axes = (ch, ch, ch, ch, ch, ("heads",), ("heads",), w, w, w, (None, None, None, "heads"),
+                   (None, "heads", None, None))
+        bthk = (None, None, "heads", None)
+        out_axes = (bthk, KdaCommitInputs(bthk, bthk, bthk, (None, None, "heads")))
+        f = shard_kernel(kernel, self.mesh, in_axes, out_axes, self.rules)
+        return f(q_raw, k_raw, v_raw, f_raw, b_raw, A_log, dt_bias, q_conv_w, k_conv_w, v_conv_w, conv_window,
+                 rec_state)
+
+    def kda_commit(self, rec_state, inputs, n_accept):
+        base = super()
+        bthk, state = (None, None, "heads", None), (None, "heads", None, None)
+        in_axes = (state, KdaCommitInputs(bthk, bthk, bthk, (None, None, "heads")), None)
+        f = shard_kernel(lambda s, i, n: base.kda_commit(s, i, n), self.mesh, in_axes, state, self.rules)
+        return f(rec_state, inputs, n_accept)
 
 
-def sharded_kda_verify(mesh: Mesh, rules: ShardingRules = ShardingRules(), *, lower_bound: float = -5.0,
-                       backend=None) -> Callable:
-    """pallas_kernels.dispatch.kda_verify with every head-indexed operand split over "tp" (heads are
-    independent: no collective). Same arguments as dispatch.kda_verify; conv_state [B, W-1, 3*C] must be
-    laid out stream-major per device, so this takes conv_state as [B, W-1, 3, C] and reshapes inside."""
-    from pallas_kernels import dispatch
-
-    def kernel(q, k, v, f, b, A_log, dt_bias, qw, kw, vw, conv_state, rec):
-        cs = conv_state.reshape(conv_state.shape[:2] + (-1,))
-        return dispatch.kda_verify(q, k, v, f, b, A_log, dt_bias, qw, kw, vw, cs, rec, lower_bound=lower_bound,
-                                   backend=backend)
-
-    ch = (None, None, "heads")
-    w = ("heads", None, None)
-    in_axes = (ch, ch, ch, ch, ch, ("heads",), ("heads",), w, w, w, (None, None, None, "heads"),
-               (None, "heads", None, None))
-    from pallas_kernels.kda_verify import KdaCommitInputs
-
-    bthk = (None, None, "heads", None)
-    out_axes = (bthk, KdaCommitInputs(bthk, bthk, bthk, (None, None, "heads")))
-    return shard_kernel(kernel, mesh, in_axes, out_axes, rules)
+def kernel_calls_for(opts, mesh: Mesh, rules: ShardingRules = ShardingRules()):
+    """RuntimeOptions whose Pallas calls run under shard_map on `mesh` (unchanged for 1 device or the jnp path)."""
+    if mesh.size == 1 or not opts.use_pallas:
+        return opts
+    calls = ShardedKernelCalls(interpret=opts.kernels == "interpret", mesh=mesh, rules=rules)
+    return dataclasses.replace(opts, kernel_calls=calls)

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from compile.sharding import ShardingRules, shardings_for, state_shardings, with_shardings
+from compile.sharding import ShardingRules, kernel_calls_for, shardings_for, state_shardings, with_shardings
 from ling_jax.config import ModelConfig
 from ling_jax.decode import PlainState, plain_step
 from ling_jax.model import RuntimeOptions
@@ -97,7 +97,7 @@ def trace(prog: Program, mesh: Mesh, rules: ShardingRules = ShardingRules()):
     """Stage 1. Returns (jax.stages.Traced, jitted function). The state (argument 1) is donated and comes back
     with the same shardings, so XLA can update it in place."""
     params, state = abstract_inputs(prog, mesh, rules)
-    fn = prog.fn()
+    fn = dataclasses.replace(prog, opts=kernel_calls_for(prog.opts, mesh, rules)).fn()
     out = jax.eval_shape(fn, params, state)
     jitted = jax.jit(fn, out_shardings=state_shardings(out, mesh, rules), donate_argnums=(1,))
     return jitted.trace(params, state), jitted

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from ling_jax.config import ModelConfig
+from ling_jax.kernel_calls import KernelCalls
 from ling_jax.layers.kda import KdaPending, kda_commit, kda_layer
 from ling_jax.layers.mla import mla_layer
 from ling_jax.layers.moe import dense_mlp, moe_layer
@@ -32,6 +33,7 @@ from ling_jax.layers.norms import rms_norm
 from ling_jax.state import DecodeState
 
 MODES = ("prefill", "decode", "verify")
+KERNEL_CHOICES = ("auto", "pallas", "reference", "interpret")
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,8 @@ class RuntimeOptions:
     kernels: "auto" (Pallas on GPU, the model's jnp on CPU), "pallas" or "reference" (force either), or
       "interpret" (the Pallas kernels in the interpreter: CPU tests of the wiring). Pallas serves the MoE
       experts everywhere and KDA in decode/verify/commit; prefill KDA stays chunked jnp.
+    kernel_calls: how the kernels are called when Pallas is on; None = directly. A compiler passes a subclass
+      that wraps each call (compile.sharding.ShardedKernelCalls runs them under shard_map over its mesh).
     """
 
     router_fp32: bool = False
@@ -53,6 +57,11 @@ class RuntimeOptions:
     kda_chunk: int = 64
     mla_absorbed: bool = True
     kernels: str = "auto"
+    kernel_calls: KernelCalls | None = None
+
+    def __post_init__(self):
+        if self.kernels not in KERNEL_CHOICES:
+            raise ValueError(f"kernels={self.kernels!r} not in {KERNEL_CHOICES}")
 
     @property
     def use_pallas(self) -> bool:
@@ -61,9 +70,11 @@ class RuntimeOptions:
         return self.kernels == "interpret" or resolve(self.kernels) is Backend.PALLAS
 
     @property
-    def pallas(self) -> str | None:
-        """None (jnp), "gpu" or "interpret": what the layers hand to the kernels."""
-        return ("interpret" if self.kernels == "interpret" else "gpu") if self.use_pallas else None
+    def pallas(self) -> KernelCalls | None:
+        """None (the model's jnp) or the KernelCalls the layers call the Pallas kernels through."""
+        if not self.use_pallas:
+            return None
+        return self.kernel_calls or KernelCalls(interpret=self.kernels == "interpret")
 
 
 class ForwardOutput(NamedTuple):

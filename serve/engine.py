@@ -154,6 +154,7 @@ class Engine:
         self.accept_tokens_total = 0  # tokens those steps emitted (sum of accept lengths)
         self.num_finished = self.num_aborted = 0
         self.last_gen_throughput = 0.0
+        self.current: Request | None = None  # the request the worker thread is running
 
     # ---- async side -------------------------------------------------------------------------------------------
     def start(self):
@@ -161,6 +162,8 @@ class Engine:
         self.worker = asyncio.create_task(self._run(), name="engine-worker")
 
     async def stop(self):
+        if self.current is not None:  # the worker thread closes its stream at the next chunk
+            self.cancel(self.current, "server shutting down")
         if self.worker is not None:
             self.worker.cancel()
 
@@ -187,9 +190,11 @@ class Engine:
                 self._finish(req, {"type": "abort", "message": "client disconnected"}, 0)
                 continue
             self.m.running.inc()
+            self.current = req
             try:
                 await asyncio.to_thread(self._process, req)
             finally:
+                self.current = None
                 self.m.running.dec()
 
     def _emit(self, req: Request, out: Output):
@@ -244,6 +249,8 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - report it to the client, keep serving
             log.exception("request %s failed", req.id)
             self._finish(req, {"type": "abort", "message": f"internal error: {e}"}, n_out, [], "")
+        finally:
+            it.close()  # explicit, not at garbage collection: multi-host followers wait on this decision
 
     def _finish(self, req: Request, reason: dict, n_out: int, ids: list[int] | None = None, delta: str = ""):
         e2e = time.perf_counter() - req.t_arrival

@@ -4,6 +4,12 @@
         --speculative-algorithm NEXTN --speculative-num-steps 3 --speculative-eagle-topk 1 \
         --speculative-num-draft-tokens 4 --context-length 4096
 
+Multi-host (one process per host, every host runs the same command with its own --node-rank; --tp-size is the
+global device count; process 0 serves HTTP and the others follow it in lockstep, see serve/lockstep.py):
+
+    python -m serve.launch_server --model-path ling3-flash --tp-size 16 \
+        --dist-init-addr 10.0.0.1:5000 --nnodes 2 --node-rank 0     # and --node-rank 1 on the second host
+
 --model-path is a preset (random weights) or an HF checkpoint dir (config.json + safetensors, and optionally
 tokenizer.json / tokenizer_config.json); --random-weights initialises randomly even for a dir. The server
 listens at once; /health answers 503 until the weights are loaded, the programs compiled and a greedy and a
@@ -39,12 +45,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="random-init seed and the server's sampling-seed source")
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--dist-init-addr", default=None,
+                   help="HOST:PORT of process 0's jax.distributed coordinator (multi-host; with --nnodes > 1)")
+    p.add_argument("--nnodes", type=int, default=1, help="processes (hosts) in the mesh; each runs this command")
+    p.add_argument("--node-rank", type=int, default=0,
+                   help="this process's index: 0 serves HTTP, the others follow it in lockstep")
     return p
 
 
-def tensor_parallel(cfg, tp_size: int):
-    """(mesh, param shardings) for tp_size > 1 from the compiler's modules; (None, None) on one device."""
-    if tp_size == 1:
+def init_multi_host(a: argparse.Namespace) -> None:
+    """jax.distributed.initialize from the SGLang-style flags (before anything touches a device)."""
+    if a.nnodes < 1 or not 0 <= a.node_rank < a.nnodes:
+        raise ValueError(f"--node-rank {a.node_rank} must be in [0, --nnodes {a.nnodes})")
+    if a.nnodes == 1:
+        return
+    if not a.dist_init_addr or ":" not in a.dist_init_addr:
+        raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT (process 0's coordinator)")
+    import jax
+
+    # CPU meshes across processes need a collectives implementation (GPUs use NCCL regardless).
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    from compile.mesh import init_distributed
+
+    init_distributed(a.dist_init_addr, a.nnodes, a.node_rank)
+    logging.info("jax.distributed: process %d of %d, %d global devices (%d local)", jax.process_index(),
+                 jax.process_count(), jax.device_count(), jax.local_device_count())
+
+
+def tensor_parallel(cfg, tp_size: int, multi_host: bool = False):
+    """(mesh, param shardings) for tp_size > 1 from the compiler's modules; (None, None) on one device.
+    multi_host: the mesh spans every process's devices (tp_size must be the global device count)."""
+    if tp_size == 1 and not multi_host:
         return None, None
     if tp_size < 1:
         raise ValueError(f"--tp-size must be >= 1, got {tp_size}")
@@ -55,12 +86,15 @@ def tensor_parallel(cfg, tp_size: int):
     except ImportError as e:
         raise ValueError(f"--tp-size {tp_size}: tensor parallelism needs compile.mesh / compile.runner / "
                          f"compile.sharding ({e}); use --tp-size 1") from None
-    mesh = make_mesh(tp_size)  # ValueError when fewer devices are visible
+    mesh = make_mesh(tp_size, multi_host=multi_host)  # ValueError when fewer devices are visible
     return mesh, shardings_for(cfg, mesh)
 
 
-def make_loader(a: argparse.Namespace, cfg, spec, tokenizer, mesh, shardings, context_length: int):
-    """The blocking load: weights (progress bar), Generator, compile + warm-up (progress bar)."""
+def make_loader(a: argparse.Namespace, cfg, spec, tokenizer, mesh, shardings, context_length: int, *,
+                warm: bool = True, loaded: list | None = None):
+    """The blocking load: weights (progress bar), Generator, compile + warm-up (progress bar).
+    Multi-host: the leader's Generator is a LockstepGenerator (followers replay its calls, the warm-up too);
+    warm=False for a follower (its warm-up is the leader's). loaded: receives the generator."""
 
     def load():
         import jax
@@ -73,6 +107,10 @@ def make_loader(a: argparse.Namespace, cfg, spec, tokenizer, mesh, shardings, co
         from serve.protocol import ModelLimits
 
         dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[a.dtype]
+        if a.nnodes > 1:  # every process starts each collective phase together (see compile.mesh.barrier)
+            from compile.mesh import barrier
+
+            barrier("ling_jax:load")
         t0 = time.perf_counter()
         if a.random_weights or not os.path.isdir(a.model_path):
             with tqdm(total=1, desc="random init", unit="model", file=sys.stderr) as bar:
@@ -85,12 +123,22 @@ def make_loader(a: argparse.Namespace, cfg, spec, tokenizer, mesh, shardings, co
                                      progress=lambda i, n: bar.update(i - bar.n))
                 jax.block_until_ready(params)
         logging.info("weights ready in %.1f s", time.perf_counter() - t0)
+        if a.nnodes > 1:
+            barrier("ling_jax:weights_ready")
         if mesh is None:
             gen = Generator(cfg, params, spec=spec, max_len=context_length, dtype=dtype)
         else:
             from compile.runner import ShardedGenerator
 
             gen = ShardedGenerator(cfg, params, mesh, spec=spec, max_len=context_length, dtype=dtype)
+        if a.nnodes > 1 and a.node_rank == 0:
+            from serve.lockstep import LockstepGenerator
+
+            gen = LockstepGenerator(gen)
+        if loaded is not None:
+            loaded.append(gen)
+        if not warm:
+            return gen, None
         eos = (tokenizer.eos_ids if tokenizer is not None else ()) or (cfg.eos_token_id,)
         limits = ModelLimits(a.served_model_name or a.model_path, cfg.vocab_size, context_length,
                              2 * gen.rows_per_step, tokenizer, tuple(eos))
@@ -124,10 +172,13 @@ def main(argv=None) -> int:
         context_length = a.context_length or cfg.max_position_embeddings
         if context_length < 2 * spec.draft_tokens + 5:  # the warm-up's 4-token prompt, 1 new token, 2 steps' rows
             raise ValueError(f"--context-length {context_length} is too small (at least {2 * spec.draft_tokens + 5})")
-        mesh, shardings = tensor_parallel(cfg, a.tp_size)
+        init_multi_host(a)
+        mesh, shardings = tensor_parallel(cfg, a.tp_size, multi_host=a.nnodes > 1)
     except (ValueError, KeyError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if a.node_rank > 0:
+        return run_follower(a, cfg, spec, tokenizer, mesh, shardings, context_length)
     name = a.served_model_name or a.model_path
     server_args = {k: v for k, v in vars(a).items()}
     import jax
@@ -146,14 +197,31 @@ def main(argv=None) -> int:
         failed.append(msg)
         server.should_exit = True
 
-    app = create_app(server_args, make_loader(a, cfg, spec, tokenizer, mesh, shardings, context_length),
-                     served_model_name=name, seed=a.seed, on_load_error=on_load_error)
+    loaded: list = []
+    app = create_app(server_args, make_loader(a, cfg, spec, tokenizer, mesh, shardings, context_length,
+                                              loaded=loaded),
+                     served_model_name=name, seed=a.seed, on_load_error=on_load_error,
+                     on_shutdown=(lambda: loaded and loaded[0].shutdown()) if a.nnodes > 1 else None)
     server = uvicorn.Server(uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level.lower(),
                                            timeout_graceful_shutdown=5))
-    server.run()
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled, after the app's shutdown ran
+        pass
     if failed:
         print(f"error: {failed[0]}", file=sys.stderr)
         return 1
+    return 0
+
+
+def run_follower(a: argparse.Namespace, cfg, spec, tokenizer, mesh, shardings, context_length: int) -> int:
+    """Process node_rank > 0: load this process's shards, then replay the leader's streams until it stops."""
+    from serve.lockstep import follow
+
+    gen, _ = make_loader(a, cfg, spec, tokenizer, mesh, shardings, context_length, warm=False)()
+    logging.info("follower %d ready", a.node_rank)
+    n = follow(gen)
+    logging.info("follower %d done after %d streams", a.node_rank, n)
     return 0
 
 

@@ -201,7 +201,8 @@ async def _generate(request: Request, st: AppState):
 
 
 def create_app(server_args: dict, load: Loader, *, served_model_name: str, seed: int = 0,
-               on_load_error: Callable[[str], None] | None = None) -> Starlette:
+               on_load_error: Callable[[str], None] | None = None,
+               on_shutdown: Callable[[], None] | None = None) -> Starlette:
     """The ASGI app. `load` runs in a thread at startup; the app serves generation once it returns."""
     st = AppState(server_args, Metrics(served_model_name), seed)
 
@@ -274,6 +275,8 @@ def create_app(server_args: dict, load: Loader, *, served_model_name: str, seed:
         task.cancel()
         if st.engine is not None:
             await st.engine.stop()
+        if on_shutdown is not None:  # blocking (multi-host: tells the followers), so off the event loop
+            await asyncio.to_thread(on_shutdown)
 
     routes = [
         Route("/health", route(health), methods=["GET"]),

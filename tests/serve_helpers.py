@@ -62,18 +62,21 @@ def make_model_dir(path: str) -> str:
 class Server:
     """`python -m serve.launch_server ...` on 127.0.0.1:<free port>; `url`, `log()` (its stderr+stdout so far)."""
 
-    def __init__(self, model_path: str, log_path: str, *extra: str, timeout_s: float = 600):
+    def __init__(self, model_path: str, log_path: str, *extra: str, timeout_s: float = 600, env: dict | None = None,
+                 wait: bool = True):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=CACHE_DIR,
                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
-                   PYTHONUNBUFFERED="1")
+                   PYTHONUNBUFFERED="1", **(env or {}))
         cmd = [sys.executable, "-m", "serve.launch_server", "--model-path", model_path, "--host", "127.0.0.1",
                "--port", str(self.port), *SERVER_FLAGS, *extra]
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
         self.saw_503 = False
+        if not wait:  # a multi-host follower: it never serves HTTP
+            return
         try:
             self._wait(timeout_s)
         except BaseException:

@@ -1,5 +1,7 @@
 """Sharded == unsharded on 4 simulated CPU devices: rules, forward logits (fp32 rel err <= 1e-5), NEXTN
-generation token for token, and the Pallas-dispatch kernels under shard_map (reference backend)."""
+generation token for token, and the Pallas kernels (interpreter) under shard_map, alone and inside the model."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -8,8 +10,9 @@ import pytest
 
 from compile.mesh import make_mesh
 from compile.runner import ShardedGenerator, sharded_params
-from compile.sharding import (ShardingRules, param_specs, sharded_kda_verify, sharded_moe, shardings_for,
+from compile.sharding import (ShardedKernelCalls, ShardingRules, kernel_calls_for, param_specs, shardings_for,
                               state_shardings)
+from ling_jax.model import RuntimeOptions, commit
 from ling_jax.config import get_preset
 from ling_jax.runner import Generator
 from ling_jax.spec import SpecConfig
@@ -65,6 +68,39 @@ def test_sharded_prefill_decode_logits_match(tp, ep):
     assert rel_err(ob.state.mla_cache, oa.state.mla_cache) <= 1e-5
 
 
+def test_sharded_pallas_model_matches_unsharded_jnp():
+    """The model with its Pallas kernels (interpreter) under shard_map on 4 devices: prefill + 2 decode steps and a
+    verify + commit give the unsharded jnp model's logits and states."""
+    cfg = get_preset("test-wide")
+    mesh, rules = make_mesh(4), ShardingRules.tensor_parallel()
+    params = init_params(cfg, 3, F32)
+    sparams = sharded_params(cfg, mesh, rules, seed=3, dtype=F32)
+    opts = kernel_calls_for(RuntimeOptions(kernels="interpret"), mesh, rules)
+    assert isinstance(opts.pallas, ShardedKernelCalls)
+    tokens = jax.random.randint(jax.random.key(1), (1, 8), 0, cfg.vocab_size)
+    n = jnp.array([8], jnp.int32)
+    st = init_state(cfg, 1, 32, F32)
+    sst = jax.device_put(st, state_shardings(st, mesh, rules))
+    la, oa = jitted_forward(cfg, "prefill")(params, tokens, st, n)
+    lb, ob = jitted_forward(cfg, "prefill", opts)(sparams, tokens, sst, n)
+    assert rel_err(lb, la) <= 1e-5
+    one = jnp.array([1], jnp.int32)
+    tok = jnp.argmax(la[:, -1:], -1).astype(jnp.int32)
+    la, oa = jitted_forward(cfg, "decode")(params, tok, oa.state, one)
+    lb, ob = jitted_forward(cfg, "decode", opts)(sparams, tok, ob.state, one)
+    assert rel_err(lb, la) <= 1e-5
+    assert rel_err(ob.state.kda_recurrent, oa.state.kda_recurrent) <= 1e-5
+    drafts = jax.random.randint(jax.random.key(2), (1, 3), 0, cfg.vocab_size)
+    la, oa = jitted_forward(cfg, "verify")(params, drafts, oa.state, None)
+    lb, ob = jitted_forward(cfg, "verify", opts)(sparams, drafts, ob.state, None)
+    assert rel_err(lb, la) <= 1e-5
+    n_acc = jnp.array([2], jnp.int32)
+    ca = jax.jit(commit)(oa.state, oa.pending, n_acc)
+    cb = jax.jit(functools.partial(commit, opts=opts))(ob.state, ob.pending, n_acc)
+    assert rel_err(cb.kda_recurrent, ca.kda_recurrent) <= 1e-5
+    assert rel_err(cb.kda_conv, ca.kda_conv) <= 1e-5
+
+
 def test_sharded_nextn_generation_matches_unsharded():
     cfg = get_preset("test-wide")
     mesh = make_mesh(4)
@@ -79,30 +115,35 @@ def test_sharded_nextn_generation_matches_unsharded():
     assert stats.verify_steps > 0
 
 
-def test_sharded_moe_kernel_under_shard_map():
-    from pallas_kernels import dispatch
-
-    mesh = make_mesh(4)
-    T, D, E, I, A = 3, 64, 16, 32, 4
-    ks = jax.random.split(jax.random.key(0), 8)
+def _moe_inputs(T=3, D=64, E=16, I=32, A=4):
+    ks = jax.random.split(jax.random.key(0), 9)
     x = jax.random.normal(ks[0], (T, D), F32)
     ids = jax.random.randint(ks[1], (T, A), 0, E).astype(jnp.int32)
     w = jax.random.uniform(ks[2], (T, A), F32)
     wg, wu = (jax.random.normal(k, (E, I, D), F32) * D**-0.5 for k in ks[3:5])
     wd = jax.random.normal(ks[5], (E, D, I), F32) * I**-0.5
     sg, su = (jax.random.normal(k, (I, D), F32) * D**-0.5 for k in ks[6:8])
-    sd = jax.random.normal(ks[0], (D, I), F32) * I**-0.5
-    want = dispatch.moe(x, ids, w, wg, wu, wd, limit=0.7, shared=(sg, su, sd), shared_limit=0.5, backend="reference")
-    f = jax.jit(sharded_moe(mesh, limit=0.7, shared_limit=0.5, backend="reference"))
-    got = f(x, ids, w, wg, wu, wd, sg, su, sd)
-    assert rel_err(got, want) <= 1e-5
+    sd = jax.random.normal(ks[8], (D, I), F32) * I**-0.5
+    return x, ids, w, wg, wu, wd, (sg, su, sd)
 
 
-def test_sharded_kda_verify_under_shard_map():
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_sharded_moe_kernel_under_shard_map(expert_parallel):
+    """The Pallas MoE (interpreter) run per device under shard_map, TP over the expert width or EP over the
+    experts, equals the unsharded jnp reference."""
     from pallas_kernels import dispatch
 
     mesh = make_mesh(4)
-    B, T, H, K, W = 1, 4, 4, 16, 4
+    rules = ShardingRules.tensor_parallel(expert_parallel=expert_parallel)
+    x, ids, w, wg, wu, wd, sh = _moe_inputs()
+    want = dispatch.moe(x, ids, w, wg, wu, wd, limit=0.7, shared=sh, shared_limit=0.5, backend="reference")
+    calls = ShardedKernelCalls(interpret=True, mesh=mesh, rules=rules)
+    got = jax.jit(lambda *a: calls.moe(*a[:6], limit=0.7, shared=a[6], shared_limit=0.5))(x, ids, w, wg, wu, wd, sh)
+    assert got.shape == want.shape
+    assert rel_err(got, want) <= 1e-5
+
+
+def _kda_inputs(B=1, T=4, H=4, K=16, W=4):
     C = H * K
     ks = jax.random.split(jax.random.key(1), 12)
     raw = [jax.random.normal(ks[i], (B, T, C), F32) for i in range(4)]
@@ -112,7 +153,22 @@ def test_sharded_kda_verify_under_shard_map():
     cw = [0.5 * jax.random.normal(ks[7 + i], (C, 1, W), F32) for i in range(3)]
     conv = jax.random.normal(ks[10], (B, W - 1, 3, C), F32)
     rec = 0.1 * jax.random.normal(ks[11], (B, H, K, K), F32)
-    want = dispatch.kda_verify(*raw, b, A_log, dt, *cw, conv.reshape(B, W - 1, 3 * C), rec, backend="reference")
-    got = jax.jit(sharded_kda_verify(mesh, backend="reference"))(*raw, b, A_log, dt, *cw, conv, rec)
+    return raw, b, A_log, dt, cw, conv, rec
+
+
+def test_sharded_kda_verify_and_commit_under_shard_map():
+    """KDA verify + commit kernels (interpreter) split by heads over 4 devices equal the unsharded references."""
+    from pallas_kernels import dispatch
+
+    mesh = make_mesh(4)
+    raw, b, A_log, dt, cw, conv, rec = _kda_inputs()
+    B, Wm1 = conv.shape[:2]
+    want = dispatch.kda_verify(*raw, b, A_log, dt, *cw, conv.reshape(B, Wm1, -1), rec, backend="reference")
+    calls = ShardedKernelCalls(interpret=True, mesh=mesh)
+    got = jax.jit(lambda *a: calls.kda_verify(*a, lower_bound=-5.0))(*raw, b, A_log, dt, *cw, conv, rec)
     for g_, w_ in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         assert rel_err(g_, w_) <= 1e-5
+    n_accept = jnp.array([3], jnp.int32)
+    want_s = dispatch.kda_commit(rec, want[1], n_accept, backend="reference")
+    got_s = jax.jit(calls.kda_commit)(rec, got[1], n_accept)
+    assert rel_err(got_s, want_s) <= 1e-5

@@ -185,34 +185,26 @@ def no_op_mask(g, beta, n_valid):
     return jnp.where(live[..., None, None], g, 0.0), jnp.where(live[..., None], beta, 0.0)
 
 
-def _kernel_config(pallas: str):
-    from pallas_kernels.kda_verify import KdaConfig
-
-    return None if pallas == "gpu" else KdaConfig(block_v=16, interpret=True)
-
-
-def _pallas_verify(p, x, conv_window, rec_state, cfg, pallas: str):
+def _pallas_verify(p, x, conv_window, rec_state, cfg, pallas):
     """The fused Pallas verify kernel: conv + gate + beta + l2norm + delta rule, state read once, not written."""
-    from pallas_kernels.dispatch import Backend, kda_verify
-
-    B, T, _ = x.shape
     proj = jnp.einsum("btd,scd->btsc", x, p["w_qkvfg"])  # [B, T, 5, C]
     b_raw = jnp.einsum("btd,hd->bth", x, p["b_proj"])
     conv_w = p["conv_w"]  # [3, C, 1, W]
-    o, ci = kda_verify(proj[:, :, 0], proj[:, :, 1], proj[:, :, 2], proj[:, :, 3], b_raw, p["A_log"], p["dt_bias"],
-                       conv_w[0], conv_w[1], conv_w[2], conv_window.reshape(B, conv_window.shape[1], -1), rec_state,
-                       lower_bound=cfg.kda_lower_bound, config=_kernel_config(pallas), backend=Backend.PALLAS)
+    o, ci = pallas.kda_verify(proj[:, :, 0], proj[:, :, 1], proj[:, :, 2], proj[:, :, 3], b_raw, p["A_log"],
+                              p["dt_bias"], conv_w[0], conv_w[1], conv_w[2], conv_window, rec_state,
+                              lower_bound=cfg.kda_lower_bound)
     return o, KdaPending(proj[:, :, :3], ci.k, ci.v, ci.g, ci.beta), proj[:, :, 4]
 
 
-def kda_layer(p, x, conv_window, rec_state, cfg, *, mode: str, n_valid, chunked: bool, pallas: str | None = None):
+def kda_layer(p, x, conv_window, rec_state, cfg, *, mode: str, n_valid, chunked: bool, pallas=None):
     """One KDA attention block (without the residual).
 
     mode "prefill"/"decode": consume x[:, :n_valid] and return the new (conv_window, rec_state).
     mode "verify": leave both states untouched and return a KdaPending for `kda_commit`.
+    pallas: a ling_jax.kernel_calls.KernelCalls for decode/verify, or None for the jnp path.
     Returns (out [B, T, D], conv_window, rec_state, pending or None).
     """
-    if pallas and mode != "prefill":  # decode = verify of one row + commit of one row
+    if pallas is not None and mode != "prefill":  # decode = verify of one row + commit of one row
         o, pending, out_gate = _pallas_verify(p, x, conv_window, rec_state, cfg, pallas)
         out = kda_output(p, o, out_gate, cfg, x.dtype)
         if mode == "verify":
@@ -231,14 +223,13 @@ def kda_layer(p, x, conv_window, rec_state, cfg, *, mode: str, n_valid, chunked:
     return out, slide_window(conv_window, qkv_raw, n_valid), new_state, None
 
 
-def kda_commit(conv_window, rec_state, pending: KdaPending, n_accept, pallas: str | None = None):
+def kda_commit(conv_window, rec_state, pending: KdaPending, n_accept, pallas=None):
     """Apply the first n_accept[b] verified positions to the committed state (replay from the pre-verify S)."""
-    if pallas:
-        from pallas_kernels.dispatch import Backend, kda_commit as commit_kernel
+    if pallas is not None:
         from pallas_kernels.kda_verify import KdaCommitInputs
 
         inputs = KdaCommitInputs(pending.k, pending.v, pending.g, pending.beta)
-        new_state = commit_kernel(rec_state, inputs, n_accept, config=_kernel_config(pallas), backend=Backend.PALLAS)
+        new_state = pallas.kda_commit(rec_state, inputs, n_accept)
         return slide_window(conv_window, pending.qkv_raw, n_accept), new_state
     g, beta = no_op_mask(pending.g, pending.beta, n_accept)
     zeros_q = jnp.zeros_like(pending.k)

@@ -99,23 +99,18 @@ def expert_load(ids, num_experts: int):
 
 
 def moe_layer(p, x, cfg, *, routed_limit: float, shared_limit: float, router_fp32: bool, return_load: bool = False,
-              pallas: str | None = None):
+              pallas=None):
     """x [..., D] -> [..., D]. p: gate_w [E, D], expert_bias [E], w_gate, w_up, w_down, shared {gate,up,down}_proj.
-    return_load: also return the expert load int32[E] of this call (training's router balancing)."""
+    return_load: also return the expert load int32[E] of this call (training's router balancing).
+    pallas: a ling_jax.kernel_calls.KernelCalls to run the experts through, or None for the jnp path."""
     shape = x.shape
     xt = x.reshape(-1, shape[-1])
     ids, w = route(router_logits(xt, p["gate_w"], fp32_weight=router_fp32), p["expert_bias"], cfg)
-    if pallas:  # reads only the activated experts, each once; the shared expert rides as an extra segment
-        from pallas_kernels.dispatch import Backend, moe
-        from pallas_kernels.moe import MoeConfig
-
+    if pallas is not None:  # reads only the activated experts, each once; the shared expert rides along
         sh = p["shared"]
-        E, I, D = p["w_gate"].shape
-        config = None if pallas == "gpu" else MoeConfig(block_i=min(32, I), block_k=min(256, D), block_d=min(64, D),
-                                                         block_kd=min(256, I), interpret=True)
-        y = moe(xt, ids, w, p["w_gate"], p["w_up"], p["w_down"], limit=routed_limit,
-                shared=(sh["gate_proj"], sh["up_proj"], sh["down_proj"]), shared_limit=shared_limit,
-                config=config, backend=Backend.PALLAS).astype(x.dtype).reshape(shape)
+        y = pallas.moe(xt, ids, w, p["w_gate"], p["w_up"], p["w_down"], limit=routed_limit,
+                       shared=(sh["gate_proj"], sh["up_proj"], sh["down_proj"]), shared_limit=shared_limit)
+        y = y.astype(x.dtype).reshape(shape)
     else:
         y = routed_experts(xt, ids, w, p["w_gate"], p["w_up"], p["w_down"], routed_limit)
         y = y + dense_mlp(p["shared"], xt, shared_limit).astype(jnp.float32)  # one fp32 sum, one rounding

@@ -1,0 +1,151 @@
+"""Multi-host serving: every process runs the same programs in the same order (JAX is multi-controller).
+
+Process 0 (the leader) serves HTTP; the others (followers) hold their shards of the weights and state and run
+`follow`, which replays the leader's calls. Two things cross between processes, both as device broadcasts
+(`multihost_utils.broadcast_one_to_all`, collectives over the global mesh):
+
+  1. a request header + its prompt, when the leader starts a `stream` (warm-up requests included);
+  2. one flag per consumed chunk: 1 = the consumer asked for the next chunk, 0 = it closed the stream (stop
+     string, client disconnect, finish). Everything else the stream decides (EOS, max tokens, the tokens
+     themselves) is computed identically on every process from replicated outputs, so it needs no message.
+
+So each process dispatches: prefill, then per chunk one step program and one flag broadcast, in the same
+order. The flag costs one small collective per step, only when --nnodes > 1. If the leader dies the followers
+block in the next broadcast until the distributed runtime's heartbeat timeout ends them.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import threading
+
+import numpy as np
+
+from ling_jax.runner import Generator, prompt_bucket
+
+log = logging.getLogger("ling_jax.serve")
+
+HEADER = 64  # int32 words: op, n_prompt, bucket, max_new_tokens, seed, temperature, top_p, n_stop, stop ids...
+MAX_STOP_IDS = HEADER - 8
+OP_STREAM, OP_SHUTDOWN = 1, 2
+
+
+def _f32_bits(x: float) -> int:
+    return struct.unpack("<i", struct.pack("<f", float(x)))[0]
+
+
+def _bits_f32(i: int) -> float:
+    return struct.unpack("<f", struct.pack("<i", int(i)))[0]
+
+
+def _broadcast(x: np.ndarray, is_leader: bool) -> np.ndarray:
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.broadcast_one_to_all(x, is_source=is_leader))
+
+
+def encode_header(op: int, prompt_len: int = 0, bucket: int = 0, max_new_tokens: int = 0, seed: int = 0,
+                  temperature: float = 0.0, top_p: float = 1.0, stop_token_ids=None) -> np.ndarray:
+    h = np.zeros((HEADER,), np.int32)
+    stops = None if stop_token_ids is None else tuple(int(t) for t in stop_token_ids)
+    if stops is not None and len(stops) > MAX_STOP_IDS:
+        raise ValueError(f"multi-host serving passes at most {MAX_STOP_IDS} stop token ids, got {len(stops)}")
+    h[:8] = [op, prompt_len, bucket, max_new_tokens, seed, _f32_bits(temperature), _f32_bits(top_p),
+             -1 if stops is None else len(stops)]
+    if stops:
+        h[8:8 + len(stops)] = stops
+    return h
+
+
+def decode_header(h: np.ndarray) -> tuple[int, dict, int, int]:
+    """-> (op, stream kwargs, prompt length, bucket)."""
+    op, n, bucket, max_new, seed, temp, top_p, n_stop = (int(v) for v in h[:8])
+    stops = None if n_stop < 0 else tuple(int(t) for t in h[8:8 + n_stop])
+    kw = dict(max_new_tokens=max_new, seed=seed, temperature=_bits_f32(temp), top_p=_bits_f32(top_p),
+              stop_token_ids=stops)
+    return op, kw, n, bucket
+
+
+class LockstepGenerator:
+    """The leader's Generator: same interface, but every stream is announced to the followers first and every
+    chunk's continue/close decision is broadcast. Attributes not defined here come from the wrapped generator."""
+
+    def __init__(self, gen: Generator):
+        self.gen = gen
+        self._busy = threading.Lock()  # held from a stream's announcement to its last flag
+
+    def __getattr__(self, name):
+        return getattr(self.gen, name)
+
+    def stream(self, prompt, *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+               stop_token_ids=None, stats=None):
+        prompt = [int(t) for t in prompt]
+        kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                  stop_token_ids=stop_token_ids)
+        # Validate here, before announcing: a request the leader refuses must not reach the followers.
+        if any(t < 0 or t >= self.gen.cfg.vocab_size for t in prompt):
+            raise ValueError(f"prompt token ids must be in [0, {self.gen.cfg.vocab_size})")
+        self.gen.check_request(len(prompt), max_new_tokens)
+        bucket = prompt_bucket(len(prompt), self.gen.max_len)
+        header = encode_header(OP_STREAM, len(prompt), bucket, **kw)
+        padded = np.zeros((bucket,), np.int32)
+        padded[: len(prompt)] = prompt
+        return self._relay(header, padded, prompt, stats, kw)
+
+    def _relay(self, header, padded, prompt, stats, kw):
+        # A generator: nothing is announced until the consumer asks for the first chunk, so a stream created and
+        # dropped unread costs the followers nothing.
+        with self._busy:
+            _broadcast(header, True)
+            _broadcast(padded, True)
+            it = self.gen.stream(prompt, stats=stats, **kw)
+            try:
+                for chunk in it:
+                    yield chunk
+                    _broadcast(np.int32(1), True)  # the consumer asked for more
+            except GeneratorExit:
+                _broadcast(np.int32(0), True)
+                it.close()
+                raise
+
+    def generate(self, prompt, **kw):
+        from ling_jax.runner import GenerationStats
+
+        stats = GenerationStats()
+        out: list[int] = []
+        for chunk in self.stream(prompt, stats=stats, **kw):
+            out.extend(chunk)
+        return out, stats
+
+    def shutdown(self, timeout_s: float = 60.0):
+        """Tell the followers to leave `follow` (once, when the server stops; after the stream in flight, if any,
+        has been closed by its consumer)."""
+        if not self._busy.acquire(timeout=timeout_s):
+            log.error("a stream is still in flight after %.0f s: followers not told to shut down", timeout_s)
+            return
+        try:
+            _broadcast(encode_header(OP_SHUTDOWN), True)
+            log.info("followers told to shut down")
+        finally:
+            self._busy.release()
+
+
+def follow(gen: Generator) -> int:
+    """A follower's whole life: replay the leader's streams until it says shut down. Returns the number of
+    streams replayed."""
+    n_streams = 0
+    while True:
+        op, kw, n, bucket = decode_header(_broadcast(np.zeros((HEADER,), np.int32), False))
+        if op == OP_SHUTDOWN:
+            log.info("leader shut down after %d streams", n_streams)
+            return n_streams
+        if op != OP_STREAM:
+            raise RuntimeError(f"unknown lockstep op {op}: leader and follower versions differ?")
+        prompt = _broadcast(np.zeros((bucket,), np.int32), False)[:n].tolist()
+        it = gen.stream(prompt, **kw)
+        for _ in it:
+            if not int(_broadcast(np.int32(0), False)):
+                it.close()
+                break
+        n_streams += 1
