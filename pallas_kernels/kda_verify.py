@@ -15,8 +15,12 @@ Verify returns o and the per-position (k, v, g, beta) the commit needs; commit r
 accepted prefix t < n_accept[b] from the pre-verify state (reads S once, writes S once).
 
 Kernels (Triton): grid (B, H, Dv/BV). Each program loads its head's q/k conv window (full Dk,
-recomputed by the Dv/BV programs of a head: only raw rows, tiny) and its [Dk, BV] state tile
-into registers, then runs the T steps unrolled.
+recomputed by the Dv/BV programs of a head: only raw rows, tiny) and its [Dk, BV] state tile.
+  algorithm="chunk" (default): the UT / WY form over all T positions at once (see the comment
+    above `_chunk_solve`): [Tp, Dk] tiles, tl.dot for every state product, a [Tp, Tp] triangular
+    inverse; Tp = max(16, 2^ceil(log2 T)).
+  algorithm="serial" (v2): the T steps unrolled on the register tile, two reductions over Dk each.
+The fused T = 1 decode (verify + commit + conv window in one kernel) is in kda_decode.py.
 """
 from __future__ import annotations
 
@@ -326,7 +330,8 @@ def _chunk_solve(k, v, g, beta, s0, prec, t_len, tp):
   n = jnp.where(r > c, beta[:, None] * _mm(k * eg_mid, kinv, prec, tb=True), 0.0)  # diag(b) A
   x = (r == c).astype(jnp.float32)                                     # (I + N)^-1, 1-blocks
   blk = 1
-  while blk < tp:                                                      # b-blocks -> 2b-blocks
+  while blk < t_len:                        # b-blocks -> 2b-blocks; once blk >= T one block holds
+                                            # every nonzero of N (rows >= T are zero): done
     off = jnp.where((r // (2 * blk) == c // (2 * blk)) & (r // blk != c // blk), n, 0.0)
     x = x - _mm(_mm(x, off, prec), x, prec)
     blk *= 2
@@ -341,13 +346,13 @@ def _verify_chunk_kernel(q_ref, k_ref, v_ref, f_ref, b_ref, alog_ref, dtb_ref, q
   b, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   hd = h_n * dk
   c0, v0 = h * dk, h * dk + vb * bv
+  s0 = s_ref[b, h, :, pl.ds(vb * bv, bv)]                              # [Dk, BV] f32, issued first
   k, v, g, beta = _chunk_prepare(k_ref, v_ref, f_ref, b_ref, alog_ref, dtb_ref, kw_ref, vw_ref,
                                  cs_ref, b=b, h=h, c0=c0, v0=v0, t_len=t_len, tp=tp, width=width,
                                  hd=hd, dk=dk, bv=bv, lower_bound=lower_bound)
   q = _conv_tile(q_ref, cs_ref, qw_ref, b, c0, dk, 0, t_len, tp, width)
   q = q * lax.rsqrt(jnp.sum(q * q, axis=1, keepdims=True) + 1e-6) * dk ** -0.5
   q = jnp.where(_iota2((tp, 1), 0) < t_len, q, 0.0)
-  s0 = s_ref[b, h, :, pl.ds(vb * bv, bv)]                              # [Dk, BV] f32
   u, _, eg, eg_mid, kinv = _chunk_solve(k, v, g, beta, s0, prec, t_len, tp)
   r, c = _iota2((tp, tp), 0), _iota2((tp, tp), 1)
   m = jnp.where(r >= c, _mm(q * eg_mid, kinv, prec, tb=True), 0.0)     # M_ti, i <= t

@@ -1,13 +1,14 @@
 """KDA verify/commit kernels (Pallas Triton, interpret mode on CPU) vs the jnp references,
 and the references vs a float64 numpy loop written from the math (LING3_MODEL.md, KDA step 6).
-Checks outputs, the commit inputs AND the committed state for several n_accept."""
+Checks outputs, the commit inputs AND the committed state for several n_accept; the default is the
+chunked (UT) kernels, the serial v2 kernels are checked once; CUDA lowering of non-default configs."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pallas_kernels import dispatch
-from pallas_kernels.kda_verify import (KdaConfig, conv_window_commit, kda_commit,
+from pallas_kernels.kda_verify import (KdaCommitInputs, KdaConfig, conv_window_commit, kda_commit,
                                        kda_commit_reference, kda_verify, kda_verify_reference)
 
 W = 4
@@ -119,3 +120,48 @@ def test_dispatch_kda_reference_on_cpu():
   np.testing.assert_array_equal(np.asarray(o), np.asarray(o_ref))
   s = dispatch.kda_commit(args[-1], ci, jnp.array([2], jnp.int32))
   assert s.shape == args[-1].shape
+
+
+def test_kda_serial_kernel_still_matches():
+  """The previous (v2, serial) kernels stay reachable through KdaConfig(algorithm="serial")."""
+  args = make(21, 1, 5, 2, 32, jnp.float32)
+  cfg = KdaConfig(block_v=16, interpret=True, algorithm="serial")
+  o, ci = kda_verify(*args, config=cfg)
+  o_ref, ci_ref = kda_verify_reference(*args)
+  assert rel_err(o, o_ref) <= 1e-5
+  n = jnp.array([3], jnp.int32)
+  assert rel_err(kda_commit(args[-1], ci, n, config=cfg),
+                 kda_commit_reference(args[-1], ci_ref, n)) <= 1e-5
+
+
+def test_kda_chunk_stable_on_repeated_keys():
+  """Worst case for the chunk form's triangular inverse: identical keys, beta ~ 1, and either no
+  decay (the inverse's Neumann terms grow like binomials) or the strongest decay (e^(-5 T))."""
+  for f_val in (-30.0, 30.0):
+    args = list(make(3, 1, 17, 1, 32, jnp.float32))
+    args[1] = jnp.broadcast_to(args[1][:, :1], args[1].shape) * 3
+    args[3] = jnp.full_like(args[3], f_val)
+    args[4] = jnp.full_like(args[4], 4.0)
+    o, ci = kda_verify(*args, config=KdaConfig(block_v=32, interpret=True))
+    o_np, states = numpy_kda(args)
+    assert rel_err(o, o_np) <= 1e-5
+    if f_val < 0:
+      s = kda_commit(args[-1], ci, jnp.array([11], jnp.int32), config=KdaConfig(interpret=True))
+      assert rel_err(s, states[11]) <= 1e-5
+
+
+def test_kda_configs_lower_for_cuda():
+  """Non-default configs (serial v2, ieee dots, wide V tiles) lower at Ling-3.0-flash shapes."""
+  from tests.test_kernels_lowering import H200, S
+  h, dk, t = 32, 128, 6
+  hd = h * dk
+  args = ((S((1, t, hd), jnp.bfloat16),) * 4 + (S((1, t, h), jnp.bfloat16), S((h,), jnp.float32),
+          S((hd,), jnp.float32)) + (S((hd, 1, W), jnp.bfloat16),) * 3
+          + (S((1, W - 1, 3 * hd), jnp.bfloat16), S((1, h, dk, dk), jnp.float32)))
+  ci = tuple(S((1, t, h, dk), jnp.float32) for _ in range(3)) + (S((1, t, h), jnp.float32),)
+  for cfg in (KdaConfig(algorithm="serial"), KdaConfig(block_v=64, precision="ieee"),
+              KdaConfig(block_v=128, num_warps=8)):
+    with jax.sharding.use_abstract_mesh(H200):
+      jax.jit(lambda *a: kda_verify(*a, config=cfg)).trace(*args).lower(lowering_platforms=("cuda",))
+      jax.jit(lambda s, c, n: kda_commit(s, c, n, config=cfg)).trace(
+          args[-1], KdaCommitInputs(*ci), S((1,), jnp.int32)).lower(lowering_platforms=("cuda",))

@@ -3,7 +3,6 @@ vs verify + commit(n=1) + conv window, and the CUDA lowering at Ling-3.0-flash s
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from pallas_kernels.kda_decode import kda_decode, kda_decode_reference
 from pallas_kernels.kda_verify import KdaConfig
@@ -13,26 +12,19 @@ from tests.test_kernels_lowering import H200, S
 W = 4
 
 
-@pytest.mark.parametrize("b,h,dk,dtype,block_v", [(2, 2, 32, jnp.float32, 16),
-                                                  (1, 3, 32, jnp.bfloat16, 32)])
-def test_kda_decode_matches_reference(b, h, dk, dtype, block_v):
-  args = make(7 + b, b, 1, h, dk, dtype)
+def test_kda_decode_matches_reference_and_numpy_loop():
+  args = make(9, 2, 1, 3, 32, jnp.bfloat16)
   o_ref, s_ref, cs_ref = kda_decode_reference(*args)
-  o, s, cs = kda_decode(*args, config=KdaConfig(block_v=block_v, interpret=True))
+  o, s, cs = kda_decode(*args, config=KdaConfig(block_v=16, interpret=True))
   assert o.shape == o_ref.shape and s.shape == s_ref.shape and cs.dtype == cs_ref.dtype
   assert rel_err(o, o_ref) <= 1e-5
   assert rel_err(s, s_ref) <= 1e-5
   np.testing.assert_array_equal(np.asarray(cs), np.asarray(cs_ref))   # a pure copy
-
-
-def test_kda_decode_reference_matches_numpy_loop():
-  args = make(5, 2, 1, 2, 16, jnp.float32)
-  o, s, cs = kda_decode_reference(*args)
-  o_np, states = numpy_kda(args)
-  assert rel_err(o, o_np) <= 1e-5 and rel_err(s, states[1]) <= 1e-5
+  o_np, states = numpy_kda(args)                                      # the reference vs the math
+  assert rel_err(o_ref, o_np) <= 1e-5 and rel_err(s_ref, states[1]) <= 1e-5
   cat = np.concatenate([np.asarray(args[10]),
                         np.concatenate([np.asarray(a) for a in args[:3]], axis=-1)], axis=1)
-  np.testing.assert_array_equal(np.asarray(cs), cat[:, 1:])
+  np.testing.assert_array_equal(np.asarray(cs_ref), cat[:, 1:])
 
 
 def test_kda_decode_lowers_for_cuda():

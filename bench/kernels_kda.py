@@ -1,0 +1,333 @@
+"""KDA kernel bench at Ling-3.0-flash dims (B=1, H=32, Dk=Dv=128, W=4), cold states: verify
+T=1/6/17, commit, fused decode; each vs its XLA reference and the previous (serial v2) kernel.
+
+  PYTHONUNBUFFERED=1 python3 bench/kernels_kda.py --out $OUT   (GPU; writes kernels-kda-<dev>-<date>.json)
+  python bench/kernels_kda.py --small --out /tmp                 (CPU smoke test, interpret mode)
+
+Timing (the host-timed difference of medians is too noisy at a few us): each program runs N = 32
+calls back to back on 32 distinct input sets (32 x 2.1 MB states > the 50 MB L2), each call
+depending on the previous one (verify/decode: q_{j+1} = o_j, a free reshape; commit: the state
+chain is the donated states, n_accept_{j+1} depends on out_j through one tiny glue kernel). A
+jax.profiler trace of 3 runs gives, per call:
+  time_us     median device duration of the kernel itself (XLA references: device busy per call),
+  chained_us  device span per call (first kernel start .. last kernel end, / N): the latency of a
+              dependent chain inside one executable, launch gaps (CUDA graph) included,
+  wall_us     host wall time of the program per call, minus the same program without kernels.
+Floor = bytes that must move / HBM bandwidth measured in the same trace (max of a 2 GiB
+elementwise pass and a 2 GiB GEMV).
+"""
+from __future__ import annotations
+
+import argparse, datetime, glob, gzip, json, os, subprocess, sys, tempfile, time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from pallas_kernels import kda_decode as kdd  # noqa: E402
+from pallas_kernels import kda_verify as kda  # noqa: E402
+
+H, DK, W, N = 32, 128, 4, 32
+BF, F32 = jnp.bfloat16, jnp.float32
+
+
+def rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def nbytes(tree):
+  return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def profile(progs, small):
+  """progs: [(fn, args_fn)]; args_fn() gives fresh args (donated states). Returns per prog the
+  list (3 runs) of device kernel events [(name, ts, dur)] (empty lists on CPU)."""
+  pre = [[args_fn() for _ in range(4)] for _, args_fn in progs]    # made before the trace
+  jax.block_until_ready(pre)
+  for (fn, _), a in zip(progs, pre):             # compile + warm
+    jax.block_until_ready(fn(*a[0]))
+  if small:
+    return [[[]] * 3 for _ in progs]
+  logdir = tempfile.mkdtemp(prefix="kda-prof-")
+  with jax.profiler.trace(logdir, create_perfetto_trace=True):
+    time.sleep(0.02)
+    for (fn, _), a in zip(progs, pre):
+      for rep in range(1, 4):
+        jax.block_until_ready(fn(*a[rep]))
+        time.sleep(0.02)
+  try:
+    path = glob.glob(os.path.join(logdir, "**", "perfetto_trace.json.gz"), recursive=True)[0]
+    with gzip.open(path) as f:
+      tr = json.load(f)
+  except Exception as ex:  # no trace: the rows fall back to wall time
+    print(f"profiler trace unusable ({type(ex).__name__}: {ex}); wall time only", flush=True)
+    return [[[]] * 3 for _ in progs]
+  ev = tr["traceEvents"] if isinstance(tr, dict) else tr
+  meta = lambda what: {(e["pid"], e.get("tid")) if what == "thread_name" else e["pid"]: e["args"]["name"]
+                       for e in ev if e.get("ph") == "M" and e.get("name") == what}
+  pn, tn = meta("process_name"), meta("thread_name")
+  gpu = {p for p, n in pn.items() if "gpu" in n.lower() or "stream" in n.lower()}
+  # kernels only: the GPU process also has "XLA Modules" / "XLA Ops" lines spanning the same time
+  ks = sorted((float(e["ts"]), float(e["dur"]), e["name"]) for e in ev
+              if e.get("ph") == "X" and e.get("pid") in gpu and "dur" in e
+              and "xla" not in tn.get((e["pid"], e.get("tid")), "").lower())
+  runs, cur = [], []
+  for ts, dur, name in ks:                       # runs are separated by >= 20 ms of host sleep
+    if cur and ts - max(t + d for t, d, _ in cur) > 10e3:
+      runs.append(cur); cur = []
+    cur.append((ts, dur, name))
+  runs.append(cur)
+  runs = [r for r in runs if r]
+  if len(runs) != 3 * len(progs):
+    print(f"trace: {len(runs)} runs for {len(progs)} programs x 3; wall time only", flush=True)
+    return [[[]] * 3 for _ in progs]
+  return [runs[3 * i:3 * i + 3] for i in range(len(progs))]
+
+
+def stats(runs, kernel, ncalls):
+  """time_us (median kernel dur or busy/call), chained_us (span/call), kernels per call."""
+  if not runs[0]:
+    return dict(time_us=None, chained_us=None)
+  span = np.median([(max(t + d for t, d, _ in r) - min(t for t, _, _ in r)) / ncalls for r in runs])
+  busy = np.median([sum(d for _, d, _ in r) / ncalls for r in runs])
+  mine = [d for r in runs for _, d, n in r if kernel and n.startswith(kernel)]
+  return dict(time_us=float(np.median(mine)) if mine else float(busy), chained_us=float(span),
+              busy_us=float(busy), kernels_per_call=len(runs[0]) / ncalls)
+
+
+def wall_us(fn, args_fn, null, ncalls, reps=15):
+  ts = []
+  for f in (fn, null):
+    t = []
+    for _ in range(reps):
+      a = args_fn(); jax.block_until_ready(a)
+      t0 = time.perf_counter(); jax.block_until_ready(f(*a)); t.append(time.perf_counter() - t0)
+    ts.append(np.median(t))
+  return 1e6 * (ts[0] - ts[1]) / ncalls
+
+
+def make_sets(key, t, hd, n):
+  """n input sets: q_raw f32 (so o_j reshapes into q_{j+1}), the rest bf16 like the model."""
+  sets = []
+  for j in range(n):
+    kk = iter(jax.random.split(jax.random.fold_in(key, 1000 * t + j), 16))
+    r = lambda s, sc=1.0, dt=BF: (jax.random.normal(next(kk), s, F32) * sc).astype(dt)
+    sets.append([r((1, t, hd), dt=F32), r((1, t, hd)), r((1, t, hd)), r((1, t, hd)), r((1, t, H)),
+                 r((1, W - 1, 3 * hd)), r((1, H, DK, DK), 0.1, F32)])
+  kc = iter(jax.random.split(jax.random.fold_in(key, 7), 8))
+  consts = [jax.random.normal(next(kc), (H,), F32) * 0.5, jax.random.normal(next(kc), (hd,), F32) * 0.5]
+  consts += [(jax.random.normal(next(kc), (hd, 1, W), F32) * 0.5).astype(BF) for _ in range(3)]
+  return sets, consts
+
+
+def full_args(s, c):
+  """set [q,k,v,f,b,conv,state] + consts [alog,dtb,qw,kw,vw] -> the 12 kernel arguments."""
+  return (*s[:5], *c, s[5], s[6])
+
+
+def verify_prog(fn):
+  def prog(sets, consts):
+    outs, prev = [], None
+    for s in sets:
+      q = s[0] if prev is None else prev.reshape(s[0].shape)
+      o, ci = fn(*full_args([q] + s[1:], consts))
+      outs.append((o, ci)); prev = o
+    return outs
+  return jax.jit(prog)
+
+
+def commit_prog(fn):
+  def prog(states, cis, ns):
+    outs, prev = [], None
+    for s, ci, n in zip(states, cis, ns):
+      if prev is not None:                       # dependency on the previous call: 1 glue kernel
+        n = n + (prev[0, 0, 0, 0] > 1e30).astype(jnp.int32)
+      prev = fn(s, ci, n)
+      outs.append(prev)
+    return outs
+  return jax.jit(prog, donate_argnums=0)
+
+
+def decode_prog(fn):
+  def prog(states, sets, consts):
+    outs, prev = [], None
+    for st, s in zip(states, sets):
+      q = s[0] if prev is None else prev.reshape(s[0].shape)
+      o, st2, cs = fn(*full_args([q] + s[1:6] + [st], consts))
+      outs.append((st2, cs)); prev = o
+    return [x[0] for x in outs], [x[1] for x in outs], prev
+  return jax.jit(prog, donate_argnums=0)
+
+
+def old_decode(*a, config):
+  """The previous path: serial verify + serial commit(n=1) + XLA conv window update."""
+  o, ci = kda.kda_verify(*a, config=config)
+  one = jnp.ones((1,), jnp.int32)
+  s = kda.kda_commit(a[-1], ci, one, config=config)
+  return o, s, kda.conv_window_commit(a[-2], jnp.concatenate(a[:3], axis=-1).astype(a[-2].dtype), one)
+
+
+def bench(rows, bw, key, small=False, configs=None, emit=print):
+  """Appends rows (bench_kernels.bench_kda format + chained_us, wall_us). bw: HBM bytes/s (None:
+  measured here). configs: {"verify": [(name, cfg)], "commit": [...], "decode": [...]}."""
+  global H, DK
+  if small:
+    H, DK = 2, 32
+  hd = H * DK
+  ncalls = 4 if small else N
+  configs = configs or default_configs(small)
+  jobs = []   # (row dict, fn, args_fn, kernel name, null fn, check)
+  for t in (6, 17, 1):                          # the verify targets first (a timeout keeps them)
+    sets, consts = make_sets(key, t, hd, ncalls)
+    o_ref, ci_ref = kda.kda_verify_reference(*full_args(sets[0], consts))
+    io = nbytes(sets[0]) + nbytes(consts) + nbytes((o_ref, ci_ref))
+    vbytes = io
+    base = dict(bytes=vbytes, baseline="kda_verify_reference (XLA)")
+    vnull = jax.jit(lambda sets, consts: [s[-1] for s in sets])
+    jobs.append((dict(name=f"kda_verify T={t} XLA reference", **base), verify_prog(kda.kda_verify_reference),
+                 lambda sets=sets, consts=consts: (sets, consts), None, vnull, None))
+    for name, cfg in configs["verify"]:
+      f = lambda *a, cfg=cfg: kda.kda_verify(*a, config=cfg)
+      chk = lambda f=f, s=sets[0], c=consts, want=(o_ref, ci_ref): max(
+          rel(x, y) for x, y in zip(jax.tree.leaves(f(*full_args(s, c))), jax.tree.leaves(want)))
+      jobs.append((dict(name=f"kda_verify T={t} {name}", config=str(cfg), **base), verify_prog(f),
+                   lambda sets=sets, consts=consts: (sets, consts), "kda_verify", vnull, chk))
+    # commit n = max(1, T-2) on the reference's commit inputs
+    cis = [kda.kda_verify_reference(*full_args(s, consts))[1] for s in sets]
+    ns = [jnp.array([max(1, t - 2)], jnp.int32)] * ncalls
+    cbytes = 2 * nbytes(sets[0][6]) + nbytes(cis[0])
+    s_ref = kda.kda_commit_reference(sets[0][6], cis[0], ns[0])
+    cargs = lambda sets=sets, cis=cis, ns=ns: ([jnp.copy(s[6]) for s in sets], cis, ns)
+    cnull = jax.jit(lambda st, c, n: st, donate_argnums=0)
+    cbase = dict(bytes=cbytes, baseline="kda_commit_reference (XLA)")
+    jobs.append((dict(name=f"kda_commit T={t} n={max(1, t - 2)} XLA reference", **cbase),
+                 commit_prog(kda.kda_commit_reference), cargs, None, cnull, None))
+    for name, cfg in configs["commit"]:
+      f = lambda s, c, n, cfg=cfg: kda.kda_commit(s, c, n, config=cfg)
+      chk = lambda f=f, s=sets[0][6], c=cis[0], n=ns[0], want=s_ref: rel(f(jnp.copy(s), c, n), want)
+      jobs.append((dict(name=f"kda_commit T={t} n={max(1, t - 2)} {name}", config=str(cfg), **cbase),
+                   commit_prog(f), cargs, "kda_commit", cnull, chk))
+    if t == 1:
+      ref = kdd.kda_decode_reference(*full_args(sets[0], consts))
+      dbytes = nbytes(sets[0]) + nbytes(consts) + nbytes(ref)
+      dargs = lambda sets=sets, consts=consts: ([jnp.copy(s[6]) for s in sets], sets, consts)
+      dnull = jax.jit(lambda st, s, c: st, donate_argnums=0)
+      dbase = dict(bytes=dbytes, baseline="kda_decode_reference (XLA)")
+      jobs.append((dict(name="kda_decode XLA reference", **dbase), decode_prog(kdd.kda_decode_reference),
+                   dargs, None, dnull, None))
+      for name, cfg in configs["decode"]:
+        f = ((lambda *a, cfg=cfg: old_decode(*a, config=cfg)) if name.startswith("old")
+             else (lambda *a, cfg=cfg: kdd.kda_decode(*a, config=cfg)))
+        chk = lambda f=f, s=sets[0], c=consts, want=ref: max(
+            rel(x, y) for x, y in zip(f(*full_args(s[:6] + [jnp.copy(s[6])], c)), want))
+        jobs.append((dict(name=f"kda_decode {name}", config=str(cfg), **dbase), decode_prog(f), dargs,
+                     None if name.startswith("old") else "kda_decode", dnull, chk))
+  bw_progs = []
+  if bw is None:
+    x = jnp.ones((2 if small else 1024, 1024 * 1024), BF)
+    v = jnp.ones((1024 * 1024,), BF)
+    bw_progs = [(jax.jit(lambda a: a + 1), lambda: (x,)), (jax.jit(lambda a, b: a @ b), lambda: (x, v))]
+  # profile in groups so that a failure costs one group, and rows appear as they are measured
+  groups = [bw_progs] if bw_progs else []
+  i = 0
+  while i < len(jobs):                          # a group = one op at one T: reference first
+    j = i + 1
+    while j < len(jobs) and "XLA reference" not in jobs[j][0]["name"]:
+      j += 1
+    groups.append(jobs[i:j]); i = j
+  for gi, group in enumerate(groups):
+    if group is bw_progs:
+      runs = profile(bw_progs, small)
+      if small:
+        bw = 3e12
+      else:
+        copy = 2 * x.nbytes / (1e-6 * min(d for r in runs[0] for _, d, _ in r))
+        gemv = x.nbytes / (1e-6 * min(d for r in runs[1] for _, d, _ in r))
+        bw = max(copy, gemv)
+      rows.append(dict(name="hbm bandwidth (max of 2 GiB elementwise r+w, 2 GiB GEMV)", time_us=None,
+                       bytes=None, bw_bytes_per_s=bw))
+      emit(f"HBM bandwidth {bw / 1e12:.2f} TB/s")
+      continue
+    try:
+      runs = profile([(fn, af) for _, fn, af, _, _, _ in group], small)
+    except Exception as ex:  # report and go on: one bad config must not cost the run
+      emit(f"FAILED group {group[0][0]['name']}: {type(ex).__name__}: {str(ex)[:1500]}")
+      continue
+    base_t = base_c = None
+    for (row, fn, af, kern, null, chk), r in zip(group, runs):
+      try:
+        row.update(stats(r, kern, ncalls))
+        row["wall_us"] = wall_us(fn, af, null, ncalls, reps=3 if small else 15)
+        if row["time_us"] is None:
+          row["time_us"] = row["wall_us"]
+        if chk is None:
+          base_t, base_c = row["time_us"], row.get("chained_us")
+        row.update(baseline_time_us=base_t, baseline_chained_us=base_c,
+                   floor_us=1e6 * row["bytes"] / bw,
+                   fraction_of_floor=1e6 * row["bytes"] / bw / row["time_us"],
+                   rel_err=chk() if chk else 0.0)
+        rows.append(row)
+        emit(fmt(row))
+      except Exception as ex:
+        emit(f"FAILED {row['name']}: {type(ex).__name__}: {str(ex)[:1500]}")
+  return rows
+
+
+def default_configs(small):
+  if small:
+    c = kda.KdaConfig(block_v=16, interpret=True)
+    s = kda.KdaConfig(block_v=16, interpret=True, algorithm="serial")
+    return dict(verify=[("chunk", c), ("old serial", s)], commit=[("chunk", c), ("old serial", s)],
+                decode=[("fused", c), ("old serial verify+commit+XLA window", s)])
+  C, S = kda.KdaConfig, (lambda **k: kda.KdaConfig(algorithm="serial", **k))
+  return dict(
+      verify=[("chunk bv32w4", C(block_v=32)), ("chunk bv64w4", C(block_v=64)),
+              ("chunk bv128w8", C(block_v=128, num_warps=8)),
+              ("chunk bv32w4 ieee", C(block_v=32, precision="ieee")),
+              ("old serial bv32w4", S(block_v=32)), ("old serial bv16w1", S(block_v=16, num_warps=1))],
+      commit=[("chunk bv32w4", C(block_v=32)), ("chunk bv64w4", C(block_v=64)),
+              ("old serial bv32w4", S(block_v=32)), ("old serial bv16w1", S(block_v=16, num_warps=1))],
+      decode=[("fused bv32w4", C(block_v=32)), ("fused bv16w2", C(block_v=16, num_warps=2)),
+              ("fused bv32w1", C(block_v=32, num_warps=1)), ("fused bv64w4", C(block_v=64)),
+              ("old serial verify+commit+XLA window bv32w4", S(block_v=32))])
+
+
+def fmt(r):
+  f = lambda x, p=".2f": "-" if x is None else format(x, p)
+  return (f"{r['name']:56s} {f(r['time_us']):>8s} {f(r.get('chained_us')):>8s} {f(r.get('wall_us')):>8s} "
+          f"{f(r['floor_us']):>6s} {f(r['fraction_of_floor'], '.3f'):>6s} {f(r['baseline_time_us']):>8s} "
+          f"{f(r.get('rel_err'), '.1e'):>8s}")
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--out", default="bench/results")
+  ap.add_argument("--small", action="store_true", help="CPU smoke test: tiny dims, interpret")
+  ap.add_argument("--git-commit", default=None, help="the commit benched (the device copy has no .git)")
+  args = ap.parse_args()
+  date = datetime.date.today().isoformat()
+  dev = "cpu" if args.small else "h200"
+  commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+  res = dict(command=" ".join(sys.argv), device=str(jax.devices()[0].device_kind),
+             jax_version=jax.__version__, date=date, git_commit=args.git_commit or commit or "unknown",
+             rows=[])
+  os.makedirs(args.out, exist_ok=True)
+  path = os.path.join(args.out, f"kernels-kda-{dev}-{date}.json")
+
+  def emit(line):
+    print(line, flush=True)
+    with open(path, "w") as f:                   # partial results survive a timeout
+      json.dump(res, f, indent=1)
+  print(f"{'name':56s} {'us':>8s} {'chain':>8s} {'wall':>8s} {'floor':>6s} {'frac':>6s} {'base_us':>8s} "
+        f"{'err':>8s}", flush=True)
+  try:
+    bench(res["rows"], None, jax.random.key(0), small=args.small, emit=emit)
+  except KeyboardInterrupt:
+    print("interrupted: writing partial results", flush=True)
+  emit(f"wrote {path}")
+
+
+if __name__ == "__main__":
+  main()
