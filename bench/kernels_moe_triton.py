@@ -34,6 +34,8 @@ MOE_CFGS = [
     ("fused dc16 (XLA align)", _T),
     ("fused+align dc16", dataclasses.replace(_T, device_align=True)),
     ("fused+align dc32", dataclasses.replace(_T, device_align=True, block_dc=32)),
+    ("fused+align dc16 split2", dataclasses.replace(_T, device_align=True, combine_split=2)),
+    ("fused+align dc16 split4", dataclasses.replace(_T, device_align=True, combine_split=4)),
     ("fused+align dc16 kd256 s3", dataclasses.replace(_T, device_align=True, block_kd=256,
                                                       num_stages=3)),
     ("fused+align i32k256 dc16", dataclasses.replace(_T, device_align=True, block_i=32,
@@ -60,7 +62,7 @@ def _try(label, fn):
 def bench_moe(rows, bw, key, small=False):
   d, e, i, a = (256, 32, 128, 8) if small else (2560, 512, 768, 8)
   interp = lambda c: dataclasses.replace(c, interpret=True, block_k=128, block_kd=64) if small else c
-  cfgs = [(n, interp(c)) for n, c in ([V1] + (MOE_CFGS[1:3] if small else MOE_CFGS))]
+  cfgs = [(n, interp(c)) for n, c in ([V1] + (MOE_CFGS[2:3] + MOE_CFGS[4:5] if small else MOE_CFGS))]
   k = jax.random.split(key, 8)
   nrm = lambda kk, s: jax.random.normal(kk, s, BF) * 0.02
   wg, wu, wd = nrm(k[0], (e, i, d)), nrm(k[1], (e, i, d)), nrm(k[2], (e, d, i))

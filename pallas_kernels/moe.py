@@ -56,6 +56,10 @@ class MoeConfig:
     block_d: output tile over D in the unfused (v1) down kernel.
     block_kd: reduction tile over I in the down kernels.
     block_dc: output tile over D of the fused down+combine kernel (grid = D / block_dc).
+    combine_split: the fused kernel's grid is (D / block_dc, combine_split); program j runs the
+      slots whose expert id is in [j E / split, (j+1) E / split) (the shared slot in the last)
+      into its own fp32 partial, and out = ((p_0 + p_1) + ...) in XLA (an elementwise add that
+      fuses into the residual add of the caller). 1: one launch, no partials.
     num_warps, num_stages: Triton launch parameters.
     fuse_combine: combine in the down kernel (one launch) instead of the v1 XLA gather-sum.
     device_align: segments from the one-launch Pallas `moe_align` kernel instead of XLA's
@@ -69,6 +73,7 @@ class MoeConfig:
   block_d: int = 64
   block_kd: int = 256
   block_dc: int = 16
+  combine_split: int = 1
   num_warps: int = 4
   num_stages: int = 4
   fuse_combine: bool = True
@@ -81,6 +86,8 @@ class MoeConfig:
       v = getattr(self, name)
       if v <= 0 or v & (v - 1):
         raise ValueError(f"{name}={v} must be a positive power of 2")
+    if self.combine_split < 1:
+      raise ValueError(f"combine_split={self.combine_split} must be >= 1")
     if self.block_m < 16 or self.block_dc < 16:
       raise ValueError(f"block_m={self.block_m}, block_dc={self.block_dc} must be >= 16 "
                        "(tl.dot minimum)")
@@ -393,29 +400,40 @@ def _combine_segment(h_ref, w_ref, tok_ref, wd, acc, start, length, *, cfg, i):
   return lax.fori_loop(0, pl.cdiv(length, bm), m_block, acc)
 
 
-def _down_combine_kernel(seg_ref, tok_ref, h_ref, w_ref, wd_ref, *rest, cfg, i, t, tp,
+def _down_combine_kernel(seg_ref, tok_ref, h_ref, w_ref, wd_ref, *rest, cfg, i, t, tp, e,
                          n_routed_slots, has_shared):
-  """Grid (D/BDC,): out[:, cols] = sum over slots in order (ascending expert, shared last)."""
+  """Grid (D/BDC, split): out[j, :, cols] = sum over program j's slots in order (ascending
+  expert, the shared slot last in the last split)."""
   if has_shared:
     swd_ref, out_ref = rest
   else:
     (out_ref,) = rest
-  col0 = pl.program_id(0) * cfg.block_dc
+  db, j = pl.program_id(0), pl.program_id(1)
+  split = cfg.combine_split
+  col0 = db * cfg.block_dc
   cols, bk = pl.ds(col0, cfg.block_dc), cfg.block_kd
   seg_body = functools.partial(_combine_segment, h_ref, w_ref, tok_ref, cfg=cfg, i=i)
+  # Slots are sorted by expert, empty ones last: this program's slots are [s_lo, s_hi).
+  pp = _pow2(n_routed_slots)
+  lane = lax.broadcasted_iota(jnp.int32, (1, pp), 1) < n_routed_slots
+  lens = plt.load(seg_ref.at[pl.ds(1, 1), pl.ds(0, pp)], mask=lane, other=0)    # [1, PP]
+  exps = plt.load(seg_ref.at[pl.ds(2, 1), pl.ds(0, pp)], mask=lane, other=0)
+  below = lambda lim: jnp.sum(((lens > 0) & (exps < lim)).astype(jnp.int32)[0])
+  s_lo = below(j * e // split) if split > 1 else 0
+  s_hi = below((j + 1) * e // split) if split > 1 else jnp.sum((lens > 0).astype(jnp.int32)[0])
 
-  def slot(s, acc):       # empty slots (length 0) run zero row blocks
-    start, length, e = seg_ref[0, s], seg_ref[1, s], seg_ref[2, s]
-    return seg_body(lambda kb: wd_ref[e, cols, pl.ds(kb * bk, bk)], acc, start, length)
+  def slot(s, acc):
+    start, length, ex = seg_ref[0, s], seg_ref[1, s], seg_ref[2, s]
+    return seg_body(lambda kb: wd_ref[ex, cols, pl.ds(kb * bk, bk)], acc, start, length)
 
-  acc = lax.fori_loop(0, n_routed_slots, slot, jnp.zeros((tp, cfg.block_dc), jnp.float32))
+  acc = lax.fori_loop(s_lo, s_hi, slot, jnp.zeros((tp, cfg.block_dc), jnp.float32))
   if has_shared:
     s = n_routed_slots
-    acc = seg_body(lambda kb: swd_ref[cols, pl.ds(kb * bk, bk)], acc, seg_ref[0, s],
-                   seg_ref[1, s])
+    length = seg_ref[1, s] if split == 1 else jnp.where(j == split - 1, seg_ref[1, s], 0)
+    acc = seg_body(lambda kb: swd_ref[cols, pl.ds(kb * bk, bk)], acc, seg_ref[0, s], length)
   rows = lax.broadcasted_iota(jnp.int32, (tp, 1), 0)
-  plt.store(out_ref.at[pl.ds(0, tp), cols], acc.astype(out_ref.dtype),
-            mask=jnp.broadcast_to(rows < t, acc.shape))
+  dst = out_ref.at[pl.ds(0, tp), cols] if split == 1 else out_ref.at[j, pl.ds(0, tp), cols]
+  plt.store(dst, acc.astype(out_ref.dtype), mask=jnp.broadcast_to(rows < t, acc.shape))
 
 
 # ----------------------------------------------------------------------------- wrapper
@@ -472,13 +490,18 @@ def moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, limit=0.0, shared=No
 
   extra_down = (shared[2],) if has_shared else ()
   if cfg.fuse_combine:
-    down = functools.partial(_down_combine_kernel, cfg=cfg, i=i, t=t, tp=_pow2(t),
+    split = cfg.combine_split
+    down = functools.partial(_down_combine_kernel, cfg=cfg, i=i, t=t, tp=_pow2(t), e=e,
                              n_routed_slots=p, has_shared=has_shared)
-    return pl.pallas_call(
-        down, grid=(d // cfg.block_dc,),
-        out_shape=jax.ShapeDtypeStruct((t, d), x.dtype),
+    out = pl.pallas_call(
+        down, grid=(d // cfg.block_dc, split),
+        out_shape=jax.ShapeDtypeStruct((t, d) if split == 1 else (split, t, d),
+                                       x.dtype if split == 1 else jnp.float32),
         compiler_params=params, interpret=cfg.interpret, name="moe_down_combine",
     )(seg, tok, h, w_rows, w_down, *extra_down)
+    if split == 1:
+      return out
+    return functools.reduce(lambda acc, q: acc + q, list(out)).astype(x.dtype)  # fixed order
 
   down = functools.partial(_down_kernel, cfg=cfg, i=i, n_routed_slots=p,
                            has_shared=has_shared)
