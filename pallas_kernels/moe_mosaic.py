@@ -21,6 +21,12 @@ Kernel plan (the weights are the wgmma M side, the few tokens the N side; no hos
   3. out = sum of the KS partials in a fixed order, transposed to [T, D] (one XLA fusion).
 Batch invariance: column t only gets its own experts' products (the others add exact zeros),
 in ascending expert order, over a fixed I split; no float atomics anywhere.
+
+Measured (H200, bench/results/kernels-moe-mosaic-h200-2026-11-30.json, bench_kernels.timeit, noisy at
+T <= 6): rel err vs reference 2.8e-3 to 2.9e-3 (bf16 h' rounding after the weight fold), token 0
+bit-identical alone and in the batch; T=17 ~356 us for 1.42 GB (~4.0 TB/s), Triton 799 us.
+Limits: tokens are padded to N = 64 columns (x and h' tiles cost SMEM/L2 traffic, not HBM);
+alignment is ~4 small XLA fusions; up and down are two launches (no PDL yet).
 """
 from __future__ import annotations
 
