@@ -36,6 +36,10 @@ MOE_CFGS = [
     ("fused+align dc32", dataclasses.replace(_T, device_align=True, block_dc=32)),
     ("fused+align dc16 split2", dataclasses.replace(_T, device_align=True, combine_split=2)),
     ("fused+align dc16 split4", dataclasses.replace(_T, device_align=True, combine_split=4)),
+    ("fused+align dc16 prefetch kd256", dataclasses.replace(_T, device_align=True, prefetch=True,
+                                                            block_kd=256)),
+    ("fused+align dc16 split2 prefetch kd256", dataclasses.replace(
+        _T, device_align=True, combine_split=2, prefetch=True, block_kd=256)),
     ("fused+align dc16 kd256 s3", dataclasses.replace(_T, device_align=True, block_kd=256,
                                                       num_stages=3)),
     ("fused+align i32k256 dc16", dataclasses.replace(_T, device_align=True, block_i=32,

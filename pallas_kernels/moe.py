@@ -60,6 +60,8 @@ class MoeConfig:
       slots whose expert id is in [j E / split, (j+1) E / split) (the shared slot in the last)
       into its own fp32 partial, and out = ((p_0 + p_1) + ...) in XLA (an elementwise add that
       fuses into the residual add of the caller). 1: one launch, no partials.
+    prefetch: the fused kernel loads the next slot's [BDC, I] down tile (I/BK register tiles)
+      before computing the current one, so HBM loads stay in flight across slots.
     num_warps, num_stages: Triton launch parameters.
     fuse_combine: combine in the down kernel (one launch) instead of the v1 XLA gather-sum.
     device_align: segments from the one-launch Pallas `moe_align` kernel instead of XLA's
@@ -74,6 +76,7 @@ class MoeConfig:
   block_kd: int = 256
   block_dc: int = 16
   combine_split: int = 1
+  prefetch: bool = False
   num_warps: int = 4
   num_stages: int = 4
   fuse_combine: bool = True
@@ -330,15 +333,24 @@ def _up_kernel(seg_ref, tok_ref, x_ref, wg_ref, wu_ref, *rest, cfg, d, limit, sh
 
 
 def _down_rows(h_ref, wd, r0, mask, *, bn, bk, i):
-  """[M, BN] fp32 = h[r0:r0+M] @ wd.T over I in BK steps (masked rows read as 0)."""
+  """[M, BN] fp32 = h[r0:r0+M] @ wd.T over I in BK steps (masked rows read as 0).
+
+  wd: a callable kb -> [BN, BK] tile (a loop over kb), or a tuple of the I/BK tiles already
+  loaded (prefetched; the loop is unrolled).
+  """
   bm = mask.shape[0]
 
   def k_step(kb, acc):
     hb = plt.load(h_ref.at[pl.ds(r0, bm), pl.ds(kb * bk, bk)],
                   mask=jnp.broadcast_to(mask, (bm, bk)), other=0.0)
-    return acc + _dot_t(hb, wd(kb))
+    return acc + _dot_t(hb, wd[kb] if isinstance(wd, tuple) else wd(kb))
 
-  return lax.fori_loop(0, i // bk, k_step, jnp.zeros((bm, bn), jnp.float32))
+  acc = jnp.zeros((bm, bn), jnp.float32)
+  if isinstance(wd, tuple):
+    for kb in range(len(wd)):
+      acc = k_step(kb, acc)
+    return acc
+  return lax.fori_loop(0, i // bk, k_step, acc)
 
 
 def _down_body(h_ref, wd, w_ref, y_ref, start, length, col0, *, cfg, i):
@@ -422,11 +434,24 @@ def _down_combine_kernel(seg_ref, tok_ref, h_ref, w_ref, wd_ref, *rest, cfg, i, 
   s_lo = below(j * e // split) if split > 1 else 0
   s_hi = below((j + 1) * e // split) if split > 1 else jnp.sum((lens > 0).astype(jnp.int32)[0])
 
-  def slot(s, acc):
-    start, length, ex = seg_ref[0, s], seg_ref[1, s], seg_ref[2, s]
-    return seg_body(lambda kb: wd_ref[ex, cols, pl.ds(kb * bk, bk)], acc, start, length)
+  acc = jnp.zeros((tp, cfg.block_dc), jnp.float32)
+  if cfg.prefetch:   # slot s computes on tiles loaded during slot s-1 (loads in flight across slots)
+    last = jnp.maximum(s_hi - 1, 0)
+    tiles = lambda s: tuple(wd_ref[seg_ref[2, s], cols, pl.ds(kb * bk, bk)]
+                            for kb in range(i // bk))
 
-  acc = lax.fori_loop(s_lo, s_hi, slot, jnp.zeros((tp, cfg.block_dc), jnp.float32))
+    def slot_pf(s, carry):
+      acc, cur = carry
+      nxt = tiles(jnp.minimum(s + 1, last))
+      return seg_body(cur, acc, seg_ref[0, s], seg_ref[1, s]), nxt
+
+    acc, _ = lax.fori_loop(s_lo, s_hi, slot_pf, (acc, tiles(jnp.minimum(s_lo, last))))
+  else:
+    def slot(s, acc):
+      start, length, ex = seg_ref[0, s], seg_ref[1, s], seg_ref[2, s]
+      return seg_body(lambda kb: wd_ref[ex, cols, pl.ds(kb * bk, bk)], acc, start, length)
+
+    acc = lax.fori_loop(s_lo, s_hi, slot, acc)
   if has_shared:
     s = n_routed_slots
     length = seg_ref[1, s] if split == 1 else jnp.where(j == split - 1, seg_ref[1, s], 0)

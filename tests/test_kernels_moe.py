@@ -126,6 +126,7 @@ def test_dispatch_backend_switch(monkeypatch):
 ALIGN = dataclasses.replace(CFG, device_align=True)
 V1 = dataclasses.replace(CFG, fuse_combine=False, device_align=True)
 SPLIT3 = dataclasses.replace(ALIGN, combine_split=3)       # expert ranges [0,1), [1,2), [2,4)
+PREFETCH = dataclasses.replace(ALIGN, prefetch=True)
 
 
 @pytest.mark.parametrize("t,e,ids_mode,has_shared", [(6, 64, "random", False),
@@ -150,7 +151,7 @@ def test_align_kernel_matches_xla(t, e, ids_mode, has_shared):
 
 
 PATH_CASES = [  # (config, t, e, i, dtype, ids_mode, shared, limit, tol)
-    (ALIGN, 17, 32, 64, jnp.bfloat16, "same", True, 0.3, 1e-2),
+    (PREFETCH, 17, 32, 64, jnp.bfloat16, "same", True, 0.3, 1e-2),
     (SPLIT3, 5, 4, 64, jnp.float32, "dup", True, 0.3, 1e-5),
     (V1, 3, 16, 64, jnp.float32, "one", False, 0.0, 1e-5),
 ]
@@ -203,5 +204,6 @@ def test_moe_paths_lower_for_cuda(t):
     assert op not in text, op
   assert _lower_moe_cuda(t, MoeConfig()).count("__gpu$xla.gpu.triton") == 2
   assert _lower_moe_cuda(t, MoeConfig(fuse_combine=False)).count("__gpu$xla.gpu.triton") == 2
-  split = _lower_moe_cuda(t, MoeConfig(device_align=True, combine_split=4))
-  assert split.count("__gpu$xla.gpu.triton") == 3
+  for cfg in (MoeConfig(device_align=True, combine_split=4),
+              MoeConfig(device_align=True, prefetch=True, block_kd=256)):
+    assert _lower_moe_cuda(t, cfg).count("__gpu$xla.gpu.triton") == 3
