@@ -11,7 +11,7 @@ Math (same as `pallas_kernels.moe.moe_reference`; clamp L > 0 only when on):
   out^T = sum_s W_down[e_s] @ h'[s]                                  [D, N] fp32, one accumulator
 
 Kernel plan (the weights are the wgmma M side, the few tokens the N side; no host sync, no limit on E):
-  0. align (XLA on device): sort the P expert ids; each distinct id gets a slot s < n_active in
+  0. align (XLA on device, no sort): each distinct expert id gets a slot s < n_active in
      ascending expert order (an expert picked by several tokens, or twice, is read once);
      wc [S, N] is a one-hot reduction (no scatter, no atomics).
   1. `moe_mgpu_up`, grid (S, I/BI): slot s streams its expert's [BI, D] gate and up rows once
@@ -26,7 +26,7 @@ Measured (H200, bench/results/kernels-moe-mosaic-h200-2026-11-30.json, bench_ker
 T <= 6): rel err vs reference 2.8e-3 to 2.9e-3 (bf16 h' rounding after the weight fold), token 0
 bit-identical alone and in the batch; T=17 ~356 us for 1.42 GB (~4.0 TB/s), Triton 799 us.
 Limits: tokens are padded to N = 64 columns (x and h' tiles cost SMEM/L2 traffic, not HBM);
-alignment is ~4 small XLA fusions; up and down are two launches (no PDL yet).
+alignment is a few small XLA reductions (no sort since e3db4e6; the GPU run used the sort); up and down are two launches (no PDL yet).
 """
 from __future__ import annotations
 
@@ -93,29 +93,28 @@ class MosaicMoeConfig:
 
 
 def _align(topk_ids, topk_weights, n, has_shared):
-  """Dedupe the P expert ids on device.
+  """Dedupe the P expert ids on device, sort-free (a few broadcast-compare reductions).
 
-  Returns meta [1 + P] int32 = (n_active, expert of slot 0..P-1; slots >= n_active hold 0)
-  and wc [P + 1, N] f32: wc[s, t] = sum of token t's routing weights on slot s's expert; row P is
-  the shared expert (1 for real tokens, 0 otherwise).
+  Slot r holds the r-th smallest distinct expert id. Returns meta [1 + P] int32 = (n_active,
+  expert of slot 0..P-1; slots >= n_active hold 0) and wc [P + 1, N] f32: wc[r, c] = sum of token
+  c's routing weights on slot r's expert; row P is the shared expert (1 for real tokens, else 0).
   """
   t, a = topk_ids.shape
   p = t * a
-  flat = topk_ids.reshape(p).astype(jnp.int32)
-  keys = jnp.sort(flat * p + jnp.arange(p, dtype=jnp.int32))         # expert-major, stable
-  order, e_sorted = keys % p, keys // p                               # [P] pair, expert
-  is_start = jnp.concatenate([jnp.ones((1,), bool), e_sorted[1:] != e_sorted[:-1]])
-  slot_sorted = jnp.cumsum(is_start.astype(jnp.int32)) - 1           # [P] slot of sorted pair
-  n_active = slot_sorted[-1] + 1
-  # slot -> expert: the first sorted pair of each slot (a one-hot max, no scatter).
-  hit = (slot_sorted[None, :] == jnp.arange(p)[:, None]) & is_start[None, :]   # [S', P]
-  slot_expert = jnp.max(jnp.where(hit, e_sorted[None, :], 0), axis=1)
-  tok = order // a                                                    # [P]
-  w = topk_weights.reshape(p).astype(jnp.float32)[order]              # [P]
-  # wc[s, c] = sum_j [slot_j == s][tok_j == c] w_j : one fused reduction, fixed order.
-  onehot_s = slot_sorted[None, None, :] == jnp.arange(p)[:, None, None]       # [P, 1, P]
-  onehot_t = tok[None, None, :] == jnp.arange(n)[None, :, None]              # [1, N, P]
-  wc = jnp.sum(jnp.where(onehot_s & onehot_t, w[None, None, :], 0.0), axis=2)  # [P, N]
+  flat = topk_ids.reshape(p).astype(jnp.int32)                        # [P] expert of pair
+  tok = jnp.arange(p, dtype=jnp.int32) // a                           # [P] token of pair
+  w = topk_weights.reshape(p).astype(jnp.float32)                     # [P]
+  pair = jnp.arange(p, dtype=jnp.int32)
+  # is_first[j]: no earlier pair picked the same expert.
+  is_first = ~jnp.any((flat[:, None] == flat[None, :]) & (pair[None, :] < pair[:, None]), axis=1)
+  n_active = jnp.sum(is_first.astype(jnp.int32))
+  # rank[j] = number of distinct experts smaller than pair j's expert = its slot.
+  rank = jnp.sum((is_first[None, :] & (flat[None, :] < flat[:, None])).astype(jnp.int32), axis=1)
+  hit = is_first[None, :] & (rank[None, :] == pair[:, None])                   # [slot, P]
+  slot_expert = jnp.sum(jnp.where(hit, flat[None, :], 0), axis=1)             # [P]
+  # wc[r, c] = sum_j [rank_j == r][tok_j == c] w_j   (exact unless a token repeats an expert)
+  sel = (rank[None, None, :] == pair[:, None, None]) & (tok[None, None, :] == jnp.arange(n)[None, :, None])
+  wc = jnp.sum(jnp.where(sel, w[None, None, :], 0.0), axis=2)                 # [P, N]
   shared_row = (jnp.arange(n) < t).astype(jnp.float32) * float(has_shared)
   wc = jnp.concatenate([wc, shared_row[None]])                        # [S, N]
   meta = jnp.concatenate([n_active[None], slot_expert]).astype(jnp.int32)
