@@ -42,8 +42,6 @@ MOE_CFGS = [
         _T, device_align=True, combine_split=2, prefetch=True, block_kd=256)),
     ("fused+align dc16 kd256 s3", dataclasses.replace(_T, device_align=True, block_kd=256,
                                                       num_stages=3)),
-    ("fused+align i32k256 dc16", dataclasses.replace(_T, device_align=True, block_i=32,
-                                                     block_k=256)),
 ]
 ROUTER_CFGS = [("e16k256", ro.RouterConfig()), ("e32k256", ro.RouterConfig(block_e=32)),
                ("e16k128s3", ro.RouterConfig(block_k=128, num_stages=3))]

@@ -21,7 +21,10 @@ Kernel plan (no host sync, no limit on E):
      reads the [BI, D] gate and up tiles of ITS expert once, writes h = SwiGLU(+clamp) [M, BI].
   3. `fuse_combine`: `moe_down_combine`, grid (D/BDC): each program runs over every segment in
      slot order (ascending expert, shared last), out_acc[T', BDC] += onehot(tok) . (w * h @ wd.T)
-     in registers, and writes out[T, BDC] once. Else (v1) `moe_down`, grid (S, D/BD), writes
+     in registers, and writes out[T, BDC] once. Options: `combine_split` > 1 gives each of
+     `split` programs per tile the slots of one expert-id range and its own fp32 partial
+     (out = fixed-order sum of the partials in XLA); `prefetch` loads the next slot's down tile
+     before the current slot's math. Else (v1) `moe_down`, grid (S, D/BD), writes
      y[r] = w[r] * h[r] @ wd.T (fp32) and an XLA gather-sum does the combine.
 The shared expert rides as one extra segment (all T tokens, weight 1) when Is == I.
 Empty segment slots load nothing.
