@@ -169,25 +169,47 @@ def old_decode(*a, config):
   return o, s, kda.conv_window_commit(a[-2], jnp.concatenate(a[:3], axis=-1).astype(a[-2].dtype), one)
 
 
-def bench(rows, bw, key, small=False, configs=None, emit=print):
+def decode_jobs(jobs, sets, consts, configs):
+  """kda_decode rows (T = 1 sets): the XLA reference, then each config."""
+  ref = kdd.kda_decode_reference(*full_args(sets[0], consts))
+  dbytes = nbytes(sets[0]) + nbytes(consts) + nbytes(ref)
+  dargs = lambda: ([jnp.copy(s[6]) for s in sets], sets, consts)
+  dnull = jax.jit(lambda st, s, c: st, donate_argnums=0)
+  dbase = dict(bytes=dbytes, baseline="kda_decode_reference (XLA)")
+  jobs.append((dict(name="kda_decode XLA reference", **dbase), decode_prog(kdd.kda_decode_reference),
+               dargs, None, dnull, None))
+  for name, cfg in configs:
+    f = ((lambda *a, cfg=cfg: old_decode(*a, config=cfg)) if name.startswith("old")
+         else (lambda *a, cfg=cfg: kdd.kda_decode(*a, config=cfg)))
+    chk = lambda f=f, s=sets[0], c=consts, want=ref: max(
+        rel(x, y) for x, y in zip(f(*full_args(s[:6] + [jnp.copy(s[6])], c)), want))
+    jobs.append((dict(name=f"kda_decode {name}", config=str(cfg), **dbase), decode_prog(f), dargs,
+                 None if name.startswith("old") else "kda_decode", dnull, chk))
+
+
+def bench(rows, bw, key, small=False, configs=None, emit=print, ts=(1, 6, 17), ops=None):
   """Appends rows (bench_kernels.bench_kda format + chained_us, wall_us). bw: HBM bytes/s (None:
-  measured here). configs: {"verify": [(name, cfg)], "commit": [...], "decode": [...]}."""
+  measured here). configs: {"verify": [(name, cfg)], "commit": [...], "decode": [...]};
+  ops: a subset of those keys (None: all); ts: the T values, in order (decode runs with T=1)."""
   global H, DK
   if small:
     H, DK = 2, 32
   hd = H * DK
   ncalls = 4 if small else N
   configs = configs or default_configs(small)
+  configs = {op: (c if ops is None or op in ops else []) for op, c in configs.items()}
   jobs = []   # (row dict, fn, args_fn, kernel name, null fn, check)
-  for t in (6, 17, 1):                          # the verify targets first (a timeout keeps them)
+  for t in ts:
     sets, consts = make_sets(key, t, hd, ncalls)
     o_ref, ci_ref = kda.kda_verify_reference(*full_args(sets[0], consts))
-    io = nbytes(sets[0]) + nbytes(consts) + nbytes((o_ref, ci_ref))
-    vbytes = io
+    vbytes = nbytes(sets[0]) + nbytes(consts) + nbytes((o_ref, ci_ref))
     base = dict(bytes=vbytes, baseline="kda_verify_reference (XLA)")
     vnull = jax.jit(lambda sets, consts: [s[-1] for s in sets])
-    jobs.append((dict(name=f"kda_verify T={t} XLA reference", **base), verify_prog(kda.kda_verify_reference),
-                 lambda sets=sets, consts=consts: (sets, consts), None, vnull, None))
+    if t == 1 and configs["decode"]:
+      decode_jobs(jobs, sets, consts, configs["decode"])
+    if configs["verify"]:
+      jobs.append((dict(name=f"kda_verify T={t} XLA reference", **base), verify_prog(kda.kda_verify_reference),
+                   lambda sets=sets, consts=consts: (sets, consts), None, vnull, None))
     for name, cfg in configs["verify"]:
       f = lambda *a, cfg=cfg: kda.kda_verify(*a, config=cfg)
       chk = lambda f=f, s=sets[0], c=consts, want=(o_ref, ci_ref): max(
@@ -202,28 +224,14 @@ def bench(rows, bw, key, small=False, configs=None, emit=print):
     cargs = lambda sets=sets, cis=cis, ns=ns: ([jnp.copy(s[6]) for s in sets], cis, ns)
     cnull = jax.jit(lambda st, c, n: st, donate_argnums=0)
     cbase = dict(bytes=cbytes, baseline="kda_commit_reference (XLA)")
-    jobs.append((dict(name=f"kda_commit T={t} n={max(1, t - 2)} XLA reference", **cbase),
-                 commit_prog(kda.kda_commit_reference), cargs, None, cnull, None))
+    if configs["commit"]:
+      jobs.append((dict(name=f"kda_commit T={t} n={max(1, t - 2)} XLA reference", **cbase),
+                   commit_prog(kda.kda_commit_reference), cargs, None, cnull, None))
     for name, cfg in configs["commit"]:
       f = lambda s, c, n, cfg=cfg: kda.kda_commit(s, c, n, config=cfg)
       chk = lambda f=f, s=sets[0][6], c=cis[0], n=ns[0], want=s_ref: rel(f(jnp.copy(s), c, n), want)
       jobs.append((dict(name=f"kda_commit T={t} n={max(1, t - 2)} {name}", config=str(cfg), **cbase),
                    commit_prog(f), cargs, "kda_commit", cnull, chk))
-    if t == 1:
-      ref = kdd.kda_decode_reference(*full_args(sets[0], consts))
-      dbytes = nbytes(sets[0]) + nbytes(consts) + nbytes(ref)
-      dargs = lambda sets=sets, consts=consts: ([jnp.copy(s[6]) for s in sets], sets, consts)
-      dnull = jax.jit(lambda st, s, c: st, donate_argnums=0)
-      dbase = dict(bytes=dbytes, baseline="kda_decode_reference (XLA)")
-      jobs.append((dict(name="kda_decode XLA reference", **dbase), decode_prog(kdd.kda_decode_reference),
-                   dargs, None, dnull, None))
-      for name, cfg in configs["decode"]:
-        f = ((lambda *a, cfg=cfg: old_decode(*a, config=cfg)) if name.startswith("old")
-             else (lambda *a, cfg=cfg: kdd.kda_decode(*a, config=cfg)))
-        chk = lambda f=f, s=sets[0], c=consts, want=ref: max(
-            rel(x, y) for x, y in zip(f(*full_args(s[:6] + [jnp.copy(s[6])], c)), want))
-        jobs.append((dict(name=f"kda_decode {name}", config=str(cfg), **dbase), decode_prog(f), dargs,
-                     None if name.startswith("old") else "kda_decode", dnull, chk))
   bw_progs = []
   if bw is None:
     x = jnp.ones((2 if small else 1024, 1024 * 1024), BF)
@@ -243,8 +251,8 @@ def bench(rows, bw, key, small=False, configs=None, emit=print):
       if small:
         bw = 3e12
       else:
-        copy = 2 * x.nbytes / (1e-6 * min(d for r in runs[0] for _, d, _ in r))
-        gemv = x.nbytes / (1e-6 * min(d for r in runs[1] for _, d, _ in r))
+        busy = lambda rs: 1e-6 * min(sum(d for _, d, _ in r) for r in rs)   # all kernels of a run
+        copy, gemv = 2 * x.nbytes / busy(runs[0]), x.nbytes / busy(runs[1])
         bw = max(copy, gemv)
       rows.append(dict(name="hbm bandwidth (max of 2 GiB elementwise r+w, 2 GiB GEMV)", time_us=None,
                        bytes=None, bw_bytes_per_s=bw))
@@ -277,21 +285,20 @@ def bench(rows, bw, key, small=False, configs=None, emit=print):
 
 def default_configs(small):
   if small:
-    c = kda.KdaConfig(block_v=16, interpret=True)
-    s = kda.KdaConfig(block_v=16, interpret=True, algorithm="serial")
-    return dict(verify=[("chunk", c), ("old serial", s)], commit=[("chunk", c), ("old serial", s)],
-                decode=[("fused", c), ("old serial verify+commit+XLA window", s)])
-  C, S = kda.KdaConfig, (lambda **k: kda.KdaConfig(algorithm="serial", **k))
-  return dict(
-      verify=[("chunk bv32w4", C(block_v=32)), ("chunk bv64w4", C(block_v=64)),
-              ("chunk bv128w8", C(block_v=128, num_warps=8)),
-              ("chunk bv32w4 ieee", C(block_v=32, precision="ieee")),
-              ("old serial bv32w4", S(block_v=32)), ("old serial bv16w1", S(block_v=16, num_warps=1))],
-      commit=[("chunk bv32w4", C(block_v=32)), ("chunk bv64w4", C(block_v=64)),
-              ("old serial bv32w4", S(block_v=32)), ("old serial bv16w1", S(block_v=16, num_warps=1))],
-      decode=[("fused bv32w4", C(block_v=32)), ("fused bv16w2", C(block_v=16, num_warps=2)),
-              ("fused bv32w1", C(block_v=32, num_warps=1)), ("fused bv64w4", C(block_v=64)),
-              ("old serial verify+commit+XLA window bv32w4", S(block_v=32))])
+    c = kda.KdaConfig(block_v=16, interpret=True, algorithm="chunk")
+    s = kda.KdaConfig(block_v=16, interpret=True)
+    return dict(verify=[("chunk", c), ("serial", s)], commit=[("chunk", c), ("serial", s)],
+                decode=[("fused", s), ("old path: serial verify + commit + XLA window", s)])
+  S, C = kda.KdaConfig, (lambda **k: kda.KdaConfig(algorithm="chunk", **k))
+  return dict(   # the 2026-11-30 run: serial bv32w4 best of serial bv16w1 / chunk bv32..128 / ieee
+      verify=[("serial bv32w4 (default)", S()), ("serial bv32w8", S(num_warps=8)),
+              ("serial bv64w8", S(block_v=64, num_warps=8)), ("chunk bv32w4", C(block_v=32)),
+              ("chunk bv128w8", C(block_v=128, num_warps=8))],
+      commit=[("serial bv32w4 (default)", S()), ("serial bv32w8", S(num_warps=8)),
+              ("chunk bv64w4", C(block_v=64))],
+      decode=[("fused bv32w4", S()), ("fused bv32w8", S(num_warps=8)), ("fused bv16w4", S(block_v=16)),
+              ("fused bv64w8", S(block_v=64, num_warps=8)),
+              ("old path: serial verify + commit + XLA window, bv32w4", S())])
 
 
 def fmt(r):
@@ -306,6 +313,8 @@ def main():
   ap.add_argument("--out", default="bench/results")
   ap.add_argument("--small", action="store_true", help="CPU smoke test: tiny dims, interpret")
   ap.add_argument("--git-commit", default=None, help="the commit benched (the device copy has no .git)")
+  ap.add_argument("--ts", default="1,6,17", help="T values in order (decode rides with T=1)")
+  ap.add_argument("--only", default=None, help="comma list of verify,commit,decode (default all)")
   args = ap.parse_args()
   date = datetime.date.today().isoformat()
   dev = "cpu" if args.small else "h200"
@@ -323,7 +332,8 @@ def main():
   print(f"{'name':56s} {'us':>8s} {'chain':>8s} {'wall':>8s} {'floor':>6s} {'frac':>6s} {'base_us':>8s} "
         f"{'err':>8s}", flush=True)
   try:
-    bench(res["rows"], None, jax.random.key(0), small=args.small, emit=emit)
+    bench(res["rows"], None, jax.random.key(0), small=args.small, emit=emit,
+          ts=tuple(int(t) for t in args.ts.split(",")), ops=args.only and args.only.split(","))
   except KeyboardInterrupt:
     print("interrupted: writing partial results", flush=True)
   emit(f"wrote {path}")

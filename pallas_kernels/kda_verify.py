@@ -16,10 +16,11 @@ accepted prefix t < n_accept[b] from the pre-verify state (reads S once, writes 
 
 Kernels (Triton): grid (B, H, Dv/BV). Each program loads its head's q/k conv window (full Dk,
 recomputed by the Dv/BV programs of a head: only raw rows, tiny) and its [Dk, BV] state tile.
-  algorithm="chunk" (default): the UT / WY form over all T positions at once (see the comment
-    above `_chunk_solve`): [Tp, Dk] tiles, tl.dot for every state product, a [Tp, Tp] triangular
-    inverse; Tp = max(16, 2^ceil(log2 T)).
-  algorithm="serial" (v2): the T steps unrolled on the register tile, two reductions over Dk each.
+  algorithm="serial" (v2, default): the T steps unrolled on the register tile, two reductions
+    over Dk each.
+  algorithm="chunk": the UT / WY form over all T positions at once (see the comment above
+    `_chunk_solve`): [Tp, Dk] tiles, tl.dot for every state product, a [Tp, Tp] triangular
+    inverse; Tp = max(16, 2^ceil(log2 T)). Slower on H200 as written (Triton), kept to compare.
 The fused T = 1 decode (verify + commit + conv window in one kernel) is in kda_decode.py.
 """
 from __future__ import annotations
@@ -58,14 +59,16 @@ class KdaConfig:
     block_v: value columns per program (power of 2 dividing Dv).
     num_warps: Triton warps per program.
     interpret: run in the Pallas interpreter (CPU tests).
-    algorithm: "chunk" (UT form: the T steps as [Tp, Dk] @ [Dk, BV] dots and a [Tp, Tp] triangular
-      inverse, Tp = max(16, next power of 2 >= T)) or "serial" (v2: T unrolled register steps).
+    algorithm: "serial" (v2: T unrolled register steps; the default, fastest measured on H200:
+      verify 7.5 / 39 us at T = 6 / 17 with bv32w4) or "chunk" (UT form: the T steps as
+      [Tp, Dk] @ [Dk, BV] dots and a [Tp, Tp] triangular inverse, Tp = max(16, 2^ceil(log2 T));
+      measured 24.5 / 80 us, see bench/results/kernels-kda-h200-2026-11-30.json).
     precision: fp32 dot algorithm of the chunk kernels: "tf32x3" (tensor cores, ~fp32) or "ieee".
   """
   block_v: int = 32
   num_warps: int = 4
   interpret: bool = False
-  algorithm: str = "chunk"
+  algorithm: str = "serial"
   precision: str = "tf32x3"
 
   def __post_init__(self):

@@ -1,7 +1,7 @@
 """KDA verify/commit kernels (Pallas Triton, interpret mode on CPU) vs the jnp references,
 and the references vs a float64 numpy loop written from the math (LING3_MODEL.md, KDA step 6).
-Checks outputs, the commit inputs AND the committed state for several n_accept; the default is the
-chunked (UT) kernels, the serial v2 kernels are checked once; CUDA lowering of non-default configs."""
+Checks outputs, the commit inputs AND the committed state for several n_accept, for both
+algorithms (chunked UT form and the default serial v2); CUDA lowering of non-default configs."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -74,17 +74,18 @@ def test_reference_matches_numpy_loop():
     assert rel_err(s, want) <= 1e-5
 
 
-CASES = [  # (b, t, h, dk, dtype, block_v, n_accepts)
-    (1, 1, 2, 32, jnp.float32, 16, ([0], [1])),
-    (2, 6, 2, 32, jnp.float32, 16, ([0, 6], [3, 1])),
-    (1, 17, 2, 32, jnp.bfloat16, 32, ([17], [9])),
+CASES = [  # (b, t, h, dk, dtype, block_v, n_accepts, algorithm)
+    (1, 1, 2, 32, jnp.float32, 16, ([0], [1]), "chunk"),
+    (2, 6, 2, 32, jnp.float32, 16, ([0, 6], [3, 1]), "chunk"),
+    (1, 17, 2, 32, jnp.bfloat16, 32, ([17], [9]), "chunk"),
+    (1, 9, 1, 32, jnp.bfloat16, 16, ([9], [5]), "serial"),
 ]
 
 
-@pytest.mark.parametrize("b,t,h,dk,dtype,block_v,n_accepts", CASES)
-def test_kda_kernels_match_reference(b, t, h, dk, dtype, block_v, n_accepts):
+@pytest.mark.parametrize("b,t,h,dk,dtype,block_v,n_accepts,algorithm", CASES)
+def test_kda_kernels_match_reference(b, t, h, dk, dtype, block_v, n_accepts, algorithm):
   args = make(t * 11 + b, b, t, h, dk, dtype)
-  cfg = KdaConfig(block_v=block_v, interpret=True)
+  cfg = KdaConfig(block_v=block_v, interpret=True, algorithm=algorithm)
   s_before = np.asarray(args[-1]).copy()
   o, ci = kda_verify(*args, config=cfg)
   o_ref, ci_ref = kda_verify_reference(*args)
@@ -122,18 +123,6 @@ def test_dispatch_kda_reference_on_cpu():
   assert s.shape == args[-1].shape
 
 
-def test_kda_serial_kernel_still_matches():
-  """The previous (v2, serial) kernels stay reachable through KdaConfig(algorithm="serial")."""
-  args = make(21, 1, 5, 2, 32, jnp.float32)
-  cfg = KdaConfig(block_v=16, interpret=True, algorithm="serial")
-  o, ci = kda_verify(*args, config=cfg)
-  o_ref, ci_ref = kda_verify_reference(*args)
-  assert rel_err(o, o_ref) <= 1e-5
-  n = jnp.array([3], jnp.int32)
-  assert rel_err(kda_commit(args[-1], ci, n, config=cfg),
-                 kda_commit_reference(args[-1], ci_ref, n)) <= 1e-5
-
-
 def test_kda_chunk_stable_on_repeated_keys():
   """Worst case for the chunk form's triangular inverse: identical keys, beta ~ 1, and either no
   decay (the inverse's Neumann terms grow like binomials) or the strongest decay (e^(-5 T))."""
@@ -142,16 +131,17 @@ def test_kda_chunk_stable_on_repeated_keys():
     args[1] = jnp.broadcast_to(args[1][:, :1], args[1].shape) * 3
     args[3] = jnp.full_like(args[3], f_val)
     args[4] = jnp.full_like(args[4], 4.0)
-    o, ci = kda_verify(*args, config=KdaConfig(block_v=32, interpret=True))
+    chunk = KdaConfig(block_v=32, interpret=True, algorithm="chunk")
+    o, ci = kda_verify(*args, config=chunk)
     o_np, states = numpy_kda(args)
     assert rel_err(o, o_np) <= 1e-5
     if f_val < 0:
-      s = kda_commit(args[-1], ci, jnp.array([11], jnp.int32), config=KdaConfig(interpret=True))
+      s = kda_commit(args[-1], ci, jnp.array([11], jnp.int32), config=chunk)
       assert rel_err(s, states[11]) <= 1e-5
 
 
 def test_kda_configs_lower_for_cuda():
-  """Non-default configs (serial v2, ieee dots, wide V tiles) lower at Ling-3.0-flash shapes."""
+  """Non-default configs (8 warps, chunk with ieee dots, wide V tiles) lower at full shapes."""
   from tests.test_kernels_lowering import H200, S
   h, dk, t = 32, 128, 6
   hd = h * dk
@@ -159,8 +149,8 @@ def test_kda_configs_lower_for_cuda():
           S((hd,), jnp.float32)) + (S((hd, 1, W), jnp.bfloat16),) * 3
           + (S((1, W - 1, 3 * hd), jnp.bfloat16), S((1, h, dk, dk), jnp.float32)))
   ci = tuple(S((1, t, h, dk), jnp.float32) for _ in range(3)) + (S((1, t, h), jnp.float32),)
-  for cfg in (KdaConfig(algorithm="serial"), KdaConfig(block_v=64, precision="ieee"),
-              KdaConfig(block_v=128, num_warps=8)):
+  for cfg in (KdaConfig(block_v=16, num_warps=8), KdaConfig(algorithm="chunk", block_v=64,
+              precision="ieee"), KdaConfig(algorithm="chunk", block_v=128, num_warps=8)):
     with jax.sharding.use_abstract_mesh(H200):
       jax.jit(lambda *a: kda_verify(*a, config=cfg)).trace(*args).lower(lowering_platforms=("cuda",))
       jax.jit(lambda s, c, n: kda_commit(s, c, n, config=cfg)).trace(
