@@ -27,7 +27,8 @@ from pallas_kernels import router as ro  # noqa: E402
 BF, F32 = jnp.bfloat16, jnp.float32
 LIMITS = dict(limit=4.0, shared_limit=5.0)
 ROUTE = dict(n_group=8, topk_group=4, top_k=8, routed_scaling_factor=2.5)
-_T = mo.MoeConfig(block_i=64, block_k=128, block_d=128, block_kd=128)      # v1's best tiles
+_T = mo.MoeConfig(block_i=64, block_k=128, block_d=128, block_kd=128,      # v1's best tiles
+                  fuse_combine=True)
 V1 = ("v1 i64k128d128 (unfused, XLA align)", dataclasses.replace(_T, fuse_combine=False))
 MOE_CFGS = [
     ("v1+align", dataclasses.replace(_T, fuse_combine=False, device_align=True)),

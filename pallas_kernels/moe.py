@@ -82,7 +82,7 @@ class MoeConfig:
   prefetch: bool = False
   num_warps: int = 4
   num_stages: int = 4
-  fuse_combine: bool = True
+  fuse_combine: bool = False      # default stays v1 until the fused path is measured on GPU
   device_align: bool = False
   align_max_pairs: int = 1024
   interpret: bool = False

@@ -2,9 +2,9 @@
 
 Shapes are small real shapes: D = 256, I = 64..128, E = 4..64, A = 8, T in {1, 3, 5, 6, 17}.
 Tolerance ||out - ref|| / ||ref||: fp32 1e-5, bf16 operands 1e-2.
-Paths: the default config (combine fused into the down kernel, XLA align), the one-launch
-Pallas align (`device_align`), the fused kernel split over expert ranges (`combine_split`),
-the v1 unfused down + XLA combine (`fuse_combine=False`).
+Paths: the default config (v1: unfused down + XLA combine, XLA align), the combine fused into
+the down kernel (`fuse_combine`; `combine_split`, `prefetch`), the one-launch Pallas align
+(`device_align`).
 """
 import dataclasses
 
@@ -123,7 +123,8 @@ def test_dispatch_backend_switch(monkeypatch):
 # ----------------------------------------------------------------------------- align, paths
 
 
-ALIGN = dataclasses.replace(CFG, device_align=True)
+FUSED = dataclasses.replace(CFG, fuse_combine=True)
+ALIGN = dataclasses.replace(FUSED, device_align=True)
 V1 = dataclasses.replace(CFG, fuse_combine=False, device_align=True)
 SPLIT3 = dataclasses.replace(ALIGN, combine_split=3)       # expert ranges [0,1), [1,2), [2,4)
 PREFETCH = dataclasses.replace(ALIGN, prefetch=True)
@@ -167,10 +168,12 @@ def test_moe_paths_match_reference(cfg, t, e, i, dtype, ids_mode, shared, limit,
 
 
 def test_fused_combine_batch_invariant():
-  """fp32 interpret: each token's output is bitwise the same alone (T=1) as in a batch of 6."""
+  """fp32 interpret: each token's output is bitwise the same alone (T=1) as in a batch of 6
+  (fused combine, XLA align)."""
   x, ids, w, wg, wu, wd, sh = make(11, 6, 256, 16, 64, jnp.float32, "random", True)
-  kw = dict(limit=0.3, shared=sh, shared_limit=0.3, config=ALIGN)
+  kw = dict(limit=0.3, shared=sh, shared_limit=0.3, config=FUSED)
   batch = np.asarray(moe(x, ids, w, wg, wu, wd, **kw))
+  assert rel_err(batch, moe_reference(x, ids, w, wg, wu, wd, **{**kw, "config": None})) <= 1e-5
   for t in range(6):
     alone = np.asarray(moe(x[t:t + 1], ids[t:t + 1], w[t:t + 1], wg, wu, wd, **kw))
     np.testing.assert_array_equal(alone[0], batch[t])
@@ -196,14 +199,14 @@ def _lower_moe_cuda(t, cfg):
 @pytest.mark.parametrize("t", [1, 17])
 def test_moe_paths_lower_for_cuda(t):
   """Full Ling-3.0-flash shapes. Pallas align + fused combine: the whole MoE is 3 kernels
-  (align, up, down+combine) and nothing else but reshapes; the default is 2 Triton kernels."""
-  text = _lower_moe_cuda(t, MoeConfig(device_align=True))
+  (align, up, down+combine) and nothing else but reshapes; XLA align: 2 Triton kernels."""
+  text = _lower_moe_cuda(t, MoeConfig(device_align=True, fuse_combine=True))
   assert text.count("__gpu$xla.gpu.triton") == 3
   for op in ("stablehlo.sort", "stablehlo.gather", "stablehlo.scatter", "stablehlo.reduce",
              "stablehlo.concatenate"):
     assert op not in text, op
   assert _lower_moe_cuda(t, MoeConfig()).count("__gpu$xla.gpu.triton") == 2
-  assert _lower_moe_cuda(t, MoeConfig(fuse_combine=False)).count("__gpu$xla.gpu.triton") == 2
-  for cfg in (MoeConfig(device_align=True, combine_split=4),
-              MoeConfig(device_align=True, prefetch=True, block_kd=256)):
+  assert _lower_moe_cuda(t, MoeConfig(fuse_combine=True)).count("__gpu$xla.gpu.triton") == 2
+  for cfg in (MoeConfig(device_align=True, fuse_combine=True, combine_split=4),
+              MoeConfig(device_align=True, fuse_combine=True, prefetch=True, block_kd=256)):
     assert _lower_moe_cuda(t, cfg).count("__gpu$xla.gpu.triton") == 3
