@@ -1,6 +1,7 @@
 """Triton MoE (fused combine, Pallas align) and Pallas router at Ling-3.0-flash dims, cold weights.
 
   python3 bench/kernels_moe_triton.py --out $OUT   (GPU; writes kernels-moe-triton-<device>-<date>.json)
+  python3 bench/kernels_moe_triton.py --only router --out $OUT   (or --only moe; file name says which)
   python3 bench/kernels_moe_triton.py --small      (CPU smoke: tiny dims, interpret mode)
 
 bench(rows, bw, key, small) appends one row per (op, T, config) with its baseline from the same
@@ -155,7 +156,8 @@ def main():
              git_commit=commit, rows=rows)
   os.makedirs(args.out, exist_ok=True)
   tag = "h200" if "H200" in dev else dev.lower().replace(" ", "-")
-  path = os.path.join(args.out, f"kernels-moe-triton-{tag}-{date}.json")
+  part = "" if args.only == "moe,router" else "-" + args.only.replace(",", "+")
+  path = os.path.join(args.out, f"kernels-moe-triton{part}-{tag}-{date}.json")
   with open(path, "w") as f:
     json.dump(res, f, indent=1)
   print(f"\nwrote {path}\n{'name':48s} {'us':>8s} {'floor':>7s} {'frac':>6s} {'base_us':>8s} "
