@@ -12,7 +12,8 @@ Floors, per row (`floor_us` is the larger, `floor_kind` says which):
   flops: the chunked form's useful MACs (no recomputation across value tiles, triangles halved) per
     chunk and head: 2 (L^2/2) Dk [A, Aqk] + 2 L Dk Dv [k S0, q S0] + 2 (L^2/2) Dv [solve, Aqk U]
     + L Dk Dv [S update], over the rate of the dot precision used: fp32 CUDA cores 67 TFLOP/s
-    ("ieee"), tf32 tensor cores 395 TFLOP/s ("tf32"); bf16 790 TFLOP/s is listed for reference.
+    ("ieee"), tf32 tensor cores 395 TFLOP/s ("tf32"), a third of it for 3-pass "tf32x3";
+    bf16 790 TFLOP/s is listed for reference.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from jax import lax
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pallas_kernels.kda_prefill import CHUNK, KdaPrefillConfig, kda_prefill, kda_prefill_reference  # noqa: E402
 
-RATES = {"ieee": 67e12, "tf32": 395e12, "bf16": 790e12}   # H200 SXM dense FLOP/s
+RATES = {"ieee": 67e12, "tf32": 395e12, "tf32x3": 395e12 / 3, "bf16": 790e12}   # H200 SXM dense FLOP/s
 
 
 def rel(a, b):
@@ -75,12 +76,12 @@ def floors(t, h, d, bw, precision):
   return nbytes, 2 * macs, fb, ff
 
 
-CONFIGS = [("bv32w4-ieee", KdaPrefillConfig(block_v=32, num_warps=4)),
-           ("bv32w8-ieee", KdaPrefillConfig(block_v=32, num_warps=8)),
-           ("bv64w8-ieee", KdaPrefillConfig(block_v=64, num_warps=8)),
-           ("bv128w8-ieee", KdaPrefillConfig(block_v=128, num_warps=8)),
-           ("bv32w4-tf32", KdaPrefillConfig(block_v=32, num_warps=4, precision="tf32")),
-           ("bv64w8-tf32", KdaPrefillConfig(block_v=64, num_warps=8, precision="tf32"))]
+CONFIGS = [("bv32w8-tf32x3", KdaPrefillConfig(block_v=32, num_warps=8, precision="tf32x3")),
+           ("bv64w8-tf32x3", KdaPrefillConfig(block_v=64, num_warps=8, precision="tf32x3")),
+           ("bv32w4-tf32x3", KdaPrefillConfig(block_v=32, num_warps=4, precision="tf32x3")),
+           ("bv32w8-tf32", KdaPrefillConfig(block_v=32, num_warps=8, precision="tf32")),
+           ("bv64w8-tf32", KdaPrefillConfig(block_v=64, num_warps=8, precision="tf32")),
+           ("bv32w8-ieee", KdaPrefillConfig(block_v=32, num_warps=8, precision="ieee"))]
 
 
 def bench(rows, bw, key, small=False, configs=None, lengths=None):

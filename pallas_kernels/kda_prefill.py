@@ -48,7 +48,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 CHUNK, SUB = 64, 16
-_PRECISIONS = {"ieee": lax.Precision.HIGHEST, "tf32": lax.Precision.DEFAULT}
+_PRECISIONS = {"ieee": lax.Precision.HIGHEST, "tf32": lax.Precision.DEFAULT,
+               "tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,13 +59,16 @@ class KdaPrefillConfig:
   Attributes:
     block_v: value columns per program (power of 2, >= 16, dividing Dv).
     num_warps: Triton warps per program (8: ~19k fp32 values stay live per program at BV=32).
-    precision: "ieee" (fp32 dots, matches the jnp reference to ~1e-6) or "tf32" (tensor-core
-      tf32 inputs, fp32 accumulate; ~1e-3 relative).
+    precision: dot inputs on the GPU. "tf32x3" (default): tensor cores, 3 tf32 passes, ~fp32
+      accuracy. "tf32": one pass, ~1e-3 relative. "ieee": fp32 FMA dots -- Triton gives each
+      thread whole K-rows of the operands; offline (Triton 3.8 + ptxas 13, sm_90a) it spilled
+      ~25 KB/thread, vs 1-5 KB for tf32 / tf32x3 at 255 registers. The interpreter always
+      computes in fp32.
     interpret: run in the Pallas interpreter (CPU tests).
   """
   block_v: int = 32
   num_warps: int = 8
-  precision: str = "ieee"
+  precision: str = "tf32x3"
   interpret: bool = False
 
   def __post_init__(self):
@@ -148,11 +152,11 @@ def _unit_lower_inverses(mats):
 
 
 def _prefill_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, s0_ref, o_ref, s_ref, *, t_len, dk, bv,
-                    precision):
+                    precision, interpret=False):
   b, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   cols = pl.ds(vb * bv, bv)
   f32 = jnp.float32
-  prec = _PRECISIONS[precision]
+  prec = _PRECISIONS["ieee" if interpret else precision]              # the CPU interpreter: fp32
   dot = lambda x, y: jnp.dot(x, y, precision=prec, preferred_element_type=f32)
   dot_nt = lambda x, y: lax.dot_general(x, y, (((1,), (1,)), ((), ())), precision=prec,
                                         preferred_element_type=f32)      # x @ y^T
@@ -244,7 +248,7 @@ def kda_prefill(q, k, v, g, beta, initial_state=None, *, config=None):
   s0 = jnp.zeros((bsz, h, dk, dv), f32) if initial_state is None else initial_state.astype(f32)
   assert s0.shape == (bsz, h, dk, dv), s0.shape
   kern = functools.partial(_prefill_kernel, t_len=t, dk=dk, bv=cfg.block_v,
-                           precision=cfg.precision)
+                           precision=cfg.precision, interpret=cfg.interpret)
   return pl.pallas_call(
       kern, grid=(bsz, h, dv // cfg.block_v),
       out_shape=(jax.ShapeDtypeStruct((bsz, t, h, dv), f32),

@@ -103,7 +103,7 @@ H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
     device_kind="NVIDIA H200", num_cores=132, platform="cuda"))
 
 
-@pytest.mark.parametrize("t,precision", [(2048, "ieee"), (37, "tf32")])
+@pytest.mark.parametrize("t,precision", [(2048, "tf32x3"), (37, "tf32"), (130, "ieee")])
 def test_lowers_for_cuda(t, precision):
   h, d = 32, 128
   x = S((1, t, h, d), jnp.float32)
