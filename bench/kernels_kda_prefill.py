@@ -82,6 +82,7 @@ CONFIGS = [("bv32w8-tf32x3", KdaPrefillConfig(block_v=32, num_warps=8, precision
            ("bv32w8-tf32", KdaPrefillConfig(block_v=32, num_warps=8, precision="tf32")),
            ("bv64w8-tf32", KdaPrefillConfig(block_v=64, num_warps=8, precision="tf32")),
            ("bv32w8-ieee", KdaPrefillConfig(block_v=32, num_warps=8, precision="ieee"))]
+DEFAULT = ("bv32w8-tf32x3", "bv64w8-tf32x3", "bv32w8-tf32")   # each (T, config) is one Triton compile
 
 
 def bench(rows, bw, key, small=False, configs=None, lengths=None):
@@ -89,7 +90,7 @@ def bench(rows, bw, key, small=False, configs=None, lengths=None):
   h, d = (2, 32) if small else (32, 128)
   lengths = lengths or ((64, 130) if small else (512, 2048, 8192))
   configs = configs or ([("small-interpret", KdaPrefillConfig(block_v=16, interpret=True))]
-                        if small else CONFIGS)
+                        if small else [c for c in CONFIGS if c[0] in DEFAULT])
   reps = 3 if small else 20
   ref_fn = jax.jit(kda_prefill_reference)
   for t in lengths:
@@ -125,10 +126,11 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--out", default="bench/results")
   ap.add_argument("--small", action="store_true", help="CPU smoke test: tiny dims, interpret mode")
-  ap.add_argument("--configs", default="", help="comma list of config names (default: all)")
+  ap.add_argument("--configs", default="", help="comma list of config names, or 'all' (default: DEFAULT)")
   ap.add_argument("--lengths", default="", help="comma list of T (default: 512,2048,8192)")
   args = ap.parse_args()
-  configs = [c for c in CONFIGS if c[0] in args.configs.split(",")] if args.configs else None
+  configs = ([c for c in CONFIGS if args.configs == "all" or c[0] in args.configs.split(",")]
+             if args.configs else None)
   lengths = tuple(int(x) for x in args.lengths.split(",")) if args.lengths else None
   bw = copy_bw(args.small)
   print(f"copy bandwidth {bw / 1e12:.3f} TB/s (read + write)", flush=True)
