@@ -30,6 +30,41 @@ def rel(a, b):
   return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+def _kernel_runs(run, reps=3):
+  """Device kernel events [(ts_us, dur_us)] of `reps` calls of run() under a profiler trace (one list per
+  call; calls are separated by 20 ms of host sleep). None when the trace has no GPU kernels (CPU)."""
+  import glob, gzip, tempfile
+  logdir = tempfile.mkdtemp(prefix="kbench-")
+  try:
+    with jax.profiler.trace(logdir, create_perfetto_trace=True):
+      for _ in range(reps):
+        time.sleep(0.02)
+        jax.block_until_ready(run())
+      time.sleep(0.02)
+    path = glob.glob(os.path.join(logdir, "**", "perfetto_trace.json.gz"), recursive=True)[0]
+    with gzip.open(path) as f:
+      tr = json.load(f)
+  except Exception as ex:  # no usable trace: the caller falls back to wall time
+    print(f"profiler trace unusable ({type(ex).__name__}: {str(ex)[:200]})", flush=True)
+    return None
+  ev = tr["traceEvents"] if isinstance(tr, dict) else tr
+  pname = {e["pid"]: e["args"]["name"] for e in ev if e.get("ph") == "M" and e.get("name") == "process_name"}
+  tname = {(e["pid"], e.get("tid")): e["args"]["name"] for e in ev
+           if e.get("ph") == "M" and e.get("name") == "thread_name"}
+  gpu = {p for p, n in pname.items() if "gpu" in n.lower() or "stream" in n.lower()}
+  ks = sorted((float(e["ts"]), float(e["dur"])) for e in ev
+              if e.get("ph") == "X" and e.get("pid") in gpu and "dur" in e
+              and "xla" not in tname.get((e["pid"], e.get("tid")), "").lower())
+  runs, cur = [], []
+  for ts, dur in ks:
+    if cur and ts - max(t + d for t, d in cur) > 10e3:
+      runs.append(cur)
+      cur = []
+    cur.append((ts, dur))
+  runs = [r for r in runs + [cur] if r]
+  return runs if len(runs) == reps else None
+
+
 def _median_time(f, *a, reps=10):
   jax.block_until_ready(f(*a))
   t = []
@@ -38,12 +73,15 @@ def _median_time(f, *a, reps=10):
   return float(np.median(t))
 
 
-def timeit(fn, sets, consts=(), chain=None):
+def timeit(fn, sets, consts=(), chain=None, detail=None):
   """Per-call device latency (us) of fn(*set, *consts).
 
-  One jitted program runs the calls back to back; `chain(prev_out, set)` makes call j+1 depend
-  on call j (latency, not overlapped throughput). time(n sets) - time(n/2 sets) over n/2 removes
-  the fixed cost; the per-set host argument cost (same program with no kernels) is subtracted.
+  One jitted program runs the calls back to back over the input sets (cold data); `chain(prev_out, set)`
+  makes call j+1 depend on call j (latency, not overlapped throughput). On a GPU the time is the device span
+  of the program's kernels in a profiler trace (first kernel start to last kernel end, launch gaps inside the
+  program included, host dispatch excluded) over the number of calls, median of 3 traced runs. Without a trace
+  (CPU) it falls back to wall time: time(n sets) - time(n/2 sets) over n/2, minus the per-set argument cost.
+  detail: a dict that receives busy_us (summed kernel time per call) and kernels_per_call.
   """
   def prog(ss, cs):
     outs, prev = [], None
@@ -53,9 +91,20 @@ def timeit(fn, sets, consts=(), chain=None):
       outs.append(prev)
     return outs
   many = jax.jit(prog)
+  jax.block_until_ready(many(sets, consts))                     # compile + warm
+  runs = _kernel_runs(lambda: many(sets, consts)) if jax.default_backend() == "gpu" else None
+  n = len(sets)
+  if runs:
+    span = float(np.median([(max(t + d for t, d in r) - min(t for t, _ in r)) / n for r in runs]))
+    if detail is not None:
+      detail.update(busy_us=float(np.median([sum(d for _, d in r) / n for r in runs])),
+                    kernels_per_call=len(runs[0]) / n, timing="profiler span / call")
+    return span
   null = jax.jit(lambda ss, cs: [s[-1] for s in ss])
-  n, half = len(sets), sets[: len(sets) // 2]
+  half = sets[: n // 2]
   per = lambda f: (_median_time(f, sets, consts) - _median_time(f, half, consts)) / (n - len(half))
+  if detail is not None:
+    detail.update(timing="wall difference")
   return 1e6 * (per(many) - per(null))
 
 
@@ -172,7 +221,11 @@ def bench_kda(rows, bw, key, configs):
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--out", default="bench/results")
-  ap.add_argument("--only", default="moe,kda")
+  ap.add_argument("--only", default="moe,kda", help="comma list of: moe, kda (this file's Triton v1 MoE and "
+                  "KDA verify/commit), mosaic (Mosaic GPU MoE), moe_triton (fused-combine/align MoE), router, "
+                  "kda2 (KDA verify/commit/decode, profiler timing), prefill (chunked KDA)")
+  ap.add_argument("--tag", default="", help="suffix of the JSON file name (keeps earlier runs' files)")
+  ap.add_argument("--moe-triton-configs", default="v1+align,fused+align dc16 split2,fused+align dc16 prefetch kd256")
   ap.add_argument("--small", action="store_true", help="CPU smoke test: tiny dims, interpret")
   args = ap.parse_args()
   global D, E, I, H, DK
@@ -190,11 +243,32 @@ def main():
   print(f"copy bandwidth {bw / 1e12:.3f} TB/s (read + write)", flush=True)
   rows = [dict(name="hbm copy 2 GiB (read+write)", time_us=None, bytes=None, bw_bytes_per_s=bw)]
   key = jax.random.key(0)
+  def write_partial(rows):
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"kernels-partial-{datetime.date.today().isoformat()}.json"), "w") as f:
+      json.dump(rows, f, indent=1, default=str)
+
   try:  # SIGINT (timeout -s INT) still writes what was measured
-    if "kda" in args.only:
+    if "kda" in args.only.split(","):
       bench_kda(rows, bw, key, kda_cfgs)
-    if "moe" in args.only:
+    only = args.only.split(",")
+    if "moe" in only:
       bench_moe(rows, bw, key, moe_cfgs)
+    from bench import kernels_kda, kernels_kda_prefill, kernels_moe_mosaic, kernels_moe_triton
+    extra = [("mosaic", lambda: kernels_moe_mosaic.bench(rows, bw, key, small=args.small)),
+             ("router", lambda: kernels_moe_triton.bench_router(rows, bw, key, small=args.small)),
+             ("kda2", lambda: kernels_kda.bench(rows, bw, key, small=args.small, ts=(1, 6))),
+             ("prefill", lambda: kernels_kda_prefill.bench(rows, bw, key, small=args.small,
+                                                           lengths=None if args.small else (2048, 8192))),
+             ("moe_triton", lambda: kernels_moe_triton.bench_moe(rows, bw, key, small=args.small,
+                                                                 names=args.moe_triton_configs.split(",")))]
+    for name, run in extra:
+      if name in only:
+        try:
+          run()
+        except Exception as ex:  # one broken section must not cost the others
+          print(f"FAILED section {name}: {type(ex).__name__}: {str(ex)[:1500]}", flush=True)
+        write_partial(rows)
   except KeyboardInterrupt:
     print("interrupted: writing partial results", flush=True)
   date = datetime.date.today().isoformat()
@@ -202,14 +276,16 @@ def main():
   res = dict(command=" ".join(sys.argv), device=str(jax.devices()[0].device_kind),
              jax_version=jax.__version__, date=date, git_commit=commit, rows=rows)
   os.makedirs(args.out, exist_ok=True)
-  with open(os.path.join(args.out, f"kernels-h200-{date}.json"), "w") as f:
+  with open(os.path.join(args.out, f"kernels-h200-{date}{args.tag}.json"), "w") as f:
     json.dump(res, f, indent=1)
   print(f"\n{'name':58s} {'us':>9s} {'floor':>8s} {'frac':>6s} {'base_us':>9s} {'err':>8s}")
+  num = lambda v, f: format(v, f) if isinstance(v, (int, float)) else "-"
   for r in rows[1:]:
-    if r['time_us'] is None:
+    if not isinstance(r.get("time_us"), (int, float)):
       continue
-    print(f"{r['name']:58s} {r['time_us']:9.1f} {r['floor_us']:8.1f} {r['fraction_of_floor']:6.2f} "
-          f"{r['baseline_time_us'] or 0:9.1f} {r.get('rel_err', 0):8.1e}")
+    print(f"{r['name'][:58]:58s} {num(r['time_us'], '9.1f')} {num(r.get('floor_us'), '8.1f')} "
+          f"{num(r.get('fraction_of_floor'), '6.2f')} {num(r.get('baseline_time_us'), '9.1f')} "
+          f"{num(r.get('rel_err'), '8.1e')}")
 
 
 if __name__ == "__main__":

@@ -63,10 +63,14 @@ def _try(label, fn):
     print(f"FAILED {label}: {type(ex).__name__}: {str(ex)[:1500]}", flush=True)
 
 
-def bench_moe(rows, bw, key, small=False):
+def bench_moe(rows, bw, key, small=False, names=None):
+  """names: the MOE_CFGS names to run after v1 (default all)."""
   d, e, i, a = (256, 32, 128, 8) if small else (2560, 512, 768, 8)
   interp = lambda c: dataclasses.replace(c, interpret=True, block_k=128, block_kd=64) if small else c
-  cfgs = [(n, interp(c)) for n, c in ([V1] + (MOE_CFGS[2:3] + MOE_CFGS[4:5] if small else MOE_CFGS))]
+  chosen = MOE_CFGS[2:3] + MOE_CFGS[4:5] if small else MOE_CFGS
+  if names is not None:
+    chosen = [c for c in MOE_CFGS if c[0] in names]
+  cfgs = [(n, interp(c)) for n, c in [V1] + chosen]
   k = jax.random.split(key, 8)
   nrm = lambda kk, s: jax.random.normal(kk, s, BF) * 0.02
   wg, wu, wd = nrm(k[0], (e, i, d)), nrm(k[1], (e, i, d)), nrm(k[2], (e, d, i))

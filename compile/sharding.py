@@ -243,6 +243,37 @@ class ShardedKernelCalls(KernelCalls):
         return f(rec_state, inputs, n_accept)
 
 
+    def route(self, x, gate_w, expert_bias, cfg):
+        base = super()
+        if self._router_config(x.shape[-1], gate_w.shape[0], cfg) is None:
+            return None
+        # The router and its input are replicated: every device routes every token (no collective).
+        rep = P()  # (None, None, None) would read as one argument's logical axes
+        f = shard_kernel(lambda *a: base.route(*a, cfg), self.mesh, (rep, rep, rep), (rep, rep), self.rules)
+        return f(x, gate_w, expert_bias)
+
+    def kda_decode(self, q_raw, k_raw, v_raw, f_raw, b_raw, A_log, dt_bias, q_conv_w, k_conv_w, v_conv_w,
+                   conv_window, rec_state, *, lower_bound: float):
+        base = super()
+
+        def kernel(*a):
+            return base.kda_decode(*a, lower_bound=lower_bound)
+
+        ch, w, state = (None, None, "heads"), ("heads", None, None), (None, "heads", None, None)
+        window = (None, None, None, "heads")
+        in_axes = (ch, ch, ch, ch, ch, ("heads",), ("heads",), w, w, w, window, state)
+        f = shard_kernel(kernel, self.mesh, in_axes, ((None, None, "heads", None), state, window), self.rules)
+        return f(q_raw, k_raw, v_raw, f_raw, b_raw, A_log, dt_bias, q_conv_w, k_conv_w, v_conv_w, conv_window,
+                 rec_state)
+
+    def kda_prefill(self, q, k, v, g, beta, state):
+        base = super()
+        bthk, st = (None, None, "heads", None), (None, "heads", None, None)
+        in_axes = (bthk, bthk, bthk, bthk, (None, None, "heads"), st)
+        f = shard_kernel(lambda *a: base.kda_prefill(*a), self.mesh, in_axes, (bthk, st), self.rules)
+        return f(q, k, v, g, beta, state)
+
+
 def kernel_calls_for(opts, mesh: Mesh, rules: ShardingRules = ShardingRules()):
     """RuntimeOptions whose Pallas calls run under shard_map on `mesh` (unchanged for 1 device or the jnp path)."""
     if mesh.size == 1 or not opts.use_pallas:

@@ -11,6 +11,11 @@ Shapes (per call, the layers' view; a subclass sees its per-device slices inside
   kda_verify: q/k/v/f raw [B, T, C], b_raw [B, T, H], A_log [H], dt_bias [C], conv weights 3 x [C, 1, W],
               conv_window [B, W-1, 3, C], rec_state [B, H, K, V] f32       -> (o [B, T, H, V] f32, KdaCommitInputs)
   kda_commit: rec_state [B, H, K, V], KdaCommitInputs, n_accept [B]        -> rec_state
+  kda_decode: kda_verify's arguments with T = 1                           -> (o, rec_state, conv_window)
+  route:      x [T, D], gate_w [E, D], expert_bias [E], the model config    -> (ids [T, A] int32, weights [T, A] f32),
+              or None when the Pallas router does not fit the dims (the caller routes in jnp)
+  kda_prefill: q, k [B, T, H, K] (q scaled), v [B, T, H, V], g [B, T, H, K], beta [B, T, H], state
+              [B, H, K, V]                                                -> (o [B, T, H, V] f32, state)
 """
 
 from __future__ import annotations
@@ -26,15 +31,47 @@ class KernelCalls:
     test shape (CPU tests of the wiring)."""
 
     interpret: bool = False
+    moe_impl: str | None = None  # "mosaic" | "triton" | None (pallas_kernels.dispatch.moe_impl decides)
 
-    # Tiles are picked from the shapes the kernel actually sees (a subclass's per-device slice).
-    def _moe_config(self, d: int, i: int):
-        if not self.interpret:
-            return None
+    # Tiles are picked from the shapes the kernel actually sees (a subclass's per-device slice): the kernels'
+    # defaults where they divide the dims (full-size Ling), else the largest power of two that does (small
+    # models, e.g. ling-demo's expert width 96), so any preset runs on the GPU too.
+    def _moe_config(self, x, w_gate):
+        from pallas_kernels.dispatch import moe_impl
         from pallas_kernels.moe import MoeConfig
 
-        return MoeConfig(block_i=min(32, i), block_k=min(256, d), block_d=min(64, d), block_kd=min(256, i),
-                         interpret=True)
+        _, i, d = w_gate.shape
+        if not self.interpret and moe_impl(x, w_gate, self.moe_impl) == "mosaic":
+            return None  # the Mosaic GPU kernel with its default tiles (moe_impl checked they fit)
+        base = MoeConfig()
+        fit = lambda n, cap: max(b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b <= cap and n % b == 0)
+        tiles = dict(block_i=fit(i, base.block_i), block_k=fit(d, base.block_k), block_d=fit(d, base.block_d),
+                     block_kd=fit(i, base.block_kd))
+        return MoeConfig(**tiles, interpret=self.interpret)
+
+    def _router_config(self, d: int, e: int, cfg):
+        """The Pallas router's tiles for these dims, or None where it does not apply (non power-of-2 groups)."""
+        from pallas_kernels.router import RouterConfig
+
+        fit = lambda n, cap: max(b for b in (16, 32, 64, 128, 256) if b <= cap and n % b == 0) if n % 16 == 0 else 0
+        if not fit(d, 256) or not fit(e, 16):
+            return None
+        rc = RouterConfig(block_e=fit(e, 16), block_k=fit(d, 256), interpret=self.interpret)
+        try:
+            rc.check(d, e, cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok)
+        except ValueError:
+            return None
+        return rc
+
+    def route(self, x, gate_w, expert_bias, cfg):
+        from pallas_kernels.dispatch import Backend, route
+
+        rc = self._router_config(x.shape[-1], gate_w.shape[0], cfg)
+        if rc is None:
+            return None
+        return route(x, gate_w, expert_bias, n_group=cfg.n_group, topk_group=cfg.topk_group,
+                     top_k=cfg.num_experts_per_tok, routed_scaling_factor=cfg.routed_scaling_factor,
+                     norm_topk_prob=cfg.norm_topk_prob, config=rc, backend=Backend.PALLAS)
 
     def _kda_config(self):
         if not self.interpret:
@@ -46,9 +83,8 @@ class KernelCalls:
     def moe(self, x, ids, weights, w_gate, w_up, w_down, *, limit: float, shared, shared_limit: float):
         from pallas_kernels.dispatch import Backend, moe
 
-        _, i, d = w_gate.shape
         out = moe(x, ids, weights, w_gate, w_up, w_down, limit=limit, shared=shared, shared_limit=shared_limit,
-                  config=self._moe_config(d, i), backend=Backend.PALLAS)
+                  config=self._moe_config(x, w_gate), backend=Backend.PALLAS, impl=self.moe_impl)
         return out.astype(jnp.float32)
 
     def kda_verify(self, q_raw, k_raw, v_raw, f_raw, b_raw, A_log, dt_bias, q_conv_w, k_conv_w, v_conv_w,
@@ -64,3 +100,23 @@ class KernelCalls:
         from pallas_kernels.dispatch import Backend, kda_commit
 
         return kda_commit(rec_state, inputs, n_accept, config=self._kda_config(), backend=Backend.PALLAS)
+
+    def kda_decode(self, q_raw, k_raw, v_raw, f_raw, b_raw, A_log, dt_bias, q_conv_w, k_conv_w, v_conv_w,
+                   conv_window, rec_state, *, lower_bound: float):
+        from pallas_kernels.dispatch import Backend, kda_decode
+
+        B, Wm1 = conv_window.shape[:2]
+        o, state, window = kda_decode(q_raw, k_raw, v_raw, f_raw, b_raw, A_log, dt_bias, q_conv_w, k_conv_w,
+                                      v_conv_w, conv_window.reshape(B, Wm1, -1), rec_state, lower_bound=lower_bound,
+                                      config=self._kda_config(), backend=Backend.PALLAS)
+        return o, state, window.reshape(conv_window.shape)
+
+    def kda_prefill(self, q, k, v, g, beta, state):
+        from pallas_kernels.dispatch import Backend, kda_prefill
+
+        config = None
+        if self.interpret:
+            from pallas_kernels.kda_prefill import KdaPrefillConfig
+
+            config = KdaPrefillConfig(block_v=min(32, v.shape[-1]), interpret=True)
+        return kda_prefill(q, k, v, g, beta, state, config=config, backend=Backend.PALLAS)

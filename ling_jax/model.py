@@ -46,7 +46,12 @@ class RuntimeOptions:
     mla_absorbed: absorbed-weight MLA attention for decode/verify (prefill always uses the plain path).
     kernels: "auto" (Pallas on GPU, the model's jnp on CPU), "pallas" or "reference" (force either), or
       "interpret" (the Pallas kernels in the interpreter: CPU tests of the wiring). Pallas serves the MoE
-      experts everywhere and KDA in decode/verify/commit; prefill KDA stays chunked jnp.
+      experts and the router everywhere, KDA in decode/verify/commit (prefill: see kda_pallas_prefill).
+    kda_fused_decode: with Pallas, decode (T = 1) runs one fused KDA kernel (conv + delta rule + state update in
+      place) instead of verify + commit. Off by default: its output uses S^T(e q) + u (k.q) for S'^T q, equal in
+      exact arithmetic but not bitwise equal to the verify kernel's row, and plain greedy should match NEXTN's.
+    kda_pallas_prefill: with Pallas, chunked prefill runs the Pallas chunked kernel instead of the model's jnp form.
+      Off by default: on H200 it took 5.6 ms at T=2048 against XLA's 3.3 ms (bench/results/kernels-h200-*-run4).
     kernel_calls: how the kernels are called when Pallas is on; None = directly. A compiler passes a subclass
       that wraps each call (compile.sharding.ShardedKernelCalls runs them under shard_map over its mesh).
     """
@@ -58,6 +63,8 @@ class RuntimeOptions:
     mla_absorbed: bool = True
     kernels: str = "auto"
     kernel_calls: KernelCalls | None = None
+    kda_fused_decode: bool = False
+    kda_pallas_prefill: bool = False
 
     def __post_init__(self):
         if self.kernels not in KERNEL_CHOICES:
@@ -146,7 +153,8 @@ def forward(params, tokens, state: DecodeState, cfg: ModelConfig, *, mode: str, 
             continue
         a, new_conv, new_rec, pend = kda_layer(p["attn"], rms_norm(x, p["input_norm"], cfg.rms_norm_eps),
                                                conv[ki], rec[ki], cfg, mode=mode, n_valid=n_valid, chunked=chunked,
-                                               pallas=opts.pallas)
+                                               pallas=opts.pallas, fused_decode=opts.kda_fused_decode,
+                                               pallas_prefill=opts.kda_pallas_prefill)
         if pend is None:
             conv, rec = conv.at[ki].set(new_conv), rec.at[ki].set(new_rec)
         else:

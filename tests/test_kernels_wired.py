@@ -25,3 +25,21 @@ def test_verify_commit_decode_with_interpreted_kernels_match_jnp():
                             d.state.kda_recurrent)
     for ref, got in zip(results["reference"], results["interpret"]):
         assert rel_err(got, ref) <= 1e-5
+
+
+def test_prefill_and_fused_decode_with_interpreted_kernels_match_jnp():
+    """Prefill through the Pallas chunked KDA kernel (T not a chunk multiple, padded tail) and decode through the
+    fused one-kernel KDA decode equal the jnp model."""
+    cfg = get_preset("test-wide")
+    params = init_params(cfg, 0, jnp.float32)
+    toks = jax.random.randint(jax.random.key(2), (1, 12), 0, cfg.vocab_size)
+    n = jnp.array([11], jnp.int32)
+    out = {}
+    for name, o in (("reference", RuntimeOptions(kernels="reference")),
+                    ("interpret", RuntimeOptions(kernels="interpret", kda_fused_decode=True, kda_pallas_prefill=True))):
+        p = forward(params, toks, init_state(cfg, 1, 64, jnp.float32), cfg, mode="prefill", n_valid=n, opts=o)
+        d = forward(params, toks[:, 11:12], p.state, cfg, mode="decode", opts=o)
+        out[name] = (lm_logits(params, p.hidden[:, :11]), p.state.kda_recurrent, lm_logits(params, d.hidden),
+                     d.state.kda_recurrent, d.state.kda_conv)
+    for ref, got in zip(out["reference"], out["interpret"]):
+        assert rel_err(got, ref) <= 1e-5

@@ -196,14 +196,31 @@ def _pallas_verify(p, x, conv_window, rec_state, cfg, pallas):
     return o, KdaPending(proj[:, :, :3], ci.k, ci.v, ci.g, ci.beta), proj[:, :, 4]
 
 
-def kda_layer(p, x, conv_window, rec_state, cfg, *, mode: str, n_valid, chunked: bool, pallas=None):
+def _pallas_decode(p, x, conv_window, rec_state, cfg, pallas):
+    """One fused kernel for T = 1: conv + gates + beta + l2norm + delta rule + in-place state update. Every sequence
+    must be live (n_valid = 1: plain_step's decode), since the kernel always advances the state."""
+    proj = jnp.einsum("btd,scd->btsc", x, p["w_qkvfg"])  # [B, 1, 5, C]
+    b_raw = jnp.einsum("btd,hd->bth", x, p["b_proj"])
+    conv_w = p["conv_w"]
+    o, new_rec, new_conv = pallas.kda_decode(proj[:, :, 0], proj[:, :, 1], proj[:, :, 2], proj[:, :, 3], b_raw,
+                                             p["A_log"], p["dt_bias"], conv_w[0], conv_w[1], conv_w[2], conv_window,
+                                             rec_state, lower_bound=cfg.kda_lower_bound)
+    return o, new_rec, new_conv, proj[:, :, 4]
+
+
+def kda_layer(p, x, conv_window, rec_state, cfg, *, mode: str, n_valid, chunked: bool, pallas=None,
+              fused_decode: bool = False, pallas_prefill: bool = True):
     """One KDA attention block (without the residual).
 
     mode "prefill"/"decode": consume x[:, :n_valid] and return the new (conv_window, rec_state).
     mode "verify": leave both states untouched and return a KdaPending for `kda_commit`.
-    pallas: a ling_jax.kernel_calls.KernelCalls for decode/verify, or None for the jnp path.
+    pallas: a ling_jax.kernel_calls.KernelCalls, or None for the jnp path. fused_decode: decode in one kernel
+    (B = 1 decode always has n_valid = 1). pallas_prefill: the chunked prefill through the Pallas kernel.
     Returns (out [B, T, D], conv_window, rec_state, pending or None).
     """
+    if pallas is not None and mode == "decode" and fused_decode:
+        o, rec_state, conv_window, out_gate = _pallas_decode(p, x, conv_window, rec_state, cfg, pallas)
+        return kda_output(p, o, out_gate, cfg, x.dtype), conv_window, rec_state, None
     if pallas is not None and mode != "prefill":  # decode = verify of one row + commit of one row
         o, pending, out_gate = _pallas_verify(p, x, conv_window, rec_state, cfg, pallas)
         out = kda_output(p, o, out_gate, cfg, x.dtype)
@@ -217,7 +234,10 @@ def kda_layer(p, x, conv_window, rec_state, cfg, *, mode: str, n_valid, chunked:
         out = kda_output(p, o, out_gate, cfg, x.dtype)
         return out, conv_window, rec_state, KdaPending(qkv_raw, k, v, g, beta)
     g, beta = no_op_mask(g, beta, n_valid)
-    core = kda_chunked if chunked else kda_recurrent
+    if pallas is not None and chunked and pallas_prefill:
+        core = pallas.kda_prefill
+    else:
+        core = kda_chunked if chunked else kda_recurrent
     o, new_state = core(q, k, v, g, beta, rec_state)
     out = kda_output(p, o, out_gate, cfg, x.dtype)
     return out, slide_window(conv_window, qkv_raw, n_valid), new_state, None

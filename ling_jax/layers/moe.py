@@ -105,7 +105,12 @@ def moe_layer(p, x, cfg, *, routed_limit: float, shared_limit: float, router_fp3
     pallas: a ling_jax.kernel_calls.KernelCalls to run the experts through, or None for the jnp path."""
     shape = x.shape
     xt = x.reshape(-1, shape[-1])
-    ids, w = route(router_logits(xt, p["gate_w"], fp32_weight=router_fp32), p["expert_bias"], cfg)
+    routed = None
+    if pallas is not None and not router_fp32:  # one fused Pallas router (matvec + sigmoid + grouped top-k)
+        routed = pallas.route(xt, p["gate_w"], p["expert_bias"], cfg)
+    if routed is None:
+        routed = route(router_logits(xt, p["gate_w"], fp32_weight=router_fp32), p["expert_bias"], cfg)
+    ids, w = routed
     if pallas is not None:  # reads only the activated experts, each once; the shared expert rides along
         sh = p["shared"]
         y = pallas.moe(xt, ids, w, p["w_gate"], p["w_up"], p["w_down"], limit=routed_limit,
