@@ -108,6 +108,22 @@ def timeit(fn, sets, consts=(), chain=None, detail=None):
   return 1e6 * (per(many) - per(null))
 
 
+def write_result(out_dir: str, prefix: str, rows) -> str:
+  """bench/results-style JSON (command, device, jax version, date, git commit, rows) as
+  <out_dir>/<prefix>-<device>-<date>.json; returns the path."""
+  date = datetime.date.today().isoformat()
+  commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+  dev = str(jax.devices()[0].device_kind)
+  res = dict(command=" ".join(sys.argv), device=dev, jax_version=jax.__version__, date=date,
+             git_commit=commit, rows=rows)
+  os.makedirs(out_dir, exist_ok=True)
+  tag = "h200" if "H200" in dev else dev.lower().replace(" ", "-")
+  path = os.path.join(out_dir, f"{prefix}-{tag}-{date}.json")
+  with open(path, "w") as f:
+    json.dump(res, f, indent=1, default=str)
+  return path
+
+
 def copy_bw():
   """Read+write bandwidth of a 2 GiB elementwise pass (loop of n vs n/2 passes)."""
   x = jax.random.normal(jax.random.key(0), (1024 if D == 2560 else 8, 1024 * 1024), BF)

@@ -12,7 +12,7 @@ bit-identical alone and in the batch (`batch_invariant`).
 """
 from __future__ import annotations
 
-import argparse, datetime, json, os, subprocess, sys
+import argparse, os, sys
 
 import jax
 import jax.numpy as jnp
@@ -125,16 +125,7 @@ def main():
           configs=CONFIGS + EXTRA_CONFIGS if args.all_configs else None)
   except KeyboardInterrupt:
     print("interrupted: writing partial results", flush=True)
-  date = datetime.date.today().isoformat()
-  commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-  dev = str(jax.devices()[0].device_kind)
-  res = dict(command=" ".join(sys.argv), device=dev, jax_version=jax.__version__, date=date,
-             git_commit=commit, rows=rows)
-  os.makedirs(args.out, exist_ok=True)
-  tag = "h200" if "H200" in dev else dev.lower().replace(" ", "-")
-  path = os.path.join(args.out, f"kernels-moe-mosaic-{tag}-{date}.json")
-  with open(path, "w") as f:
-    json.dump(res, f, indent=1)
+  path = bk.write_result(args.out, "kernels-moe-mosaic", rows)
   print(f"\nwrote {path}\n{'name':46s} {'us':>8s} {'loop_us':>8s} {'floor':>7s} {'frac4.3':>7s} "
         f"{'base_us':>8s} {'err':>8s} inv")
   for r in rows[1:]:

@@ -14,7 +14,7 @@ output is bit-identical alone and in the batch.
 """
 from __future__ import annotations
 
-import argparse, dataclasses, datetime, json, os, subprocess, sys
+import argparse, dataclasses, os, sys
 
 import jax
 import jax.numpy as jnp
@@ -153,17 +153,8 @@ def main():
       bench_moe(rows, bw, jax.random.key(0), small=args.small)
   except KeyboardInterrupt:
     print("interrupted: writing partial results", flush=True)
-  date = datetime.date.today().isoformat()
-  commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-  dev = str(jax.devices()[0].device_kind)
-  res = dict(command=" ".join(sys.argv), device=dev, jax_version=jax.__version__, date=date,
-             git_commit=commit, rows=rows)
-  os.makedirs(args.out, exist_ok=True)
-  tag = "h200" if "H200" in dev else dev.lower().replace(" ", "-")
   part = "" if args.only == "moe,router" else "-" + args.only.replace(",", "+")
-  path = os.path.join(args.out, f"kernels-moe-triton{part}-{tag}-{date}.json")
-  with open(path, "w") as f:
-    json.dump(res, f, indent=1)
+  path = bk.write_result(args.out, f"kernels-moe-triton{part}", rows)
   print(f"\nwrote {path}\n{'name':48s} {'us':>8s} {'floor':>7s} {'frac':>6s} {'base_us':>8s} "
         f"{'err':>8s} inv")
   for r in rows[1:]:
