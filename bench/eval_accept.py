@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ling_jax.config import load_config
+from ling_jax.model import RuntimeOptions
 from ling_jax.runner import Generator
 from ling_jax.spec import SpecConfig
 from ling_jax.train import corpus
@@ -72,9 +73,10 @@ def heldout_loss(cfg, params, tokens: np.ndarray, seq: int, windows: int, batch:
             "heldout_eval_tokens": n * batch * seq}
 
 
-def run_steps(cfg, params, prompts, k: int, new_tokens: int, max_len: int):
+def run_steps(cfg, params, prompts, k: int, new_tokens: int, max_len: int, target_rows=None):
     spec = SpecConfig("NEXTN", k) if k > 0 else SpecConfig("NONE")
-    gen = Generator(cfg, params, spec=spec, max_len=max_len, dtype=params["embed"].dtype)
+    gen = Generator(cfg, params, spec=spec, max_len=max_len, dtype=params["embed"].dtype,
+                    opts=RuntimeOptions(target_rows=target_rows))
     gen.generate(prompts[0], max_new_tokens=2 * spec.draft_tokens + 1, stop_token_ids=())  # compile
     outs, accepts, decode_s, decode_tokens = [], [], 0.0, 0
     for p in prompts:
@@ -137,6 +139,9 @@ def main(argv=None):
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="float32 makes the lossless check exact; in bf16 the 1-row decode and the multi-row verify "
                         "round differently, so near-tied greedy choices can differ")
+    p.add_argument("--target-rows", type=int, default=None,
+                   help="deterministic inference: every target pass runs this many rows (RuntimeOptions.target_rows; "
+                        "8 covers steps <= 7), which makes the bf16 lossless check exact too")
     p.add_argument("--out", default="bench/results")
     a = p.parse_args(argv)
     cfg = load_config(a.model)
@@ -148,11 +153,11 @@ def main(argv=None):
     t0 = time.perf_counter()
     loss = heldout_loss(cfg, params, held, a.eval_seq, a.eval_windows, a.eval_batch)
     print(json.dumps(loss), flush=True)
-    base, base_outs = run_steps(cfg, params, prompts, 0, a.new_tokens, max_len)
+    base, base_outs = run_steps(cfg, params, prompts, 0, a.new_tokens, max_len, a.target_rows)
     rows = [base]
     print(f"plain greedy: {base['decode_tokens_per_s']:.1f} tok/s", flush=True)
     for k in parse_steps(a.steps):
-        row, outs = run_steps(cfg, params, prompts, k, a.new_tokens, max_len)
+        row, outs = run_steps(cfg, params, prompts, k, a.new_tokens, max_len, a.target_rows)
         row["lossless_prompts"] = sum(o == b for o, b in zip(outs, base_outs))
         row["speedup_vs_plain"] = row["decode_tokens_per_s"] / base["decode_tokens_per_s"]
         rows.append(row)
@@ -169,7 +174,8 @@ def main(argv=None):
     report = {"command": "python -m bench.eval_accept " + " ".join(argv if argv is not None else sys.argv[1:]),
               "device": device, "jax_version": jax.__version__, "date": date, "git_commit": commit,
               "model": a.model, "prompts": len(prompts), "prompt_len": a.prompt_len, "new_tokens": a.new_tokens,
-              "greedy": True, "dtype": a.dtype, **loss, "wall_s": time.perf_counter() - t0, "rows": rows,
+              "greedy": True, "dtype": a.dtype, "target_rows": a.target_rows, **loss,
+              "wall_s": time.perf_counter() - t0, "rows": rows,
               "sample": {"prompt": prompts[0], "plain_output": base_outs[0]}}
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, f"eval-accept-{device}-{date}")

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from ling_jax.config import ModelConfig
-from ling_jax.model import RuntimeOptions, forward, lm_logits
+from ling_jax.model import RuntimeOptions, commit, forward, lm_logits
 from ling_jax.sampling import SamplingParams, greedy, probs, sample
 from ling_jax.spec import StepOutput, _row
 from ling_jax.state import DecodeState, init_state
@@ -55,7 +55,14 @@ def plain_prefill(params, tokens, n_valid, cfg: ModelConfig, *, max_len: int, is
 def plain_step(params, state: PlainState, cfg: ModelConfig, *, is_greedy: bool, opts=RuntimeOptions()):
     """Feed the bonus, emit the next token. Returns (state, StepOutput with one token per row)."""
     k_tok, key = jax.random.split(state.key)
-    out = forward(params, state.bonus[:, None], state.target, cfg, mode="decode", opts=opts)
+    B = state.bonus.shape[0]
+    one = jnp.ones((B,), jnp.int32)
+    if opts.target_rows is None:
+        out = forward(params, state.bonus[:, None], state.target, cfg, mode="decode", opts=opts)
+        target = out.state
+    else:  # row-invariant: the verify shape, one row committed (see RuntimeOptions.target_rows)
+        rows = jnp.repeat(state.bonus[:, None], opts.target_rows, axis=1)
+        out = forward(params, rows, state.target, cfg, mode="verify", n_valid=one, opts=opts)
+        target = commit(out.state, out.pending, one, opts)
     tok = _pick(lm_logits(params, out.hidden[:, 0], opts), state.sampling, k_tok, is_greedy)
-    B = tok.shape[0]
-    return state.replace(target=out.state, bonus=tok, key=key), StepOutput(tok[:, None], jnp.ones((B,), jnp.int32))
+    return state.replace(target=target, bonus=tok, key=key), StepOutput(tok[:, None], one)

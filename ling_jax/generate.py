@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from ling_jax.config import load_config
 from ling_jax.model import RuntimeOptions
+from ling_jax.spec import deterministic_rows
 from ling_jax.runner import Generator
 from ling_jax.spec import SpecConfig
 from ling_jax.tokenizer import load_tokenizer
@@ -35,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", help="text (needs tokenizer.json in the model dir)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--enable-deterministic-inference", action="store_true",
+                   help="every target pass runs a fixed row count (RuntimeOptions.target_rows), so greedy output is "
+                        "the same with or without speculation (NEXTN steps <= 7), also in bf16")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0, help="sampling seed (and random-init seed for presets)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
@@ -69,7 +73,8 @@ def main(argv=None) -> int:
     jax.block_until_ready(params)
     load_s = time.perf_counter() - t0
     max_len = a.context_length or max(256, len(prompt) + a.max_new_tokens + 4 * spec.draft_tokens)
-    gen = Generator(cfg, params, spec=spec, max_len=max_len, dtype=DTYPES[a.dtype], opts=RuntimeOptions())
+    gen = Generator(cfg, params, spec=spec, max_len=max_len, dtype=DTYPES[a.dtype], opts=RuntimeOptions(
+        target_rows=deterministic_rows(spec.draft_tokens) if a.enable_deterministic_inference else None))
     stops = () if a.ignore_eos else ((tok.eos_ids if tok else None) or (cfg.eos_token_id,))
     try:
         # a first short request compiles the programs, so the timings below are warm

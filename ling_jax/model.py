@@ -52,6 +52,11 @@ class RuntimeOptions:
       exact arithmetic but not bitwise equal to the verify kernel's row, and plain greedy should match NEXTN's.
     kda_pallas_prefill: with Pallas, chunked prefill runs the Pallas chunked kernel instead of the model's jnp form.
       Off by default: on H200 it took 5.6 ms at T=2048 against XLA's 3.3 ms (bench/results/kernels-h200-*-run4).
+    target_rows: row-invariant decoding. When set, every target pass after prefill (plain decode and NEXTN
+      verify) runs exactly this many rows (padding repeats a real token; padded rows are never committed), so a
+      token's logits go through kernels of one shape whatever produced it. Matmul kernels are chosen by shape
+      (e.g. a GEMV for 1 row, a GEMM for 6), and their accumulation orders differ: without this, bf16 plain
+      greedy and NEXTN greedy part ways at near-ties. Costs the padded rows' work (small at batch 1).
     kernel_calls: how the kernels are called when Pallas is on; None = directly. A compiler passes a subclass
       that wraps each call (compile.sharding.ShardedKernelCalls runs them under shard_map over its mesh).
     """
@@ -65,10 +70,13 @@ class RuntimeOptions:
     kernel_calls: KernelCalls | None = None
     kda_fused_decode: bool = False
     kda_pallas_prefill: bool = False
+    target_rows: int | None = None
 
     def __post_init__(self):
         if self.kernels not in KERNEL_CHOICES:
             raise ValueError(f"kernels={self.kernels!r} not in {KERNEL_CHOICES}")
+        if self.target_rows is not None and self.target_rows < 1:
+            raise ValueError(f"target_rows={self.target_rows} must be >= 1")
 
     @property
     def use_pallas(self) -> bool:
@@ -103,24 +111,27 @@ def lm_logits(params, hidden, opts: RuntimeOptions = RuntimeOptions()):
     return jnp.einsum("...d,vd->...v", hidden, w, preferred_element_type=jnp.float32)
 
 
-def ffn(p, x, cfg: ModelConfig, i: int, opts: RuntimeOptions, return_load: bool = False):
+def ffn(p, x, cfg: ModelConfig, i: int, opts: RuntimeOptions, return_load: bool = False, live_rows=None):
     """The feed-forward half of layer i (dense or MoE); i indexes the clamp schedule (MTP layers included).
-    return_load: return (y, expert load int32[E] or None for a dense layer)."""
+    return_load: return (y, expert load int32[E] or None for a dense layer).
+    live_rows: int32[B] or None; rows t >= live_rows[b] are padding and take the routing of the last live row
+    (their outputs are discarded; borrowing keeps them from reading any other expert's weights)."""
     if cfg.is_moe(i):
         return moe_layer(p, x, cfg, routed_limit=cfg.routed_limit(i), shared_limit=cfg.shared_limit(i),
-                         router_fp32=opts.router_fp32, return_load=return_load, pallas=opts.pallas)
+                         router_fp32=opts.router_fp32, return_load=return_load, pallas=opts.pallas,
+                         live_rows=live_rows)
     y = dense_mlp(p, x, cfg.shared_limit(i))
     return (y, None) if return_load else y
 
 
 def mla_block(p, x, cache, lengths, cfg: ModelConfig, i: int, *, absorbed: bool, opts: RuntimeOptions,
-              return_load: bool = False):
+              return_load: bool = False, live_rows=None):
     """A decoder block with gated-MLA attention (target MLA layers and the MTP layer). Returns (x, cache),
     or (x, cache, expert load) with return_load."""
     a, cache = mla_layer(p["attn"], rms_norm(x, p["input_norm"], cfg.rms_norm_eps), cache, lengths, cfg,
                          absorbed=absorbed)
     x = x + a
-    f = ffn(p["mlp"], rms_norm(x, p["post_norm"], cfg.rms_norm_eps), cfg, i, opts, return_load)
+    f = ffn(p["mlp"], rms_norm(x, p["post_norm"], cfg.rms_norm_eps), cfg, i, opts, return_load, live_rows)
     return (x + f[0], cache, f[1]) if return_load else (x + f, cache)
 
 
@@ -134,9 +145,11 @@ def forward(params, tokens, state: DecodeState, cfg: ModelConfig, *, mode: str, 
     B, T = tokens.shape
     if mode == "decode" and T != 1:
         raise ValueError(f"decode takes one token per sequence, got T={T}")
+    padded = n_valid is not None
     if n_valid is None:
         n_valid = jnp.full((B,), T, jnp.int32)
     chunked = mode == "prefill" and opts.kda_chunked_prefill
+    live_rows = n_valid if (mode == "verify" and padded) else None
     absorbed = mode != "prefill" and opts.mla_absorbed
 
     rec, conv, cache = state.kda_recurrent, state.kda_conv, state.mla_cache
@@ -146,7 +159,7 @@ def forward(params, tokens, state: DecodeState, cfg: ModelConfig, *, mode: str, 
     for i, p in enumerate(params["layers"]):
         if cfg.is_mla(i):
             x, layer_cache, *load = mla_block(p, x, cache[mi], state.lengths, cfg, i, absorbed=absorbed, opts=opts,
-                                              return_load=expert_load)
+                                              return_load=expert_load, live_rows=live_rows)
             loads += [l for l in load if l is not None]
             cache = cache.at[mi].set(layer_cache)
             mi += 1
@@ -161,7 +174,7 @@ def forward(params, tokens, state: DecodeState, cfg: ModelConfig, *, mode: str, 
             pending.append(pend)
         ki += 1
         x = x + a
-        f = ffn(p["mlp"], rms_norm(x, p["post_norm"], cfg.rms_norm_eps), cfg, i, opts, expert_load)
+        f = ffn(p["mlp"], rms_norm(x, p["post_norm"], cfg.rms_norm_eps), cfg, i, opts, expert_load, live_rows)
         if expert_load:
             f, load = f
             loads += [load] if load is not None else []

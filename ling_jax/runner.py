@@ -87,7 +87,10 @@ class Generator:
         self.cfg, self.params, self.spec, self.max_len = cfg, params, spec, max_len
         self.dtype, self.opts = jnp.dtype(dtype), opts
         self.K = spec.num_steps if spec.enabled else 0
-        self.rows_per_step = spec.draft_tokens
+        # rows one step writes past the committed length (verify rows; target_rows pads them)
+        self.rows_per_step = max(spec.draft_tokens, opts.target_rows or 0)
+        if spec.enabled and opts.target_rows is not None and opts.target_rows < spec.draft_tokens:
+            raise ValueError(f"RuntimeOptions.target_rows={opts.target_rows} < {spec.draft_tokens} verify rows")
 
     # ---- compiled programs (cached per static configuration) ----
     @functools.lru_cache(maxsize=None)

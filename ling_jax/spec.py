@@ -158,14 +158,31 @@ def draft(params, state: SpecState, cfg: ModelConfig, *, steps: int, is_greedy: 
     return jnp.stack(drafts, axis=1), q, cache
 
 
+ROW_BUCKET = 8  # deterministic inference pads every target pass to a multiple of this many rows
+
+
+def deterministic_rows(draft_tokens: int) -> int:
+    """RuntimeOptions.target_rows for deterministic inference: one bucket of ROW_BUCKET rows covers plain decoding
+    and NEXTN up to 7 steps, so all of them give the same greedy tokens (steps=8 needs 16 rows: it still agrees with
+    itself, not with plain decoding's 8)."""
+    return -(-max(draft_tokens, 1) // ROW_BUCKET) * ROW_BUCKET
+
+
 def verify_and_commit(params, state: SpecState, drafts, q, cfg: ModelConfig, *, is_greedy: bool,
                       opts=RuntimeOptions()):
     """Target over [bonus, d1..dK]; chain verdict; commit n+1 rows. Returns (target state, n, new bonus,
     committed tokens int32[B, K+1] (row j = token at L+j+1 for j <= n), target hidden [B, K+1, D])."""
     K = drafts.shape[1]
     rows = jnp.concatenate([state.bonus[:, None], drafts], axis=1)
-    out = forward(params, rows, state.target, cfg, mode="verify", opts=opts)
-    logits = lm_logits(params, out.hidden, opts)  # [B, K+1, V]
+    live = None
+    if opts.target_rows is not None:  # row-invariant: pad to the fixed row count (RuntimeOptions.target_rows)
+        if opts.target_rows < K + 1:
+            raise ValueError(f"target_rows={opts.target_rows} < {K + 1} verify rows (steps={K})")
+        rows = jnp.pad(rows, ((0, 0), (0, opts.target_rows - K - 1)), mode="edge")
+        live = jnp.full((rows.shape[0],), K + 1, jnp.int32)
+    out = forward(params, rows, state.target, cfg, mode="verify", n_valid=live, opts=opts)
+    hidden = out.hidden[:, : K + 1]
+    logits = lm_logits(params, hidden, opts)  # [B, K+1, V]
     if is_greedy:
         n, bonus = greedy_verdict(drafts, greedy(logits))
     else:
@@ -173,7 +190,7 @@ def verify_and_commit(params, state: SpecState, drafts, q, cfg: ModelConfig, *, 
     target = commit(out.state, out.pending, n + 1, opts)
     j = jnp.arange(K + 1)[None, :]
     committed = jnp.where(j < n[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), bonus[:, None])
-    return target, n, bonus, committed, out.hidden
+    return target, n, bonus, committed, hidden
 
 
 def extend(params, state: SpecState, cache, committed, target_hidden, n, cfg: ModelConfig, *, is_greedy: bool,

@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="random-init seed and the server's sampling-seed source")
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--enable-deterministic-inference", action="store_true",
+                   help="every target pass runs a fixed row count, so greedy output is identical with or without "
+                        "speculation (NEXTN steps <= 7), also in bf16 (RuntimeOptions.target_rows)")
     p.add_argument("--dist-init-addr", default=None,
                    help="HOST:PORT of process 0's jax.distributed coordinator (multi-host; with --nnodes > 1)")
     p.add_argument("--nnodes", type=int, default=1, help="processes (hosts) in the mesh; each runs this command")
@@ -125,12 +128,17 @@ def make_loader(a: argparse.Namespace, cfg, spec, tokenizer, mesh, shardings, co
         logging.info("weights ready in %.1f s", time.perf_counter() - t0)
         if a.nnodes > 1:
             barrier("ling_jax:weights_ready")
+        from ling_jax.model import RuntimeOptions
+        from ling_jax.spec import deterministic_rows
+
+        rows = deterministic_rows(spec.draft_tokens) if a.enable_deterministic_inference else None
+        kw = dict(spec=spec, max_len=context_length, dtype=dtype, opts=RuntimeOptions(target_rows=rows))
         if mesh is None:
-            gen = Generator(cfg, params, spec=spec, max_len=context_length, dtype=dtype)
+            gen = Generator(cfg, params, **kw)
         else:
             from compile.runner import ShardedGenerator
 
-            gen = ShardedGenerator(cfg, params, mesh, spec=spec, max_len=context_length, dtype=dtype)
+            gen = ShardedGenerator(cfg, params, mesh, **kw)
         if a.nnodes > 1 and a.node_rank == 0:
             from serve.lockstep import LockstepGenerator
 

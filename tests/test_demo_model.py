@@ -84,3 +84,31 @@ def test_nextn_is_lossless_and_accepts_drafts():
         assert out == plain, f"NEXTN steps={k} differs from plain greedy"
         if k == 5:
             assert stats.mean_accept_length > 1.5, stats.as_dict()
+
+
+def test_deterministic_inference_bf16_greedy_equals_plain_256_tokens():
+    """The correctness gate in bf16: with RuntimeOptions.target_rows (every target pass runs one fixed row count),
+    256 greedy tokens of NEXTN (steps 3 and 5) are byte-identical to plain greedy. Without it, bf16 decode rows
+    (1-row matmuls) and verify rows (K+1-row matmuls) round differently and near-ties flip (2 of 8 prompts identical
+    on ling-demo, bench/results/eval-accept-h200-bf16-2026-11-30.json)."""
+    from ling_jax.model import RuntimeOptions
+    from ling_jax.spec import deterministic_rows
+
+    cfg = load_config(MODEL)
+    params = load_params(cfg, MODEL, dtype=jnp.bfloat16)
+    _, _, tok = model()
+    root, _ = corpus.stdlib_files()
+    text = open(os.path.join(root, "http", "client.py"), encoding="utf-8").read()
+    prompts = [tok.encode(text[text.index(s):])[:48] for s in
+               ("    def _read_status(self):", "    def begin(self):", "    def _safe_read(self, amt):")]
+    kw = dict(max_len=48 + 256 + 32, dtype=jnp.bfloat16)
+    opts = RuntimeOptions(target_rows=deterministic_rows(6))
+    assert opts.target_rows == 8
+    plain = Generator(cfg, params, opts=opts, **kw)
+    want = [plain.generate(p, max_new_tokens=256, stop_token_ids=())[0] for p in prompts]
+    for k in (3, 5):
+        gen = Generator(cfg, params, spec=SpecConfig("NEXTN", k), opts=opts, **kw)
+        for p, w in zip(prompts, want):
+            out, stats = gen.generate(p, max_new_tokens=256, stop_token_ids=())
+            assert out == w, f"steps={k}: first difference at {next(i for i, (a, b) in enumerate(zip(out, w)) if a != b)}"
+            assert stats.mean_accept_length > 1.3, stats.as_dict()

@@ -93,16 +93,28 @@ def routed_experts(x, ids, weights, w_gate, w_up, w_down, limit: float):
     return jnp.einsum("ted,te->td", y.astype(jnp.float32), combine)
 
 
+def borrow_routing(ids, w, live_rows, bt):
+    """ids, w [B*T, A]; rows t >= live_rows[b] take row live_rows[b]-1's (ids, w)."""
+    B, T = bt
+    ids, w = ids.reshape(B, T, -1), w.reshape(B, T, -1)
+    t = jnp.arange(T)[None, :]
+    src = jnp.minimum(t, jnp.maximum(live_rows[:, None], 1) - 1)  # [B, T]
+    take = lambda a: jnp.take_along_axis(a, src[..., None], axis=1).reshape(B * T, -1)
+    return take(ids), take(w)
+
+
 def expert_load(ids, num_experts: int):
     """ids [T, A] -> int32[E]: how many (token, slot) pairs each expert received (for noaux_tc bias updates)."""
     return jnp.zeros((num_experts,), jnp.int32).at[ids.reshape(-1)].add(1)
 
 
 def moe_layer(p, x, cfg, *, routed_limit: float, shared_limit: float, router_fp32: bool, return_load: bool = False,
-              pallas=None):
+              pallas=None, live_rows=None):
     """x [..., D] -> [..., D]. p: gate_w [E, D], expert_bias [E], w_gate, w_up, w_down, shared {gate,up,down}_proj.
     return_load: also return the expert load int32[E] of this call (training's router balancing).
-    pallas: a ling_jax.kernel_calls.KernelCalls to run the experts through, or None for the jnp path."""
+    pallas: a ling_jax.kernel_calls.KernelCalls to run the experts through, or None for the jnp path.
+    live_rows: int32[B] or None (x is [B, T, D]): rows t >= live_rows[b] are padding and borrow row
+    live_rows[b]-1's experts and weights, so they add no expert reads (their outputs are discarded)."""
     shape = x.shape
     xt = x.reshape(-1, shape[-1])
     routed = None
@@ -111,6 +123,8 @@ def moe_layer(p, x, cfg, *, routed_limit: float, shared_limit: float, router_fp3
     if routed is None:
         routed = route(router_logits(xt, p["gate_w"], fp32_weight=router_fp32), p["expert_bias"], cfg)
     ids, w = routed
+    if live_rows is not None:
+        ids, w = borrow_routing(ids, w, live_rows, shape[:-1])
     if pallas is not None:  # reads only the activated experts, each once; the shared expert rides along
         sh = p["shared"]
         y = pallas.moe(xt, ids, w, p["w_gate"], p["w_up"], p["w_down"], limit=routed_limit,
