@@ -14,8 +14,10 @@ def test_sglang_flag_names_parse():
         "--model-path", "test-tiny", "--tp-size", "1", "--speculative-algorithm", "NEXTN",
         "--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4",
         "--context-length", "512", "--host", "127.0.0.1", "--port", "30000", "--random-weights", "--seed", "1",
-        "--dtype", "float32"])
+        "--dtype", "float32", "--enable-deterministic-inference", "--dist-init-addr", "10.0.0.1:5000", "--nnodes", "2",
+        "--node-rank", "1"])
     assert (a.speculative_algorithm, a.speculative_num_draft_tokens, a.context_length) == ("NEXTN", 4, 512)
+    assert a.enable_deterministic_inference and (a.dist_init_addr, a.nnodes, a.node_rank) == ("10.0.0.1:5000", 2, 1)
 
 
 def test_tp_size_checks():
@@ -33,6 +35,8 @@ def test_tp_size_checks():
     ["--model-path", "test-tiny", "--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3",
      "--speculative-num-draft-tokens", "7"],
     ["--model-path", "test-tiny", "--context-length", "4"],
+    ["--model-path", "test-tiny", "--nnodes", "2", "--node-rank", "2", "--dist-init-addr", "127.0.0.1:1"],
+    ["--model-path", "test-tiny", "--nnodes", "2", "--node-rank", "1"],
 ])
 def test_bad_flags_exit_2(argv, capsys):
     assert launch_server.main(argv) == 2
