@@ -80,11 +80,19 @@ def test_serialized_executable_runs_the_same(built_tp):
 
 
 def test_persistent_cache_and_plain_program(tmp_path):
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    saved = {k: getattr(jax.config, k) for k in ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+                                                  "jax_persistent_cache_min_entry_size_bytes")}
     enable_persistent_cache(str(tmp_path / "xla"))
     try:
         b = build(Program(get_preset("test-tiny"), mode="plain", max_len=32, dtype="float32"), make_mesh(2))
     finally:
-        jax.config.update("jax_compilation_cache_dir", None)
+        # Put everything back, the cache object included: once used, jax keeps writing every later test's
+        # executables into it (seen: an abort serializing one of them).
+        for k, v in saved.items():
+            jax.config.update(k, v)
+        cc.reset_cache()
     assert b.checks.ok and b.checks.donated_leaves == 8
     assert os.listdir(tmp_path / "xla")
 
