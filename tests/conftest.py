@@ -54,3 +54,18 @@ def torch_checkpoints(tmp_path_factory):
                                             expert_bias_std=0.5 if dt_name == "float32" else 2.0)
             out[(name, dt_name)] = (str(d), model)
     return out
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_executables():
+    """After each test module, drop compiled executables (jit caches and this file's cached entry points). The whole
+    suite compiles thousands of CPU executables in one process; their JIT-ed code mappings pile up toward the
+    kernel's per-process map limit (65530), and two late-suite runs died inside XLA (an abort in an executable
+    write, a segfault in a compile) once the new tests were added."""
+    yield
+    import gc
+
+    jitted_forward.cache_clear()
+    jitted_commit.cache_clear()
+    jax.clear_caches()
+    gc.collect()
