@@ -185,31 +185,34 @@ def no_op_mask(g, beta, n_valid):
     return jnp.where(live[..., None, None], g, 0.0), jnp.where(live[..., None], beta, 0.0)
 
 
-def _pallas_verify(p, x, conv_window, rec_state, cfg, pallas):
-    """The fused Pallas verify kernel: conv + gate + beta + l2norm + delta rule, state read once, not written."""
+def _kernel_inputs(p, x, conv_window, rec_state):
+    """The fused KDA kernels' arguments (raw q/k/v/f streams, b, gates, conv weights, states) and the out-gate
+    stream, from one projection of x."""
     proj = jnp.einsum("btd,scd->btsc", x, p["w_qkvfg"])  # [B, T, 5, C]
     b_raw = jnp.einsum("btd,hd->bth", x, p["b_proj"])
     conv_w = p["conv_w"]  # [3, C, 1, W]
-    o, ci = pallas.kda_verify(proj[:, :, 0], proj[:, :, 1], proj[:, :, 2], proj[:, :, 3], b_raw, p["A_log"],
-                              p["dt_bias"], conv_w[0], conv_w[1], conv_w[2], conv_window, rec_state,
-                              lower_bound=cfg.kda_lower_bound)
+    args = (proj[:, :, 0], proj[:, :, 1], proj[:, :, 2], proj[:, :, 3], b_raw, p["A_log"], p["dt_bias"],
+            conv_w[0], conv_w[1], conv_w[2], conv_window, rec_state)
+    return args, proj
+
+
+def _pallas_verify(p, x, conv_window, rec_state, cfg, pallas):
+    """The fused Pallas verify kernel: conv + gate + beta + l2norm + delta rule, state read once, not written."""
+    args, proj = _kernel_inputs(p, x, conv_window, rec_state)
+    o, ci = pallas.kda_verify(*args, lower_bound=cfg.kda_lower_bound)
     return o, KdaPending(proj[:, :, :3], ci.k, ci.v, ci.g, ci.beta), proj[:, :, 4]
 
 
 def _pallas_decode(p, x, conv_window, rec_state, cfg, pallas):
     """One fused kernel for T = 1: conv + gates + beta + l2norm + delta rule + in-place state update. Every sequence
     must be live (n_valid = 1: plain_step's decode), since the kernel always advances the state."""
-    proj = jnp.einsum("btd,scd->btsc", x, p["w_qkvfg"])  # [B, 1, 5, C]
-    b_raw = jnp.einsum("btd,hd->bth", x, p["b_proj"])
-    conv_w = p["conv_w"]
-    o, new_rec, new_conv = pallas.kda_decode(proj[:, :, 0], proj[:, :, 1], proj[:, :, 2], proj[:, :, 3], b_raw,
-                                             p["A_log"], p["dt_bias"], conv_w[0], conv_w[1], conv_w[2], conv_window,
-                                             rec_state, lower_bound=cfg.kda_lower_bound)
+    args, proj = _kernel_inputs(p, x, conv_window, rec_state)
+    o, new_rec, new_conv = pallas.kda_decode(*args, lower_bound=cfg.kda_lower_bound)
     return o, new_rec, new_conv, proj[:, :, 4]
 
 
 def kda_layer(p, x, conv_window, rec_state, cfg, *, mode: str, n_valid, chunked: bool, pallas=None,
-              fused_decode: bool = False, pallas_prefill: bool = True):
+              fused_decode: bool = False, pallas_prefill: bool = False):
     """One KDA attention block (without the residual).
 
     mode "prefill"/"decode": consume x[:, :n_valid] and return the new (conv_window, rec_state).
