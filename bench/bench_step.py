@@ -1,14 +1,18 @@
-"""Step bench: plain decode step and NEXTN step (steps 3 and 5) at context 8192, random bf16 weights, with floors.
+"""Step bench: plain decode step and NEXTN step (steps 3 and 5) at context 8192, with floors and a kernel census.
 
-  python3 -m bench.bench_step --layers 12 --out $OUT [--spec-parts]     (one H200: a layer slice)
+  python3 -m bench.bench_step --layers 12 --out $OUT [--spec-parts]     (one H200: a layer slice, random bf16)
+  python3 -m bench.bench_step --model models/ling-demo --out $OUT       (the shipped demo model: pure fixed cost)
   python3 -m bench.bench_step --tp 2 --out $OUT                         (two H200: the full model)
 
-Floor = bytes the step must move per device / HBM bandwidth measured here (large copy, read + write). Bytes
-count each dependent pass's weights once: per MoE call the DISTINCT experts the actual routing activated
-(captured from this model's router on this state) x 11.8 MB, attention/dense/router/shared weights, lm_head per
-lm_head pass, embedding rows, KDA state (plain: read+write; NEXTN: verify read + commit read+write), MLA cache
-reads. Time: chains of steps on donated state, device-synchronised, median over chains, warm-up excluded.
-Census: a jax.profiler trace of a few steps, kernels grouped by name, calibrated against the unprofiled time.
+Floor = bytes the step must move per device / the one HBM ceiling (bench/ceiling.py: best of a streaming-read
+Pallas kernel over 4 GiB and XLA's copy). Bytes count each dependent pass's weights once: per MoE call the
+DISTINCT experts the actual routing activated x the bytes of one expert, attention/dense/router/shared weights,
+lm_head per lm_head pass, embedding rows, KDA state (plain: read+write; NEXTN: verify read + commit read+write),
+MLA cache reads. The routing is captured from a copy of the step that routes in jnp (same math as the Pallas
+router); a MoE model whose capture returns no routing is an error, never a floor without expert bytes.
+Time: chains of steps on donated state, device-synchronised, median over chains, warm-up excluded.
+Census: a jax.profiler trace of a few steps, kernels grouped by name and category, calibrated against the
+unprofiled time, with kernels per step and per layer pass (target layers + MTP passes of the step).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import dataclasses
 import datetime
 import functools
 import glob
@@ -40,28 +45,10 @@ from ling_jax.config import get_preset
 from ling_jax.model import RuntimeOptions
 from ling_jax.weights import array_spec
 
-SEED_NEXTN_US = 4970.0  # SGLang NEXTN step on 4xB200: TPOT 1.53 ms x accept 3.25 (DESIGN.md)
+from bench.ceiling import Ceiling  # noqa: E402
+
+SEED_NEXTN_US = 4970.0  # SGLang NEXTN step on 4xB200: TPOT 1.53 ms x accept 3.25 (a published reference)
 SEED_ACCEPT = 3.25
-
-
-def hbm_bandwidth(dev) -> float:
-    """Bytes/s: the larger of a 4 GiB elementwise pass (read + write) and a 4 GiB bf16 GEMV (read), median of
-    20 each. (Run 2026-11-30: XLA's elementwise pass gave only 2.99 TB/s while the lm_head GEMM of the step
-    itself read 805 MB in 186 us = 4.3 TB/s, so the copy alone understated the ceiling.)"""
-    rows = 2048 if dev.platform == "gpu" else 8
-    x = jax.jit(lambda k: jax.random.normal(k, (rows, 1024 * 1024), jnp.bfloat16))(jax.device_put(jax.random.key(0), dev))
-    v = jnp.ones((1024 * 1024,), jnp.bfloat16)
-
-    def med(f, *args):
-        jax.block_until_ready(f(*args))
-        ts = []
-        for _ in range(20):
-            t0 = time.perf_counter(); jax.block_until_ready(f(*args)); ts.append(time.perf_counter() - t0)
-        return float(np.median(ts))
-
-    copy = 2 * x.nbytes / med(jax.jit(lambda a: a + 1), x)
-    gemv = x.nbytes / med(jax.jit(lambda a, b: a @ b), x, jax.device_put(v, dev))
-    return max(copy, gemv)
 
 
 def random_state(prog: Program, mesh, rules, ctx: int):
@@ -122,9 +109,11 @@ def capture_routing(sink: list):
         moe.route = orig
 
 
-def distinct_experts(fn, params, state) -> list[int]:
-    """Distinct experts per router call of one step (its own jit; not the timed program)."""
+def distinct_experts(prog: Program, params, state) -> list[int]:
+    """Distinct experts per router call of one step (its own jit; not the timed program). The copy routes in jnp
+    (kernels="reference"): the Pallas router computes the same ids but does not pass through `moe.route`."""
     sink: list = []
+    fn = dataclasses.replace(prog, opts=RuntimeOptions(kernels="reference")).fn()
 
     def run(p, s):
         sink.clear()
@@ -133,7 +122,16 @@ def distinct_experts(fn, params, state) -> list[int]:
         return list(sink)
 
     ids = jax.jit(run)(params, state)
+    n_moe = sum(1 for i in range(prog.cfg.num_hidden_layers) if prog.cfg.is_moe(i))
+    if n_moe and not ids:
+        raise RuntimeError("routing capture returned no router calls for a MoE model: the floor would count no "
+                           "expert bytes")
     return [len(np.unique(np.asarray(i))) for i in ids]
+
+
+def layer_passes(cfg, mode: str, K: int) -> int:
+    """Decoder-layer passes in one step: the target's layers once, plus (NEXTN) K MTP passes (K-1 drafts + extend)."""
+    return cfg.num_hidden_layers + (0 if mode == "plain" else K * len(cfg.mtp_layers))
 
 
 def routing_from(path, cfg, mode, K) -> list[float]:
@@ -185,8 +183,9 @@ def floor_bytes(cfg, mesh, rules, mode, K, routing, ctx) -> float:
             + passes_mtp * (mtp + lm + mla_read) + (K + 1) * 2 * D * 2)
 
 
-def census(step, params, state, n_steps, unprofiled_s, logdir):
-    """Profile n_steps; kernels grouped by name; calibrated against the unprofiled step time."""
+def census(step, params, state, n_steps, unprofiled_s, logdir, passes: int):
+    """Profile n_steps; kernels grouped by name and category; calibrated against the unprofiled step time.
+    passes: decoder-layer passes per step (for kernels per layer pass)."""
     try:
         with jax.profiler.trace(logdir, create_perfetto_trace=True):
             for _ in range(n_steps):
@@ -212,12 +211,16 @@ def census(step, params, state, n_steps, unprofiled_s, logdir):
     devs = max(1, len(used))
     total_us = sum(v[1] for v in per.values()) / n_steps
     kernels = sum(v[0] for v in per.values()) / n_steps
-    cats = collections.Counter()
+    cats, ccount = collections.Counter(), collections.Counter()
     for name, (c, d) in per.items():
         cats[_category(name)] += d / n_steps
+        ccount[_category(name)] += c / n_steps / devs
     top = sorted(per.items(), key=lambda kv: -kv[1][1])[:20]
     return {
         "gpu_processes": [pnames[p] for p in gpu], "kernels_per_step_all_streams": kernels,
+        "kernels_per_step_per_device": kernels / devs, "layer_passes_per_step": passes,
+        "kernels_per_layer_pass": kernels / devs / passes,
+        "kernels_by_category_per_step": dict(ccount.most_common()),
         "kernel_us_per_step_all_streams": total_us, "unprofiled_step_us": unprofiled_s * 1e6,
         "busy_fraction_per_device": total_us / devs / (unprofiled_s * 1e6),
         "by_category_us": dict(cats.most_common()),
@@ -238,10 +241,13 @@ def _category(name: str) -> str:
 
 
 def row(name, t_s, nbytes, bw, **kw):
+    """A result row. `baseline` fields are only ever set from a run of the same bench (--baseline-kernels);
+    the seed's published NEXTN step is a `reference`."""
     t_us = t_s * 1e6
     floor_us = nbytes / bw * 1e6
     r = {"name": name, "time_us": t_us, "bytes": nbytes, "floor_us": floor_us, "fraction_of_floor": floor_us / t_us,
-         "baseline": "SGLang NEXTN step, 4xB200 (TPOT 1.53 ms x accept 3.25)", "baseline_time_us": SEED_NEXTN_US}
+         "reference": "SGLang NEXTN step, 4xB200 (published TPOT 1.53 ms x accept 3.25)",
+         "reference_time_us": SEED_NEXTN_US}
     r.update(kw)
     return r
 
@@ -257,15 +263,32 @@ def write(out_dir, prefix, rows, extra, device):
     return path
 
 
+def load_model(a, mesh, rules):
+    """(cfg, params): a checkpoint directory (--model, its own weights) or a preset (random bf16, --layers slice)."""
+    if a.model:
+        from compile.sharding import shardings_for
+        from ling_jax.config import from_hf_config
+        from ling_jax.weights import load_hf_checkpoint
+
+        cfg = from_hf_config(a.model)
+        return cfg, load_hf_checkpoint(cfg, a.model, jnp.bfloat16, shardings_for(cfg, mesh, rules))
+    cfg = get_preset(a.preset)
+    cfg = slice_config(cfg, a.layers) if a.layers else cfg
+    return cfg, sharded_params(cfg, mesh, rules, seed=0, dtype=jnp.bfloat16)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="ling3-flash", help="a small preset smoke-tests the script on CPU")
+    ap.add_argument("--model", default=None, help="a checkpoint directory (e.g. models/ling-demo): its config and "
+                    "weights instead of --preset (the demo model's step is almost all fixed cost)")
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--tp", type=int, default=None)
     ap.add_argument("--ctx", type=int, default=8192)
     ap.add_argument("--steps", default="3,5", help="NEXTN steps to time (--spec-parts needs 5 among them)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--tag", default="", help="suffix of the JSON file name (e.g. -pdl)")
     ap.add_argument("--spec-parts", action="store_true", help="also run bench_spec's parts on the same params")
     ap.add_argument("--no-census", action="store_true")
     ap.add_argument("--kernels", default="auto", help="RuntimeOptions.kernels (auto: Pallas on GPU, run per "
@@ -275,24 +298,28 @@ def main():
     ap.add_argument("--routing-from", default=None, help="a slice run's step JSON: reuse its mean distinct experts "
                     "per router call (saves compiling a routing-capture copy of the full model)")
     a = ap.parse_args()
+    if a.model and a.layers:
+        ap.error("--layers slices a preset; --model loads a whole checkpoint")
     tp = a.tp or len(jax.devices())
-    cfg = get_preset(a.preset)
-    cfg = slice_config(cfg, a.layers) if a.layers else cfg
     mesh, rules = make_mesh(tp), ShardingRules.tensor_parallel()
     device = f"{jax.devices()[0].device_kind} x{tp}"
     t0 = time.perf_counter()
-    bw = hbm_bandwidth(jax.devices()[0])
-    print(f"HBM copy bandwidth {bw / 1e12:.2f} TB/s (read+write)", flush=True)
-    params = sharded_params(cfg, mesh, rules, seed=0, dtype=jnp.bfloat16)
+    ceiling = Ceiling.measure(jax.devices()[0])
+    bw = ceiling.bytes_per_s
+    print(f"HBM ceiling {bw / 1e12:.2f} TB/s ({ceiling.source}; streaming read {ceiling.stream_bytes_per_s / 1e12:.2f},"
+          f" XLA copy {ceiling.copy_bytes_per_s / 1e12:.2f})", flush=True)
+    cfg, params = load_model(a, mesh, rules)
     jax.block_until_ready(params)
     print(f"params {cfg.name} TP{tp}: init {time.perf_counter() - t0:.1f} s", flush=True)
-    rows, extra = [], {"hbm_bw_bytes_per_s": bw, "model": cfg.name, "tp": tp, "ctx": a.ctx, "census": {},
-                       "routing_source": a.routing_from or "captured from this run's router"}
+    rows, extra = [], {"hbm_bw_bytes_per_s": bw, **ceiling.summary(), "model": a.model or cfg.name, "tp": tp,
+                       "ctx": a.ctx, "census": {}, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+                       "routing_source": a.routing_from or "captured from this run's router (jnp copy of the step)"}
     max_len = a.ctx + 1024
     extra["kernels"] = a.kernels
     runs = [("plain", 0, a.kernels)] + [("nextn", int(k), a.kernels) for k in a.steps.split(",")]
     if a.baseline_kernels:
         runs += [(m, k, a.baseline_kernels) for m, k, _ in runs]
+    prefix = "step" + ("-" + os.path.basename(os.path.normpath(a.model)) if a.model else "")
     for mode, K, kernels in runs:
         baseline = kernels != a.kernels
         opts = kernel_calls_for(RuntimeOptions(kernels=kernels), mesh, rules)
@@ -300,36 +327,41 @@ def main():
         fn = prog.fn()
         step = jax.jit(lambda p, s, _f=fn: constrain(_f(p, s), mesh, rules), donate_argnums=(1,))
         state = random_state(prog, mesh, rules, a.ctx)
-        routing = routing_from(a.routing_from, cfg, mode, K) if a.routing_from else distinct_experts(fn, params, state)
+        routing = routing_from(a.routing_from, cfg, mode, K) if a.routing_from else distinct_experts(prog, params, state)
         tc = time.perf_counter()
         t, state = time_chain(step, params, state, reps=a.reps)
         nbytes = floor_bytes(cfg, mesh, rules, mode, K, routing, a.ctx)
         name = "plain decode step" if mode == "plain" else f"NEXTN step (steps={K}, {K + 1} verify rows)"
         name += f" [kernels={kernels}]" if baseline else ""
         r = row(name, t, nbytes, bw, distinct_experts_per_router_call=routing, compile_and_time_s=time.perf_counter() - tc,
-                kernels=kernels)
+                kernels=kernels, layer_passes=layer_passes(cfg, mode, K))
+        if baseline:
+            main_row = next(x for x in rows if x["name"] == name.split(" [kernels=")[0])
+            main_row.update(baseline=f"the same step with kernels={kernels}, same run", baseline_time_us=t * 1e6)
         if mode == "nextn":
             r["projected_tpot_us_at_seed_accept"] = t * 1e6 / SEED_ACCEPT
         rows.append(r)
         print(f"{name:42s} {t * 1e6:9.1f} us  floor {r['floor_us']:8.1f} us  {100 * r['fraction_of_floor']:5.1f} %  "
-              f"({nbytes / 1e9:.2f} GB/device)", flush=True)
+              f"({nbytes / 1e9:.3f} GB/device)", flush=True)
         if not a.no_census and not baseline and (mode == "plain" or K == 5):
-            c, state = census(step, params, state, 5, t, f"/tmp/prof-{mode}{K}")
+            c, state = census(step, params, state, 5, t, f"/tmp/prof-{mode}{K}", layer_passes(cfg, mode, K))
             extra["census"][name] = c
+            r["kernels_per_step"] = c.get("kernels_per_step_per_device")
+            r["kernels_per_layer_pass"] = c.get("kernels_per_layer_pass")
             print(json.dumps({k: v for k, v in c.items() if k != "top_kernels"})[:1500], flush=True)
         del state
         os.makedirs(a.out, exist_ok=True)
-        write(a.out, "step", rows, extra, device)  # partial results survive a timeout
+        write(a.out, prefix + a.tag, rows, extra, device)  # partial results survive a timeout
         if mode == "nextn" and K == 5 and not baseline:
             kept = (step, routing)
     os.makedirs(a.out, exist_ok=True)
-    print("wrote", write(a.out, "step", rows, extra, device))
+    print("wrote", write(a.out, prefix + a.tag, rows, extra, device))
     if a.spec_parts:
         from bench import bench_spec
 
         srows = bench_spec.run(cfg, mesh, rules, params, bw, a.ctx, a.reps, K=5, fused=kept[0], routing=kept[1])
-        print("wrote", write(a.out, "spec", srows, {"hbm_bw_bytes_per_s": bw, "model": cfg.name, "tp": tp,
-                                                     "ctx": a.ctx}, device))
+        print("wrote", write(a.out, "spec" + a.tag, srows, {"hbm_bw_bytes_per_s": bw, "model": cfg.name, "tp": tp,
+                                                             "ctx": a.ctx}, device))
 
 
 if __name__ == "__main__":

@@ -336,6 +336,11 @@ def main():
           ts=tuple(int(t) for t in args.ts.split(",")), ops=args.only and args.only.split(","))
   except KeyboardInterrupt:
     print("interrupted: writing partial results", flush=True)
+  from bench.ceiling import Ceiling, apply
+
+  ceiling = Ceiling.measure(jax.devices()[0])  # the one ceiling: floors recomputed with the run's best
+  apply(res["rows"], ceiling)
+  res.update(ceiling.summary())
   emit(f"wrote {path}")
 
 

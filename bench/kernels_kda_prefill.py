@@ -47,14 +47,6 @@ def median_us(f, sets, reps):
   return 1e6 * float(np.median(ts))
 
 
-def copy_bw(small=False):
-  """Read+write bandwidth of an elementwise pass over 2 GiB (20 passes minus 10)."""
-  x = jax.random.normal(jax.random.key(0), (8 if small else 1024, 1024 * 1024), jnp.bfloat16)
-  loop = jax.jit(lambda a, n: lax.fori_loop(0, n, lambda i, b: -b, a), static_argnums=1)
-  t = lambda n: median_us(lambda a: loop(a, n), [(x,)], 5) * 1e-6
-  return 2 * x.nbytes / max((t(20) - t(10)) / 10, 1e-9)
-
-
 def make_inputs(key, t, h, d):
   """Model-like fp32 inputs: l2-normed q (scaled) / k, gates in (-5, 0), beta in (0, 1), state."""
   ks = jax.random.split(key, 6)
@@ -132,9 +124,12 @@ def main():
   configs = ([c for c in CONFIGS if args.configs == "all" or c[0] in args.configs.split(",")]
              if args.configs else None)
   lengths = tuple(int(x) for x in args.lengths.split(",")) if args.lengths else None
-  bw = copy_bw(args.small)
-  print(f"copy bandwidth {bw / 1e12:.3f} TB/s (read + write)", flush=True)
-  rows = [dict(name="hbm copy 2 GiB (read+write)", time_us=None, bytes=None, bw_bytes_per_s=bw)]
+  from bench.ceiling import Ceiling, apply
+
+  ceiling = Ceiling.measure(jax.devices()[0])
+  bw = ceiling.bytes_per_s
+  print(f"HBM ceiling {bw / 1e12:.3f} TB/s ({ceiling.source})", flush=True)
+  rows = [dict(name="hbm ceiling (start of run)", time_us=None, bytes=None, bw_bytes_per_s=bw)]
   try:  # SIGINT (timeout -s INT) still writes what was measured
     bench(rows, bw, jax.random.key(0), small=args.small, configs=configs, lengths=lengths)
   except KeyboardInterrupt:
@@ -144,8 +139,9 @@ def main():
   date = datetime.date.today().isoformat()
   commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                           cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+  apply(rows, ceiling)
   res = dict(command=" ".join(sys.argv), device=kind, jax_version=jax.__version__, date=date,
-             git_commit=commit or "unknown", rows=rows)
+             git_commit=commit or "unknown", **ceiling.summary(), rows=rows)
   os.makedirs(args.out, exist_ok=True)
   path = os.path.join(args.out, f"kernels-kda-prefill-{dev}-{date}{'-small' if args.small else ''}.json")
   with open(path, "w") as fh:
