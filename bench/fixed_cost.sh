@@ -5,7 +5,7 @@
 set -u
 out=${1:?out dir}; shift
 pdl="--xla_gpu_enable_pdl=true --xla_gpu_enable_pdl_launch=true"
-run() { echo "== $*"; PYTHONUNBUFFERED=1 timeout 200 python3 -m bench.bench_step --out "$out" "$@" || echo "FAILED ($?): $*"; }
+run() { echo "== $*"; PYTHONUNBUFFERED=1 timeout 140 python3 -m bench.bench_step --out "$out" "$@" || echo "FAILED ($?): $*"; }
 run --model models/ling-demo --steps 5 --reps 30 "$@"
 XLA_FLAGS="$pdl" run --model models/ling-demo --steps 5 --reps 30 --tag -xla-pdl "$@"
 run --layers 12 --steps 5 --reps 10 "$@"
