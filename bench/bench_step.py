@@ -28,6 +28,7 @@ import gzip
 import json
 import os
 import subprocess
+import tempfile
 import time
 
 # 255 GB of weights on two 141 GB GPUs: JAX's default pool (75 % of the card) is too small (seen: OOM at init).
@@ -215,7 +216,7 @@ def census(step, params, state, n_steps, unprofiled_s, logdir, passes: int):
     for name, (c, d) in per.items():
         cats[_category(name)] += d / n_steps
         ccount[_category(name)] += c / n_steps / devs
-    top = sorted(per.items(), key=lambda kv: -kv[1][1])[:20]
+    top = sorted(per.items(), key=lambda kv: -kv[1][1])[:80]
     return {
         "gpu_processes": [pnames[p] for p in gpu], "kernels_per_step_all_streams": kernels,
         "kernels_per_step_per_device": kernels / devs, "layer_passes_per_step": passes,
@@ -291,6 +292,7 @@ def main():
     ap.add_argument("--tag", default="", help="suffix of the JSON file name (e.g. -pdl)")
     ap.add_argument("--spec-parts", action="store_true", help="also run bench_spec's parts on the same params")
     ap.add_argument("--no-census", action="store_true")
+    ap.add_argument("--dump-hlo", action="store_true", help="write each step's optimised HLO (gzip) to --out")
     ap.add_argument("--kernels", default="auto", help="RuntimeOptions.kernels (auto: Pallas on GPU, run per "
                     "device under shard_map over TP)")
     ap.add_argument("--baseline-kernels", default=None, help="also time the steps with these kernels (e.g. "
@@ -344,7 +346,8 @@ def main():
         print(f"{name:42s} {t * 1e6:9.1f} us  floor {r['floor_us']:8.1f} us  {100 * r['fraction_of_floor']:5.1f} %  "
               f"({nbytes / 1e9:.3f} GB/device)", flush=True)
         if not a.no_census and not baseline and (mode == "plain" or K == 5):
-            c, state = census(step, params, state, 5, t, f"/tmp/prof-{mode}{K}", layer_passes(cfg, mode, K))
+            c, state = census(step, params, state, 5, t, tempfile.mkdtemp(prefix=f"prof-{mode}{K}-"),
+                              layer_passes(cfg, mode, K))
             extra["census"][name] = c
             r["kernels_per_step"] = c.get("kernels_per_step_per_device")
             r["kernels_per_layer_pass"] = c.get("kernels_per_layer_pass")
@@ -354,6 +357,11 @@ def main():
         write(a.out, prefix + a.tag, rows, extra, device)  # partial results survive a timeout
         if mode == "nextn" and K == 5 and not baseline:
             kept = (step, routing)
+        if a.dump_hlo and not baseline:  # the optimised HLO of the timed program (what the census counts)
+            state = random_state(prog, mesh, rules, a.ctx)
+            with gzip.open(os.path.join(a.out, f"hlo-{prefix}{a.tag}-{mode}{K}.txt.gz"), "wt") as f:
+                f.write(step.lower(params, state).compile().as_text())
+            del state
     os.makedirs(a.out, exist_ok=True)
     print("wrote", write(a.out, prefix + a.tag, rows, extra, device))
     if a.spec_parts:

@@ -6,7 +6,7 @@ set -u
 out=${1:?out dir}; shift
 pdl="--xla_gpu_enable_pdl=true --xla_gpu_enable_pdl_launch=true"
 run() { echo "== $*"; PYTHONUNBUFFERED=1 timeout 140 python3 -m bench.bench_step --out "$out" "$@" || echo "FAILED ($?): $*"; }
-run --model models/ling-demo --steps 5 --reps 30 "$@"
-XLA_FLAGS="$pdl" run --model models/ling-demo --steps 5 --reps 30 --tag -xla-pdl "$@"
+run --model models/ling-demo --steps 5 --reps 30 --dump-hlo "$@"
+XLA_FLAGS="$pdl" run --model models/ling-demo --steps 5 --reps 30 --tag=-xla-pdl "$@"
 run --layers 12 --steps 5 --reps 10 "$@"
-XLA_FLAGS="$pdl" run --layers 12 --steps 5 --reps 10 --tag -xla-pdl --no-census "$@"
+XLA_FLAGS="$pdl" run --layers 12 --steps 5 --reps 10 --tag=-xla-pdl --no-census "$@"
