@@ -17,7 +17,7 @@ import numpy as np
 from jax import lax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.ceiling import Ceiling  # noqa: E402
+from bench.ceiling import Ceiling, device_kernel_runs  # noqa: E402
 from bench.ceiling import apply as apply_ceiling  # noqa: E402
 from pallas_kernels import kda_verify as kda  # noqa: E402
 from pallas_kernels import moe as moe_mod  # noqa: E402
@@ -30,41 +30,6 @@ BF, F32 = jnp.bfloat16, jnp.float32
 def rel(a, b):
   a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
   return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
-def _kernel_runs(run, reps=3):
-  """Device kernel events [(ts_us, dur_us)] of `reps` calls of run() under a profiler trace (one list per
-  call; calls are separated by 20 ms of host sleep). None when the trace has no GPU kernels (CPU)."""
-  import glob, gzip, tempfile
-  logdir = tempfile.mkdtemp(prefix="kbench-")
-  try:
-    with jax.profiler.trace(logdir, create_perfetto_trace=True):
-      for _ in range(reps):
-        time.sleep(0.02)
-        jax.block_until_ready(run())
-      time.sleep(0.02)
-    path = glob.glob(os.path.join(logdir, "**", "perfetto_trace.json.gz"), recursive=True)[0]
-    with gzip.open(path) as f:
-      tr = json.load(f)
-  except Exception as ex:  # no usable trace: the caller falls back to wall time
-    print(f"profiler trace unusable ({type(ex).__name__}: {str(ex)[:200]})", flush=True)
-    return None
-  ev = tr["traceEvents"] if isinstance(tr, dict) else tr
-  pname = {e["pid"]: e["args"]["name"] for e in ev if e.get("ph") == "M" and e.get("name") == "process_name"}
-  tname = {(e["pid"], e.get("tid")): e["args"]["name"] for e in ev
-           if e.get("ph") == "M" and e.get("name") == "thread_name"}
-  gpu = {p for p, n in pname.items() if "gpu" in n.lower() or "stream" in n.lower()}
-  ks = sorted((float(e["ts"]), float(e["dur"])) for e in ev
-              if e.get("ph") == "X" and e.get("pid") in gpu and "dur" in e
-              and "xla" not in tname.get((e["pid"], e.get("tid")), "").lower())
-  runs, cur = [], []
-  for ts, dur in ks:
-    if cur and ts - max(t + d for t, d in cur) > 10e3:
-      runs.append(cur)
-      cur = []
-    cur.append((ts, dur))
-  runs = [r for r in runs + [cur] if r]
-  return runs if len(runs) == reps else None
 
 
 def _median_time(f, *a, reps=10):
@@ -94,7 +59,7 @@ def timeit(fn, sets, consts=(), chain=None, detail=None):
     return outs
   many = jax.jit(prog)
   jax.block_until_ready(many(sets, consts))                     # compile + warm
-  runs = _kernel_runs(lambda: many(sets, consts)) if jax.default_backend() == "gpu" else None
+  runs = device_kernel_runs(lambda: many(sets, consts)) if jax.default_backend() == "gpu" else None
   n = len(sets)
   if runs:
     span = float(np.median([(max(t + d for t, d in r) - min(t for t, _ in r)) / n for r in runs]))

@@ -217,7 +217,9 @@ def census(step, params, state, n_steps, unprofiled_s, logdir, passes: int):
         cats[_category(name)] += d / n_steps
         ccount[_category(name)] += c / n_steps / devs
     top = sorted(per.items(), key=lambda kv: -kv[1][1])[:80]
+    gaps = _gaps(events, gpu, n_steps)
     return {
+        **gaps,
         "gpu_processes": [pnames[p] for p in gpu], "kernels_per_step_all_streams": kernels,
         "kernels_per_step_per_device": kernels / devs, "layer_passes_per_step": passes,
         "kernels_per_layer_pass": kernels / devs / passes,
@@ -228,6 +230,21 @@ def census(step, params, state, n_steps, unprofiled_s, logdir, passes: int):
         "top_kernels": [{"name": n[:120], "count_per_step": c / n_steps, "us_per_step": d / n_steps}
                         for n, (c, d) in top],
     }, state
+
+
+def _gaps(events, gpu, n_steps):
+    """Idle time between consecutive kernels of one device stream, and the 12 largest gaps with the kernel after
+    them: where the step waits on the host (a graph boundary, a custom call outside the graph) rather than the GPU."""
+    ks = sorted((float(e["ts"]), float(e["dur"]), e["name"]) for e in events
+                if e.get("ph") == "X" and e.get("pid") in gpu and "dur" in e)
+    if len(ks) < 2:
+        return {}
+    gaps = [(ks[i + 1][0] - (ks[i][0] + ks[i][1]), ks[i][2][:60], ks[i + 1][2][:60]) for i in range(len(ks) - 1)]
+    inside = [g for g in gaps if g[0] < 5000]  # gaps between steps of the traced chain excluded
+    big = sorted(inside, reverse=True)[:12]
+    return {"idle_us_per_step": sum(max(g[0], 0) for g in inside) / n_steps,
+            "gaps_over_5us_per_step": sum(1 for g in inside if g[0] > 5) / n_steps,
+            "largest_gaps": [{"us": round(g, 1), "after": a, "before": b} for g, a, b in big]}
 
 
 def _category(name: str) -> str:

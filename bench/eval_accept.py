@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ling_jax.config import load_config
-from ling_jax.model import RuntimeOptions
+from ling_jax.model import Numerics, RuntimeOptions
 from ling_jax.runner import Generator
 from ling_jax.spec import SpecConfig
 from ling_jax.train import corpus
@@ -76,7 +76,7 @@ def heldout_loss(cfg, params, tokens: np.ndarray, seq: int, windows: int, batch:
 def run_steps(cfg, params, prompts, k: int, new_tokens: int, max_len: int, target_rows=None):
     spec = SpecConfig("NEXTN", k) if k > 0 else SpecConfig("NONE")
     gen = Generator(cfg, params, spec=spec, max_len=max_len, dtype=params["embed"].dtype,
-                    opts=RuntimeOptions(target_rows=target_rows))
+                    opts=RuntimeOptions(numerics=Numerics(target_rows=target_rows)))
     gen.generate(prompts[0], max_new_tokens=2 * spec.draft_tokens + 1, stop_token_ids=())  # compile
     outs, accepts, decode_s, decode_tokens = [], [], 0.0, 0
     for p in prompts:

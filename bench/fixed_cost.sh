@@ -10,3 +10,6 @@ run --model models/ling-demo --steps 5 --reps 30 --dump-hlo "$@"
 XLA_FLAGS="$pdl" run --model models/ling-demo --steps 5 --reps 30 --tag=-xla-pdl "$@"
 run --layers 12 --steps 5 --reps 10 "$@"
 XLA_FLAGS="$pdl" run --layers 12 --steps 5 --reps 10 --tag=-xla-pdl --no-census "$@"
+# command buffers around every kernel (the staged compiler's options), demo model: does the host gap close?
+XLA_FLAGS="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL --xla_gpu_graph_min_graph_size=1" \
+  run --model models/ling-demo --steps 5 --reps 30 --tag=-cmdbuf "$@"

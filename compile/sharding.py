@@ -181,7 +181,7 @@ def shard_kernel(fn: Callable, mesh: Mesh, in_axes, out_axes, rules: ShardingRul
 @dataclass(frozen=True)
 class ShardedKernelCalls(KernelCalls):
     """The model's Pallas kernel calls, each run per device under `jax.shard_map` with specs from the rules
-    (a Pallas custom call cannot be auto-partitioned). Pass as RuntimeOptions(kernel_calls=...).
+    (a Pallas custom call cannot be auto-partitioned). Pass as RuntimeOptions(kernels=...).
 
     moe: TP splits the expert width ("expert_mlp"/"mlp"): SwiGLU is elementwise in it, so each device's slice is
       exact; the down projections give fp32 partial sums, summed with ONE psum (routed + shared together).
@@ -275,8 +275,10 @@ class ShardedKernelCalls(KernelCalls):
 
 
 def kernel_calls_for(opts, mesh: Mesh, rules: ShardingRules = ShardingRules()):
-    """RuntimeOptions whose Pallas calls run under shard_map on `mesh` (unchanged for 1 device or the jnp path)."""
-    if mesh.size == 1 or not opts.use_pallas:
+    """RuntimeOptions whose Pallas calls run under shard_map on `mesh` (unchanged for 1 device or the jnp path).
+    The per-kernel choices of the options' KernelCalls carry over to the sharded one."""
+    calls = opts.calls
+    if mesh.size == 1 or calls is None or isinstance(calls, ShardedKernelCalls):
         return opts
-    calls = ShardedKernelCalls(interpret=opts.kernels == "interpret", mesh=mesh, rules=rules)
-    return dataclasses.replace(opts, kernel_calls=calls)
+    fields = {f.name: getattr(calls, f.name) for f in dataclasses.fields(KernelCalls)}
+    return opts.replace(kernels=ShardedKernelCalls(**fields, mesh=mesh, rules=rules))

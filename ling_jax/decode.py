@@ -57,11 +57,11 @@ def plain_step(params, state: PlainState, cfg: ModelConfig, *, is_greedy: bool, 
     k_tok, key = jax.random.split(state.key)
     B = state.bonus.shape[0]
     one = jnp.ones((B,), jnp.int32)
-    if opts.target_rows is None:
+    if opts.numerics.target_rows is None:
         out = forward(params, state.bonus[:, None], state.target, cfg, mode="decode", opts=opts)
         target = out.state
-    else:  # row-invariant: the verify shape, one row committed (see RuntimeOptions.target_rows)
-        rows = jnp.repeat(state.bonus[:, None], opts.target_rows, axis=1)
+    else:  # row-invariant: the verify shape, one row committed (see Numerics.target_rows)
+        rows = jnp.repeat(state.bonus[:, None], opts.numerics.target_rows, axis=1)
         out = forward(params, rows, state.target, cfg, mode="verify", n_valid=one, opts=opts)
         target = commit(out.state, out.pending, one, opts)
     tok = _pick(lm_logits(params, out.hidden[:, 0], opts), state.sampling, k_tok, is_greedy)

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from ling_jax.config import load_config
-from ling_jax.model import RuntimeOptions
+from ling_jax.model import Numerics, RuntimeOptions
 from ling_jax.spec import deterministic_rows
 from ling_jax.runner import Generator
 from ling_jax.spec import SpecConfig
@@ -74,7 +74,8 @@ def main(argv=None) -> int:
     load_s = time.perf_counter() - t0
     max_len = a.context_length or max(256, len(prompt) + a.max_new_tokens + 4 * spec.draft_tokens)
     gen = Generator(cfg, params, spec=spec, max_len=max_len, dtype=DTYPES[a.dtype], opts=RuntimeOptions(
-        target_rows=deterministic_rows(spec.draft_tokens) if a.enable_deterministic_inference else None))
+        numerics=Numerics(target_rows=deterministic_rows(spec.draft_tokens) if a.enable_deterministic_inference
+                          else None)))
     stops = () if a.ignore_eos else ((tok.eos_ids if tok else None) or (cfg.eos_token_id,))
     try:
         # a first short request compiles the programs, so the timings below are warm

@@ -1,8 +1,9 @@
-"""How the layers call the Pallas kernels: one object, so a compiler can wrap every call (e.g. in shard_map).
+"""The one object that chooses and calls the Pallas kernels. The layers never import a kernel.
 
-The layers never import a kernel directly; they call `opts.kernel_calls().moe(...)` etc. `KernelCalls` runs the
-kernel on the arrays it is given (one device, or whatever the caller's jit partitions). The compiler
-(compile/sharding.py, `ShardedKernelCalls`) subclasses it to run the same per-device calls under
+The model's layers take `kernels: KernelCalls | None`: None runs the model's own jnp (the reference of every
+kernel), a KernelCalls runs each op through the kernel this object picks for the shapes it sees. Every choice
+lives here, as fields of one frozen dataclass: no environment variables, no per-call flags in the layers.
+The compiler (compile/sharding.py, `ShardedKernelCalls`) subclasses it to run the same per-device calls under
 `jax.shard_map` with the specs of its sharding rules, since a Pallas custom call cannot be auto-partitioned.
 
 Shapes (per call, the layers' view; a subclass sees its per-device slices inside shard_map):
@@ -22,101 +23,140 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import jax
 import jax.numpy as jnp
+
+from pallas_kernels import kda_decode as _kda_decode
+from pallas_kernels import kda_prefill as _kda_prefill
+from pallas_kernels import kda_verify as _kda_verify
+from pallas_kernels import moe as _moe_triton
+from pallas_kernels import moe_mosaic as _moe_mosaic
+from pallas_kernels import router as _router
+
+CHOICES = ("auto", "pallas", "reference", "interpret")
+MOE_IMPLS = ("auto", "mosaic", "triton")
 
 
 @dataclass(frozen=True)
 class KernelCalls:
-    """Direct kernel calls. interpret: run the kernels in the Pallas interpreter with tiles that fit any small
-    test shape (CPU tests of the wiring)."""
+    """Which kernel serves each op, and the calls themselves.
+
+    interpret: run the kernels in the Pallas interpreter with tiles that fit any small test shape (CPU tests of
+      the wiring).
+    moe_impl: "auto" (Mosaic GPU for bf16/f16 at T <= 64 whenever its tiles divide the dims: 1.0-1.2x faster than
+      Triton on H200, bench/results/kernels-h200-2026-11-30-run4.json; Triton otherwise), "mosaic" or "triton".
+    kda_fused_decode: decode (T = 1) runs one fused KDA kernel (conv + delta rule + state update in place) instead
+      of verify + commit. Off by default: its output uses S^T(e q) + u (k.q) for S'^T q, equal in exact arithmetic
+      but not bitwise equal to the verify kernel's row, and plain greedy must match NEXTN's.
+    kda_pallas_prefill: chunked prefill runs the Pallas chunked kernel instead of the model's jnp form. Off by
+      default: on H200 it took 5.6 ms at T=2048 against XLA's 3.3 ms (bench/results/kernels-h200-*-run4).
+    """
 
     interpret: bool = False
-    moe_impl: str | None = None  # "mosaic" | "triton" | None (pallas_kernels.dispatch.moe_impl decides)
+    moe_impl: str = "auto"
+    kda_fused_decode: bool = False
+    kda_pallas_prefill: bool = False
+
+    def __post_init__(self):
+        if self.moe_impl not in MOE_IMPLS:
+            raise ValueError(f"moe_impl={self.moe_impl!r} not in {MOE_IMPLS}")
+
+    # ---- choices -------------------------------------------------------------------------------------------
+
+    def moe_kernel(self, x, w_gate) -> str:
+        """"mosaic" (Hopper TMA + wgmma; bf16/f16, T <= 64, tiles dividing the dims) or "triton"."""
+        if self.interpret:  # the Triton interpreter takes any small tile; Mosaic's default tiles need D, I >= 128
+            if self.moe_impl == "mosaic":
+                raise ValueError("moe_impl='mosaic' with interpret=True: the Mosaic interpreter needs tiles sized "
+                                 "for the test (tests/test_kernels_moe_mosaic.py calls the kernel directly)")
+            return "triton"
+        if self.moe_impl != "auto":
+            return self.moe_impl
+        _, i, d = w_gate.shape
+        try:
+            _moe_mosaic.MosaicMoeConfig().check(x.shape[0], d, i)
+        except ValueError:
+            return "triton"
+        return "mosaic" if x.dtype in (jnp.bfloat16, jnp.float16) else "triton"
 
     # Tiles are picked from the shapes the kernel actually sees (a subclass's per-device slice): the kernels'
     # defaults where they divide the dims (full-size Ling), else the largest power of two that does (small
     # models, e.g. ling-demo's expert width 96), so any preset runs on the GPU too.
-    def _moe_config(self, x, w_gate):
-        from pallas_kernels.dispatch import moe_impl
-        from pallas_kernels.moe import MoeConfig
-
+    def _triton_moe_config(self, w_gate):
         _, i, d = w_gate.shape
-        if not self.interpret and moe_impl(x, w_gate, self.moe_impl) == "mosaic":
-            return None  # the Mosaic GPU kernel with its default tiles (moe_impl checked they fit)
-        base = MoeConfig()
+        base = _moe_triton.MoeConfig()
         fit = lambda n, cap: max(b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b <= cap and n % b == 0)
         tiles = dict(block_i=fit(i, base.block_i), block_k=fit(d, base.block_k), block_d=fit(d, base.block_d),
                      block_kd=fit(i, base.block_kd))
-        return MoeConfig(**tiles, interpret=self.interpret)
+        return _moe_triton.MoeConfig(**tiles, interpret=self.interpret)
 
     def _router_config(self, d: int, e: int, cfg):
         """The Pallas router's tiles for these dims, or None where it does not apply (non power-of-2 groups)."""
-        from pallas_kernels.router import RouterConfig
-
         fit = lambda n, cap: max(b for b in (16, 32, 64, 128, 256) if b <= cap and n % b == 0) if n % 16 == 0 else 0
         if not fit(d, 256) or not fit(e, 16):
             return None
-        rc = RouterConfig(block_e=fit(e, 16), block_k=fit(d, 256), interpret=self.interpret)
+        rc = _router.RouterConfig(block_e=fit(e, 16), block_k=fit(d, 256), interpret=self.interpret)
         try:
             rc.check(d, e, cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok)
         except ValueError:
             return None
         return rc
 
-    def route(self, x, gate_w, expert_bias, cfg):
-        from pallas_kernels.dispatch import Backend, route
+    def _kda_config(self):
+        return _kda_verify.KdaConfig(block_v=16, interpret=True) if self.interpret else None
 
+    # ---- calls ---------------------------------------------------------------------------------------------
+
+    def route(self, x, gate_w, expert_bias, cfg):
         rc = self._router_config(x.shape[-1], gate_w.shape[0], cfg)
         if rc is None:
             return None
-        return route(x, gate_w, expert_bias, n_group=cfg.n_group, topk_group=cfg.topk_group,
-                     top_k=cfg.num_experts_per_tok, routed_scaling_factor=cfg.routed_scaling_factor,
-                     norm_topk_prob=cfg.norm_topk_prob, config=rc, backend=Backend.PALLAS)
-
-    def _kda_config(self):
-        if not self.interpret:
-            return None
-        from pallas_kernels.kda_verify import KdaConfig
-
-        return KdaConfig(block_v=16, interpret=True)
+        return _router.route(x, gate_w, expert_bias, n_group=cfg.n_group, topk_group=cfg.topk_group,
+                             top_k=cfg.num_experts_per_tok, routed_scaling_factor=cfg.routed_scaling_factor,
+                             norm_topk_prob=cfg.norm_topk_prob, config=rc)
 
     def moe(self, x, ids, weights, w_gate, w_up, w_down, *, limit: float, shared, shared_limit: float):
-        from pallas_kernels.dispatch import Backend, moe
-
-        out = moe(x, ids, weights, w_gate, w_up, w_down, limit=limit, shared=shared, shared_limit=shared_limit,
-                  config=self._moe_config(x, w_gate), backend=Backend.PALLAS, impl=self.moe_impl)
+        if self.moe_kernel(x, w_gate) == "mosaic":
+            out = _moe_mosaic.moe(x, ids, weights, w_gate, w_up, w_down, limit=limit, shared=shared,
+                                  shared_limit=shared_limit)
+        else:
+            out = _moe_triton.moe(x, ids, weights, w_gate, w_up, w_down, limit=limit, shared=shared,
+                                  shared_limit=shared_limit, config=self._triton_moe_config(w_gate))
         return out.astype(jnp.float32)
 
     def kda_verify(self, q_raw, k_raw, v_raw, f_raw, b_raw, A_log, dt_bias, q_conv_w, k_conv_w, v_conv_w,
                    conv_window, rec_state, *, lower_bound: float):
-        from pallas_kernels.dispatch import Backend, kda_verify
-
         B, Wm1 = conv_window.shape[:2]
-        return kda_verify(q_raw, k_raw, v_raw, f_raw, b_raw, A_log, dt_bias, q_conv_w, k_conv_w, v_conv_w,
-                          conv_window.reshape(B, Wm1, -1), rec_state, lower_bound=lower_bound,
-                          config=self._kda_config(), backend=Backend.PALLAS)
+        return _kda_verify.kda_verify(q_raw, k_raw, v_raw, f_raw, b_raw, A_log, dt_bias, q_conv_w, k_conv_w,
+                                      v_conv_w, conv_window.reshape(B, Wm1, -1), rec_state, lower_bound=lower_bound,
+                                      config=self._kda_config())
 
     def kda_commit(self, rec_state, inputs, n_accept):
-        from pallas_kernels.dispatch import Backend, kda_commit
-
-        return kda_commit(rec_state, inputs, n_accept, config=self._kda_config(), backend=Backend.PALLAS)
+        return _kda_verify.kda_commit(rec_state, inputs, n_accept, config=self._kda_config())
 
     def kda_decode(self, q_raw, k_raw, v_raw, f_raw, b_raw, A_log, dt_bias, q_conv_w, k_conv_w, v_conv_w,
                    conv_window, rec_state, *, lower_bound: float):
-        from pallas_kernels.dispatch import Backend, kda_decode
-
         B, Wm1 = conv_window.shape[:2]
-        o, state, window = kda_decode(q_raw, k_raw, v_raw, f_raw, b_raw, A_log, dt_bias, q_conv_w, k_conv_w,
-                                      v_conv_w, conv_window.reshape(B, Wm1, -1), rec_state, lower_bound=lower_bound,
-                                      config=self._kda_config(), backend=Backend.PALLAS)
+        o, state, window = _kda_decode.kda_decode(q_raw, k_raw, v_raw, f_raw, b_raw, A_log, dt_bias, q_conv_w,
+                                                  k_conv_w, v_conv_w, conv_window.reshape(B, Wm1, -1), rec_state,
+                                                  lower_bound=lower_bound, config=self._kda_config())
         return o, state, window.reshape(conv_window.shape)
 
     def kda_prefill(self, q, k, v, g, beta, state):
-        from pallas_kernels.dispatch import Backend, kda_prefill
-
         config = None
         if self.interpret:
-            from pallas_kernels.kda_prefill import KdaPrefillConfig
+            config = _kda_prefill.KdaPrefillConfig(block_v=min(32, v.shape[-1]), interpret=True)
+        return _kda_prefill.kda_prefill(q, k, v, g, beta, state, config=config)
 
-            config = KdaPrefillConfig(block_v=min(32, v.shape[-1]), interpret=True)
-        return kda_prefill(q, k, v, g, beta, state, config=config, backend=Backend.PALLAS)
+
+def kernel_calls(choice: str = "auto", **fields) -> KernelCalls | None:
+    """The KernelCalls for a user-facing choice: "auto" (Pallas when the default backend is a GPU, else the jnp
+    model), "pallas", "reference" (None: the jnp model everywhere) or "interpret" (Pallas in the interpreter).
+    fields: KernelCalls fields (moe_impl, kda_fused_decode, ...)."""
+    if choice not in CHOICES:
+        raise ValueError(f"kernels={choice!r} not in {CHOICES}")
+    if choice == "auto":
+        choice = "pallas" if jax.default_backend() == "gpu" else "reference"
+    if choice == "reference":
+        return None
+    return KernelCalls(interpret=choice == "interpret", **fields)

@@ -17,6 +17,7 @@ Model code is pure: jit, donation and sharding are applied by the caller.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -25,7 +26,8 @@ import jax
 import jax.numpy as jnp
 
 from ling_jax.config import ModelConfig
-from ling_jax.kernel_calls import KernelCalls
+from ling_jax.kernel_calls import CHOICES as KERNEL_CHOICES
+from ling_jax.kernel_calls import KernelCalls, kernel_calls
 from ling_jax.layers.kda import KdaPending, kda_commit, kda_layer
 from ling_jax.layers.mla import mla_layer
 from ling_jax.layers.moe import dense_mlp, moe_layer
@@ -33,32 +35,21 @@ from ling_jax.layers.norms import rms_norm
 from ling_jax.state import DecodeState
 
 MODES = ("prefill", "decode", "verify")
-KERNEL_CHOICES = ("auto", "pallas", "reference", "interpret")
 
 
 @dataclass(frozen=True)
-class RuntimeOptions:
-    """How to compute (not what): numerics switches and path choices; the math is the same either way.
+class Numerics:
+    """What rounding and which (equal in exact arithmetic) form the math takes; the kernels are chosen elsewhere.
 
     router_fp32: router gate weight upcast to fp32 (as the HF reference) vs bf16 with fp32 accumulation.
     lm_head_fp32: lm_head weight upcast to fp32 vs bf16 with fp32 accumulation.
-    kda_chunked_prefill: chunked (UT) KDA for prefill vs the recurrent scan.
+    kda_chunked_prefill: chunked (UT) KDA for prefill vs the recurrent scan; kda_chunk its chunk length.
     mla_absorbed: absorbed-weight MLA attention for decode/verify (prefill always uses the plain path).
-    kernels: "auto" (Pallas on GPU, the model's jnp on CPU), "pallas" or "reference" (force either), or
-      "interpret" (the Pallas kernels in the interpreter: CPU tests of the wiring). Pallas serves the MoE
-      experts and the router everywhere, KDA in decode/verify/commit (prefill: see kda_pallas_prefill).
-    kda_fused_decode: with Pallas, decode (T = 1) runs one fused KDA kernel (conv + delta rule + state update in
-      place) instead of verify + commit. Off by default: its output uses S^T(e q) + u (k.q) for S'^T q, equal in
-      exact arithmetic but not bitwise equal to the verify kernel's row, and plain greedy should match NEXTN's.
-    kda_pallas_prefill: with Pallas, chunked prefill runs the Pallas chunked kernel instead of the model's jnp form.
-      Off by default: on H200 it took 5.6 ms at T=2048 against XLA's 3.3 ms (bench/results/kernels-h200-*-run4).
     target_rows: row-invariant decoding. When set, every target pass after prefill (plain decode and NEXTN
       verify) runs exactly this many rows (padding repeats a real token; padded rows are never committed), so a
       token's logits go through kernels of one shape whatever produced it. Matmul kernels are chosen by shape
       (e.g. a GEMV for 1 row, a GEMM for 6), and their accumulation orders differ: without this, bf16 plain
       greedy and NEXTN greedy part ways at near-ties. Costs the padded rows' work (small at batch 1).
-    kernel_calls: how the kernels are called when Pallas is on; None = directly. A compiler passes a subclass
-      that wraps each call (compile.sharding.ShardedKernelCalls runs them under shard_map over its mesh).
     """
 
     router_fp32: bool = False
@@ -66,30 +57,40 @@ class RuntimeOptions:
     kda_chunked_prefill: bool = True
     kda_chunk: int = 64
     mla_absorbed: bool = True
-    kernels: str = "auto"
-    kernel_calls: KernelCalls | None = None
-    kda_fused_decode: bool = False
-    kda_pallas_prefill: bool = False
     target_rows: int | None = None
 
     def __post_init__(self):
-        if self.kernels not in KERNEL_CHOICES:
-            raise ValueError(f"kernels={self.kernels!r} not in {KERNEL_CHOICES}")
         if self.target_rows is not None and self.target_rows < 1:
             raise ValueError(f"target_rows={self.target_rows} must be >= 1")
+        if self.kda_chunk < 1:
+            raise ValueError(f"kda_chunk={self.kda_chunk} must be >= 1")
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """How to compute (not what): the numerics, and the one object that runs the kernels.
+
+    numerics: a Numerics.
+    kernels: a ling_jax.kernel_calls.KernelCalls (or a compiler's subclass of it), None for the model's own jnp
+      everywhere, or one of the choices of `kernel_calls()` as a string ("auto": Pallas on GPU, jnp elsewhere;
+      "pallas"; "reference"; "interpret"). A string is resolved when the model is traced (`calls`), not here:
+      options are built at import time as defaults, before a program may pick its platform.
+    """
+
+    numerics: Numerics = Numerics()
+    kernels: KernelCalls | str | None = "auto"
+
+    def __post_init__(self):
+        if isinstance(self.kernels, str) and self.kernels not in KERNEL_CHOICES:
+            raise ValueError(f"kernels={self.kernels!r} not in {KERNEL_CHOICES}")
 
     @property
-    def use_pallas(self) -> bool:
-        from pallas_kernels.dispatch import Backend, resolve
+    def calls(self) -> KernelCalls | None:
+        """The KernelCalls the layers run their kernels through, or None for the jnp model."""
+        return kernel_calls(self.kernels) if isinstance(self.kernels, str) else self.kernels
 
-        return self.kernels == "interpret" or resolve(self.kernels) is Backend.PALLAS
-
-    @property
-    def pallas(self) -> KernelCalls | None:
-        """None (the model's jnp) or the KernelCalls the layers call the Pallas kernels through."""
-        if not self.use_pallas:
-            return None
-        return self.kernel_calls or KernelCalls(interpret=self.kernels == "interpret")
+    def replace(self, **kw) -> "RuntimeOptions":
+        return dataclasses.replace(self, **kw)
 
 
 class ForwardOutput(NamedTuple):
@@ -106,7 +107,7 @@ def embed(params, tokens):
 def lm_logits(params, hidden, opts: RuntimeOptions = RuntimeOptions()):
     """hidden [..., D] -> logits [..., V] float32."""
     w = params["lm_head"] if "lm_head" in params else params["embed"]  # tied embeddings
-    if opts.lm_head_fp32:
+    if opts.numerics.lm_head_fp32:
         return jnp.einsum("...d,vd->...v", hidden.astype(jnp.float32), w.astype(jnp.float32))
     return jnp.einsum("...d,vd->...v", hidden, w, preferred_element_type=jnp.float32)
 
@@ -118,7 +119,7 @@ def ffn(p, x, cfg: ModelConfig, i: int, opts: RuntimeOptions, return_load: bool 
     (their outputs are discarded; borrowing keeps them from reading any other expert's weights)."""
     if cfg.is_moe(i):
         return moe_layer(p, x, cfg, routed_limit=cfg.routed_limit(i), shared_limit=cfg.shared_limit(i),
-                         router_fp32=opts.router_fp32, return_load=return_load, pallas=opts.pallas,
+                         router_fp32=opts.numerics.router_fp32, return_load=return_load, kernels=opts.calls,
                          live_rows=live_rows)
     y = dense_mlp(p, x, cfg.shared_limit(i))
     return (y, None) if return_load else y
@@ -148,9 +149,9 @@ def forward(params, tokens, state: DecodeState, cfg: ModelConfig, *, mode: str, 
     padded = n_valid is not None
     if n_valid is None:
         n_valid = jnp.full((B,), T, jnp.int32)
-    chunked = mode == "prefill" and opts.kda_chunked_prefill
+    chunked = mode == "prefill" and opts.numerics.kda_chunked_prefill
     live_rows = n_valid if (mode == "verify" and padded) else None
-    absorbed = mode != "prefill" and opts.mla_absorbed
+    absorbed = mode != "prefill" and opts.numerics.mla_absorbed
 
     rec, conv, cache = state.kda_recurrent, state.kda_conv, state.mla_cache
     pending, loads = [], []
@@ -166,8 +167,7 @@ def forward(params, tokens, state: DecodeState, cfg: ModelConfig, *, mode: str, 
             continue
         a, new_conv, new_rec, pend = kda_layer(p["attn"], rms_norm(x, p["input_norm"], cfg.rms_norm_eps),
                                                conv[ki], rec[ki], cfg, mode=mode, n_valid=n_valid, chunked=chunked,
-                                               pallas=opts.pallas, fused_decode=opts.kda_fused_decode,
-                                               pallas_prefill=opts.kda_pallas_prefill)
+                                               kernels=opts.calls)
         if pend is None:
             conv, rec = conv.at[ki].set(new_conv), rec.at[ki].set(new_rec)
         else:
@@ -191,6 +191,6 @@ def forward(params, tokens, state: DecodeState, cfg: ModelConfig, *, mode: str, 
 def commit(state: DecodeState, pending: KdaPending, n_accept, opts: RuntimeOptions = RuntimeOptions()) -> DecodeState:
     """Commit the first n_accept[b] verified positions: KDA states replayed from the pre-verify state (reads
     and writes |S| once per layer), conv windows slid, lengths advanced. MLA rows were written by verify."""
-    replay = functools.partial(kda_commit, pallas=opts.pallas)
+    replay = functools.partial(kda_commit, kernels=opts.calls)
     conv, rec = jax.vmap(replay, in_axes=(0, 0, 0, None))(state.kda_conv, state.kda_recurrent, pending, n_accept)
     return state.replace(kda_recurrent=rec, kda_conv=conv, lengths=state.lengths + n_accept.astype(jnp.int32))

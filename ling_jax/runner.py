@@ -88,9 +88,9 @@ class Generator:
         self.dtype, self.opts = jnp.dtype(dtype), opts
         self.K = spec.num_steps if spec.enabled else 0
         # rows one step writes past the committed length (verify rows; target_rows pads them)
-        self.rows_per_step = max(spec.draft_tokens, opts.target_rows or 0)
-        if spec.enabled and opts.target_rows is not None and opts.target_rows < spec.draft_tokens:
-            raise ValueError(f"RuntimeOptions.target_rows={opts.target_rows} < {spec.draft_tokens} verify rows")
+        self.rows_per_step = max(spec.draft_tokens, opts.numerics.target_rows or 0)
+        if spec.enabled and opts.numerics.target_rows is not None and opts.numerics.target_rows < spec.draft_tokens:
+            raise ValueError(f"Numerics.target_rows={opts.numerics.target_rows} < {spec.draft_tokens} verify rows")
 
     # ---- compiled programs (cached per static configuration) ----
     @functools.lru_cache(maxsize=None)

@@ -162,7 +162,7 @@ ROW_BUCKET = 8  # deterministic inference pads every target pass to a multiple o
 
 
 def deterministic_rows(draft_tokens: int) -> int:
-    """RuntimeOptions.target_rows for deterministic inference: one bucket of ROW_BUCKET rows covers plain decoding
+    """Numerics.target_rows for deterministic inference: one bucket of ROW_BUCKET rows covers plain decoding
     and NEXTN up to 7 steps, so all of them give the same greedy tokens (steps=8 needs 16 rows: it still agrees with
     itself, not with plain decoding's 8)."""
     return -(-max(draft_tokens, 1) // ROW_BUCKET) * ROW_BUCKET
@@ -175,10 +175,10 @@ def verify_and_commit(params, state: SpecState, drafts, q, cfg: ModelConfig, *, 
     K = drafts.shape[1]
     rows = jnp.concatenate([state.bonus[:, None], drafts], axis=1)
     live = None
-    if opts.target_rows is not None:  # row-invariant: pad to the fixed row count (RuntimeOptions.target_rows)
-        if opts.target_rows < K + 1:
-            raise ValueError(f"target_rows={opts.target_rows} < {K + 1} verify rows (steps={K})")
-        rows = jnp.pad(rows, ((0, 0), (0, opts.target_rows - K - 1)), mode="edge")
+    if opts.numerics.target_rows is not None:  # row-invariant: pad to the fixed row count (Numerics.target_rows)
+        if opts.numerics.target_rows < K + 1:
+            raise ValueError(f"target_rows={opts.numerics.target_rows} < {K + 1} verify rows (steps={K})")
+        rows = jnp.pad(rows, ((0, 0), (0, opts.numerics.target_rows - K - 1)), mode="edge")
         live = jnp.full((rows.shape[0],), K + 1, jnp.int32)
     out = forward(params, rows, state.target, cfg, mode="verify", n_valid=live, opts=opts)
     hidden = out.hidden[:, : K + 1]

@@ -128,11 +128,11 @@ def make_loader(a: argparse.Namespace, cfg, spec, tokenizer, mesh, shardings, co
         logging.info("weights ready in %.1f s", time.perf_counter() - t0)
         if a.nnodes > 1:
             barrier("ling_jax:weights_ready")
-        from ling_jax.model import RuntimeOptions
+        from ling_jax.model import Numerics, RuntimeOptions
         from ling_jax.spec import deterministic_rows
 
         rows = deterministic_rows(spec.draft_tokens) if a.enable_deterministic_inference else None
-        kw = dict(spec=spec, max_len=context_length, dtype=dtype, opts=RuntimeOptions(target_rows=rows))
+        kw = dict(spec=spec, max_len=context_length, dtype=dtype, opts=RuntimeOptions(numerics=Numerics(target_rows=rows)))
         if mesh is None:
             gen = Generator(cfg, params, **kw)
         else:

@@ -91,7 +91,7 @@ def test_deterministic_inference_bf16_greedy_equals_plain_256_tokens():
     256 greedy tokens of NEXTN (steps 3 and 5) are byte-identical to plain greedy. Without it, bf16 decode rows
     (1-row matmuls) and verify rows (K+1-row matmuls) round differently and near-ties flip (2 of 8 prompts identical
     on ling-demo, bench/results/eval-accept-h200-bf16-2026-11-30.json)."""
-    from ling_jax.model import RuntimeOptions
+    from ling_jax.model import Numerics, RuntimeOptions
     from ling_jax.spec import deterministic_rows
 
     cfg = load_config(MODEL)
@@ -102,8 +102,8 @@ def test_deterministic_inference_bf16_greedy_equals_plain_256_tokens():
     prompts = [tok.encode(text[text.index(s):])[:48] for s in
                ("    def _read_status(self):", "    def begin(self):", "    def _safe_read(self, amt):")]
     kw = dict(max_len=48 + 256 + 32, dtype=jnp.bfloat16)
-    opts = RuntimeOptions(target_rows=deterministic_rows(6))
-    assert opts.target_rows == 8
+    opts = RuntimeOptions(numerics=Numerics(target_rows=deterministic_rows(6)))
+    assert opts.numerics.target_rows == 8
     plain = Generator(cfg, params, opts=opts, **kw)
     want = [plain.generate(p, max_new_tokens=256, stop_token_ids=())[0] for p in prompts]
     for k in (3, 5):

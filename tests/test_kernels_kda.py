@@ -7,7 +7,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import dispatch
 from pallas_kernels.kda_verify import (KdaCommitInputs, KdaConfig, conv_window_commit, kda_commit,
                                        kda_commit_reference, kda_verify, kda_verify_reference)
 
@@ -112,15 +111,6 @@ def test_conv_window_commit():
   for bi in range(b):
     cat = np.concatenate([np.asarray(cs[bi]), np.asarray(raw[bi, :int(n[bi])])])
     np.testing.assert_array_equal(np.asarray(got[bi]), cat[-(W - 1):])
-
-
-def test_dispatch_kda_reference_on_cpu():
-  args = make(4, 1, 3, 2, 16, jnp.float32)
-  o, ci = dispatch.kda_verify(*args, backend="reference")
-  o_ref, _ = kda_verify_reference(*args)
-  np.testing.assert_array_equal(np.asarray(o), np.asarray(o_ref))
-  s = dispatch.kda_commit(args[-1], ci, jnp.array([2], jnp.int32))
-  assert s.shape == args[-1].shape
 
 
 def test_kda_chunk_stable_on_repeated_keys():

@@ -13,7 +13,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import dispatch
 from pallas_kernels import moe as moe_mod
 from pallas_kernels.moe import MoeConfig, moe, moe_reference
 from pallas_kernels.router import route_reference
@@ -107,17 +106,6 @@ def test_route_reference():
     assert set(np.asarray(ids[r]).tolist()) == set(want.tolist())
     ww = s[r, np.asarray(ids[r])]
     np.testing.assert_allclose(np.asarray(w[r]), ww / ww.sum() * 2.5, rtol=1e-5)
-
-
-def test_dispatch_backend_switch(monkeypatch):
-  monkeypatch.delenv("LING_JAX_KERNELS", raising=False)
-  assert dispatch.resolve() is dispatch.Backend.REFERENCE          # CPU
-  monkeypatch.setenv("LING_JAX_KERNELS", "pallas")
-  assert dispatch.resolve() is dispatch.Backend.PALLAS
-  assert dispatch.resolve("reference") is dispatch.Backend.REFERENCE
-  x, ids, w, wg, wu, wd, sh = make(9, 2, 256, 16, 64, jnp.float32, shared=False)
-  out = dispatch.moe(x, ids, w, wg, wu, wd, backend=dispatch.Backend.REFERENCE)
-  np.testing.assert_array_equal(out, moe_reference(x, ids, w, wg, wu, wd))
 
 
 # ----------------------------------------------------------------------------- align, paths

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 
 from ling_jax.config import get_preset
+from ling_jax.kernel_calls import KernelCalls
 from ling_jax.model import RuntimeOptions, commit, forward, lm_logits
 from ling_jax.state import init_state
 from ling_jax.weights import init_params
@@ -36,7 +37,8 @@ def test_prefill_and_fused_decode_with_interpreted_kernels_match_jnp():
     n = jnp.array([11], jnp.int32)
     out = {}
     for name, o in (("reference", RuntimeOptions(kernels="reference")),
-                    ("interpret", RuntimeOptions(kernels="interpret", kda_fused_decode=True, kda_pallas_prefill=True))):
+                    ("interpret", RuntimeOptions(kernels=KernelCalls(interpret=True, kda_fused_decode=True,
+                                                                  kda_pallas_prefill=True)))):
         p = forward(params, toks, init_state(cfg, 1, 64, jnp.float32), cfg, mode="prefill", n_valid=n, opts=o)
         d = forward(params, toks[:, 11:12], p.state, cfg, mode="decode", opts=o)
         out[name] = (lm_logits(params, p.hidden[:, :11]), p.state.kda_recurrent, lm_logits(params, d.hidden),

@@ -8,7 +8,7 @@ import torch
 
 from ling_jax.config import from_hf_config, get_preset
 from ling_jax.layers.kda import kda_chunked, kda_recurrent
-from ling_jax.model import RuntimeOptions
+from ling_jax.model import Numerics, RuntimeOptions
 from ling_jax.state import init_state
 from ling_jax.weights import load_hf_checkpoint
 from tests.conftest import PARITY_CASES, jitted_commit, jitted_forward, rel_err
@@ -37,10 +37,10 @@ def test_logits_match_torch_reference(torch_checkpoints, name, seed, dt):
     params = load_hf_checkpoint(cfg, ckpt, dtype)
     tokens = _tokens(cfg, seed)
     want = ref.forward(torch.from_numpy(tokens).long())
-    for opts in (RuntimeOptions(), RuntimeOptions(router_fp32=True, lm_head_fp32=True, kda_chunked_prefill=False)):
+    for opts in (RuntimeOptions(), RuntimeOptions(numerics=Numerics(router_fp32=True, lm_head_fp32=True, kda_chunked_prefill=False))):
         logits, out = _full(cfg, params, tokens, dtype, opts)
         err = rel_err(logits, want["logits"].numpy())
-        print(f"{name} seed={seed} {dt} {opts.kda_chunked_prefill=}: logits rel err {err:.2e}")
+        print(f"{name} seed={seed} {dt} {opts.numerics.kda_chunked_prefill=}: logits rel err {err:.2e}")
         assert err <= TOL[dt], err
         assert rel_err(out.hidden.astype(jnp.float32), want["hidden"].float().numpy()) <= TOL[dt]
 

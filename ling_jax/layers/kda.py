@@ -196,40 +196,39 @@ def _kernel_inputs(p, x, conv_window, rec_state):
     return args, proj
 
 
-def _pallas_verify(p, x, conv_window, rec_state, cfg, pallas):
+def _pallas_verify(p, x, conv_window, rec_state, cfg, kernels):
     """The fused Pallas verify kernel: conv + gate + beta + l2norm + delta rule, state read once, not written."""
     args, proj = _kernel_inputs(p, x, conv_window, rec_state)
-    o, ci = pallas.kda_verify(*args, lower_bound=cfg.kda_lower_bound)
+    o, ci = kernels.kda_verify(*args, lower_bound=cfg.kda_lower_bound)
     return o, KdaPending(proj[:, :, :3], ci.k, ci.v, ci.g, ci.beta), proj[:, :, 4]
 
 
-def _pallas_decode(p, x, conv_window, rec_state, cfg, pallas):
+def _pallas_decode(p, x, conv_window, rec_state, cfg, kernels):
     """One fused kernel for T = 1: conv + gates + beta + l2norm + delta rule + in-place state update. Every sequence
     must be live (n_valid = 1: plain_step's decode), since the kernel always advances the state."""
     args, proj = _kernel_inputs(p, x, conv_window, rec_state)
-    o, new_rec, new_conv = pallas.kda_decode(*args, lower_bound=cfg.kda_lower_bound)
+    o, new_rec, new_conv = kernels.kda_decode(*args, lower_bound=cfg.kda_lower_bound)
     return o, new_rec, new_conv, proj[:, :, 4]
 
 
-def kda_layer(p, x, conv_window, rec_state, cfg, *, mode: str, n_valid, chunked: bool, pallas=None,
-              fused_decode: bool = False, pallas_prefill: bool = False):
+def kda_layer(p, x, conv_window, rec_state, cfg, *, mode: str, n_valid, chunked: bool, kernels=None):
     """One KDA attention block (without the residual).
 
     mode "prefill"/"decode": consume x[:, :n_valid] and return the new (conv_window, rec_state).
     mode "verify": leave both states untouched and return a KdaPending for `kda_commit`.
-    pallas: a ling_jax.kernel_calls.KernelCalls, or None for the jnp path. fused_decode: decode in one kernel
-    (B = 1 decode always has n_valid = 1). pallas_prefill: the chunked prefill through the Pallas kernel.
+    kernels: a ling_jax.kernel_calls.KernelCalls, or None for the jnp path. Its kda_fused_decode runs decode in
+    one kernel (B = 1 decode always has n_valid = 1); its kda_pallas_prefill runs the chunked prefill in Pallas.
     Returns (out [B, T, D], conv_window, rec_state, pending or None).
     """
-    if pallas is not None and mode == "decode" and fused_decode:
-        o, rec_state, conv_window, out_gate = _pallas_decode(p, x, conv_window, rec_state, cfg, pallas)
+    if kernels is not None and mode == "decode" and kernels.kda_fused_decode:
+        o, rec_state, conv_window, out_gate = _pallas_decode(p, x, conv_window, rec_state, cfg, kernels)
         return kda_output(p, o, out_gate, cfg, x.dtype), conv_window, rec_state, None
-    if pallas is not None and mode != "prefill":  # decode = verify of one row + commit of one row
-        o, pending, out_gate = _pallas_verify(p, x, conv_window, rec_state, cfg, pallas)
+    if kernels is not None and mode != "prefill":  # decode = verify of one row + commit of one row
+        o, pending, out_gate = _pallas_verify(p, x, conv_window, rec_state, cfg, kernels)
         out = kda_output(p, o, out_gate, cfg, x.dtype)
         if mode == "verify":
             return out, conv_window, rec_state, pending
-        conv_window, rec_state = kda_commit(conv_window, rec_state, pending, n_valid, pallas=pallas)
+        conv_window, rec_state = kda_commit(conv_window, rec_state, pending, n_valid, kernels=kernels)
         return out, conv_window, rec_state, None
     q, k, v, g, beta, qkv_raw, out_gate = kda_project(p, x, conv_window, cfg)
     if mode == "verify":
@@ -237,8 +236,8 @@ def kda_layer(p, x, conv_window, rec_state, cfg, *, mode: str, n_valid, chunked:
         out = kda_output(p, o, out_gate, cfg, x.dtype)
         return out, conv_window, rec_state, KdaPending(qkv_raw, k, v, g, beta)
     g, beta = no_op_mask(g, beta, n_valid)
-    if pallas is not None and chunked and pallas_prefill:
-        core = pallas.kda_prefill
+    if kernels is not None and chunked and kernels.kda_pallas_prefill:
+        core = kernels.kda_prefill
     else:
         core = kda_chunked if chunked else kda_recurrent
     o, new_state = core(q, k, v, g, beta, rec_state)
@@ -246,13 +245,13 @@ def kda_layer(p, x, conv_window, rec_state, cfg, *, mode: str, n_valid, chunked:
     return out, slide_window(conv_window, qkv_raw, n_valid), new_state, None
 
 
-def kda_commit(conv_window, rec_state, pending: KdaPending, n_accept, pallas=None):
+def kda_commit(conv_window, rec_state, pending: KdaPending, n_accept, kernels=None):
     """Apply the first n_accept[b] verified positions to the committed state (replay from the pre-verify S)."""
-    if pallas is not None:
+    if kernels is not None:
         from pallas_kernels.kda_verify import KdaCommitInputs
 
         inputs = KdaCommitInputs(pending.k, pending.v, pending.g, pending.beta)
-        new_state = pallas.kda_commit(rec_state, inputs, n_accept)
+        new_state = kernels.kda_commit(rec_state, inputs, n_accept)
         return slide_window(conv_window, pending.qkv_raw, n_accept), new_state
     g, beta = no_op_mask(pending.g, pending.beta, n_accept)
     zeros_q = jnp.zeros_like(pending.k)

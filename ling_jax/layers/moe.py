@@ -109,25 +109,25 @@ def expert_load(ids, num_experts: int):
 
 
 def moe_layer(p, x, cfg, *, routed_limit: float, shared_limit: float, router_fp32: bool, return_load: bool = False,
-              pallas=None, live_rows=None):
+              kernels=None, live_rows=None):
     """x [..., D] -> [..., D]. p: gate_w [E, D], expert_bias [E], w_gate, w_up, w_down, shared {gate,up,down}_proj.
     return_load: also return the expert load int32[E] of this call (training's router balancing).
-    pallas: a ling_jax.kernel_calls.KernelCalls to run the experts through, or None for the jnp path.
+    kernels: a ling_jax.kernel_calls.KernelCalls to run the router and experts through, or None for the jnp path.
     live_rows: int32[B] or None (x is [B, T, D]): rows t >= live_rows[b] are padding and borrow row
     live_rows[b]-1's experts and weights, so they add no expert reads (their outputs are discarded)."""
     shape = x.shape
     xt = x.reshape(-1, shape[-1])
     routed = None
-    if pallas is not None and not router_fp32:  # one fused Pallas router (matvec + sigmoid + grouped top-k)
-        routed = pallas.route(xt, p["gate_w"], p["expert_bias"], cfg)
+    if kernels is not None and not router_fp32:  # one fused Pallas router (matvec + sigmoid + grouped top-k)
+        routed = kernels.route(xt, p["gate_w"], p["expert_bias"], cfg)
     if routed is None:
         routed = route(router_logits(xt, p["gate_w"], fp32_weight=router_fp32), p["expert_bias"], cfg)
     ids, w = routed
     if live_rows is not None:
         ids, w = borrow_routing(ids, w, live_rows, shape[:-1])
-    if pallas is not None:  # reads only the activated experts, each once; the shared expert rides along
+    if kernels is not None:  # reads only the activated experts, each once; the shared expert rides along
         sh = p["shared"]
-        y = pallas.moe(xt, ids, w, p["w_gate"], p["w_up"], p["w_down"], limit=routed_limit,
+        y = kernels.moe(xt, ids, w, p["w_gate"], p["w_up"], p["w_down"], limit=routed_limit,
                        shared=(sh["gate_proj"], sh["up_proj"], sh["down_proj"]), shared_limit=shared_limit)
         y = y.astype(x.dtype).reshape(shape)
     else:

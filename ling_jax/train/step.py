@@ -67,8 +67,7 @@ class Metrics(NamedTuple):
 
 def training_options() -> RuntimeOptions:
     """The differentiable pure-jnp path (chunked KDA, plain MLA, jnp MoE): never a Pallas kernel, which has no VJP."""
-    fields = {f.name for f in dataclasses.fields(RuntimeOptions)}
-    return RuntimeOptions(kernels="reference") if "kernels" in fields else RuntimeOptions()
+    return RuntimeOptions(kernels="reference")
 
 
 def fp32_mask(cfg: ModelConfig) -> dict:
