@@ -77,17 +77,23 @@ def random_state(prog: Program, mesh, rules, ctx: int):
     return jax.jit(make)(jax.random.key(7))
 
 
-def time_chain(step, params, state, n_steps=10, reps=20):
-    """Median seconds per step over `reps` chains of n_steps (donated state carried). Returns (s, state)."""
+def time_chain(step, params, state, n_steps=10, reps=20, dispatch: list | None = None):
+    """Median seconds per step over `reps` chains of n_steps (donated state carried). Returns (s, state).
+    dispatch: receives the median host seconds one call takes to return (dispatch only, nothing blocks): when
+    it is close to the step time, the step is host-bound."""
     state, _ = step(params, state)  # warm-up (compile)
     jax.block_until_ready(state)
-    ts = []
+    ts, ds = [], []
     for _ in range(reps):
         t0 = time.perf_counter()
         for _ in range(n_steps):
+            t1 = time.perf_counter()
             state, out = step(params, state)
+            ds.append(time.perf_counter() - t1)
         jax.block_until_ready((state, out))
         ts.append((time.perf_counter() - t0) / n_steps)
+    if dispatch is not None:
+        dispatch.append(float(np.median(ds)))
     return float(np.median(ts)), state
 
 
@@ -218,8 +224,12 @@ def census(step, params, state, n_steps, unprofiled_s, logdir, passes: int):
         ccount[_category(name)] += c / n_steps / devs
     top = sorted(per.items(), key=lambda kv: -kv[1][1])[:80]
     gaps = _gaps(events, gpu, n_steps)
+    host = collections.defaultdict(float)
+    for e in events:  # what the host spends its time on while the step runs (dispatch, thunks, graph updates)
+        if e.get("ph") == "X" and e.get("pid") not in gpu and "dur" in e:
+            host[e["name"][:80]] += float(e["dur"]) / n_steps
     return {
-        **gaps,
+        **gaps, "host_events_us_per_step": dict(sorted(host.items(), key=lambda kv: -kv[1])[:25]),
         "gpu_processes": [pnames[p] for p in gpu], "kernels_per_step_all_streams": kernels,
         "kernels_per_step_per_device": kernels / devs, "layer_passes_per_step": passes,
         "kernels_per_layer_pass": kernels / devs / passes,
@@ -240,7 +250,7 @@ def _gaps(events, gpu, n_steps):
     if len(ks) < 2:
         return {}
     gaps = [(ks[i + 1][0] - (ks[i][0] + ks[i][1]), ks[i][2][:60], ks[i + 1][2][:60]) for i in range(len(ks) - 1)]
-    inside = [g for g in gaps if g[0] < 5000]  # gaps between steps of the traced chain excluded
+    inside = [g for g in gaps if g[0] < 500]  # the gaps between steps of the traced chain (host loop) excluded
     big = sorted(inside, reverse=True)[:12]
     return {"idle_us_per_step": sum(max(g[0], 0) for g in inside) / n_steps,
             "gaps_over_5us_per_step": sum(1 for g in inside if g[0] > 5) / n_steps,
@@ -348,12 +358,13 @@ def main():
         state = random_state(prog, mesh, rules, a.ctx)
         routing = routing_from(a.routing_from, cfg, mode, K) if a.routing_from else distinct_experts(prog, params, state)
         tc = time.perf_counter()
-        t, state = time_chain(step, params, state, reps=a.reps)
+        disp: list = []
+        t, state = time_chain(step, params, state, reps=a.reps, dispatch=disp)
         nbytes = floor_bytes(cfg, mesh, rules, mode, K, routing, a.ctx)
         name = "plain decode step" if mode == "plain" else f"NEXTN step (steps={K}, {K + 1} verify rows)"
         name += f" [kernels={kernels}]" if baseline else ""
         r = row(name, t, nbytes, bw, distinct_experts_per_router_call=routing, compile_and_time_s=time.perf_counter() - tc,
-                kernels=kernels, layer_passes=layer_passes(cfg, mode, K))
+                kernels=kernels, layer_passes=layer_passes(cfg, mode, K), host_dispatch_us=disp[0] * 1e6)
         if baseline:
             main_row = next(x for x in rows if x["name"] == name.split(" [kernels=")[0])
             main_row.update(baseline=f"the same step with kernels={kernels}, same run", baseline_time_us=t * 1e6)
@@ -361,7 +372,7 @@ def main():
             r["projected_tpot_us_at_seed_accept"] = t * 1e6 / SEED_ACCEPT
         rows.append(r)
         print(f"{name:42s} {t * 1e6:9.1f} us  floor {r['floor_us']:8.1f} us  {100 * r['fraction_of_floor']:5.1f} %  "
-              f"({nbytes / 1e9:.3f} GB/device)", flush=True)
+              f"({nbytes / 1e9:.3f} GB/device)  host dispatch {disp[0] * 1e6:.0f} us/call", flush=True)
         if not a.no_census and not baseline and (mode == "plain" or K == 5):
             c, state = census(step, params, state, 5, t, tempfile.mkdtemp(prefix=f"prof-{mode}{K}-"),
                               layer_passes(cfg, mode, K))

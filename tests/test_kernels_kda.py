@@ -1,5 +1,5 @@
 """KDA verify/commit kernels (Pallas Triton, interpret mode on CPU) vs the jnp references,
-and the references vs a float64 numpy loop written from the math (LING3_MODEL.md, KDA step 6).
+and the references vs a float64 numpy loop written from the math (ling_jax/layers/kda.py docstring).
 Checks outputs, the commit inputs AND the committed state for several n_accept, for both
 algorithms (chunked UT form and the default serial v2); CUDA lowering of non-default configs."""
 import jax

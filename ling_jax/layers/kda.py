@@ -4,7 +4,7 @@ Shape legend: B batch, T positions, H heads, K = key head dim, V = value head di
 stream, W = short-conv kernel width, N chunks, L chunk length. The q, k, v conv streams sit on their own axis
 ([.., 3, C]) so that sharding C by heads keeps every stream's heads together.
 
-Per head, with fp32 state S [K, V] (LING3_MODEL.md, KDA step 6):
+Per head, with fp32 state S [K, V] (Ling-3.0 KDA with the lower-bound gate; oracle fla-core naive_recurrent_kda):
     S_t = (I - b_t k_t k_t^T) Diag(exp g_t) S_{t-1} + b_t k_t v_t^T        o_t = S_t^T (q_t / sqrt(K))
 
 Three forms of the same recurrence:

@@ -82,12 +82,14 @@ def attend_plain(p, q_nope, q_rope, cache, positions, cfg):
 def attend_absorbed(p, q_nope, q_rope, cache, positions, cfg):
     """Decode/verify path: attention over latent rows with W_uk, W_uv absorbed. Returns [B, T, H, Vh] f32."""
     w_uk, w_uv = _split_kv_b(p, cfg)
-    latent, k_rope = cache[..., : cfg.kv_lora_rank], cache[..., cfg.kv_lora_rank :]
     q_lat = jnp.einsum("bthp,hpl->bthl", q_nope, w_uk)  # query in latent space
-    scores = jnp.einsum("bthl,bsl->bhts", q_lat, latent, preferred_element_type=jnp.float32)
-    scores += jnp.einsum("bthr,bsr->bhts", q_rope, k_rope, preferred_element_type=jnp.float32)
+    # One dot over the whole 576-wide row ([q_lat | q_rope] . [latent | k_rope] = q_lat.latent + q_rope.k_rope),
+    # and the context over whole rows with its rope columns dropped after: slicing the cache into its latent and
+    # rope parts first would copy the whole allocated cache (two XLA slice kernels per call).
+    q_row = jnp.concatenate([q_lat.astype(cache.dtype), q_rope.astype(cache.dtype)], axis=-1)  # [B, T, H, Lr+R]
+    scores = jnp.einsum("bthf,bsf->bhts", q_row, cache, preferred_element_type=jnp.float32)
     probs = _softmax(scores * cfg.qk_head_dim**-0.5, _causal_mask(positions, cache.shape[1]))
-    ctx = jnp.einsum("bhts,bsl->bthl", probs.astype(latent.dtype), latent)
+    ctx = jnp.einsum("bhts,bsf->bthf", probs.astype(cache.dtype), cache)[..., : cfg.kv_lora_rank]
     return jnp.einsum("bthl,hvl->bthv", ctx, w_uv, preferred_element_type=jnp.float32)
 
 

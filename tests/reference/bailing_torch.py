@@ -1,6 +1,6 @@
 """Independent PyTorch (CPU) reference of BailingMoeV3 (Ling-3.0), the oracle the JAX model is tested against.
 
-Written from the facts in /work/shared/LING3_MODEL.md (HF remote-code `modeling_bailing_moe_v3.py` semantics).
+Written from the HF remote-code `modeling_bailing_moe_v3.py` semantics (facts summarised in ling_jax/layers/*.py docstrings).
 Parameter names match the HF checkpoint exactly (prefix `model.`), so `state_dict()` IS the checkpoint.
 
 Precision policy (mirrors HF): projections run in the weight dtype (bf16 or fp32); RMSNorm, RoPE, softmax, the
