@@ -1,0 +1,264 @@
+"""MLA decode/verify attention over the LIVE cache prefix, absorbed weights: Mosaic GPU (TMA + wgmma).
+
+Shape legend: B batch, T query positions, H heads, M = T*H query rows (row m = t*H + h), Mp = M padded to
+BM = 64, Lr latent width (kv_lora_rank), R rope width, S cache slots, BS slots per block, SB blocks per
+split (a split = SB*BS slots), NS = ceil(S / (SB*BS)) splits, BL / BLc ctx columns per program.
+
+Math (the score / softmax / context part of `ling_jax.layers.mla.attend_absorbed`, before W_uv):
+  s[m, j] = scale * (q_lat[m] . latent[j] + q_rope[m] . k_rope[j])    fp32 (wgmma)
+  visible: j <= pos[m]  (the cache already holds the T new rows; causal inside the verify rows)
+  ctx[m] = sum_j softmax_j(s[m])[j] latent[j]                             [M, Lr]
+Flash-decoding layout (all M rows share the latent rows, MQA-like, so they sit on the wgmma M side):
+  1. `_attend_kernel`, grid (B, Mp/BM, Lr/BL, NS): program (b, mt, lc, sp) runs the online softmax (fp32,
+     max trick) over the blocks of split sp below the live length live[b] = max_t pos[b, t] + 1:
+       per block: s = Q [BM, Lr+R] @ [latent | k_rope]^T [Lr+R, BS]; m' = max(m, rowmax s);
+       p = exp(s - m'); l = l e^(m - m') + rowsum p; acc = acc e^(m - m') + bf16(p) @ latent[:, lc-th BL]
+     and writes acc [BM, BL] f32 and (lc = 0) m, l [BM]. Splits past the live length exit at once: no
+     loads, they only write m = -inf, l = 0. So the work is ceil(live / BS) blocks, not S / BS.
+  2. coefficients (jnp, [B, NS, Mp], tiny): w_sp = exp(m_sp - max_sp' m_sp'), L = sum_sp w_sp l_sp
+     (summed in split order), coef_sp = w_sp / L.
+  3. `_combine_kernel`, grid (B, Mp/BM, Lr/BLc): ctx = sum over the live splits of coef_sp acc_sp, in split
+     order -> bf16. It reads only live splits' partials.
+Bytes per layer (bf16 cache, Ling: Lr + R = 576): the cache is read for the live prefix only,
+ceil(live / BS) * BS * 576 * 2 B from HBM (9.4 MB at live = 8192), vs S * 576 * 2 B for attend_absorbed
+(9.5 MB at S = 8256, and the whole 8256 slots at every length); plus the fp32 partials, written and read
+once: n_live_splits * Mp * Lr * 4 B (16 x 192 x 512 x 4 = 6.3 MB at T = 6, live 8192; mostly L2-resident).
+The Lr/BL programs of one (b, mt, sp) and the Mp/BM row tiles read the same cache blocks: those repeats
+come from L2 (each block reaches SMEM (Mp/BM)(Lr/BL) times: the cost of one warpgroup per CTA, whose
+registers cannot hold a [64, 512] fp32 accumulator).
+Batch invariance: the split partition is fixed (slot j is in split j // (SB*BS) whatever T, B or the live
+length), a row's blocks beyond its position are exact no-ops (p = 0, rescale 1), splits beyond it give
+w = 0 exactly, and both sums run in split order: a row's ctx does not depend on T or on the other rows.
+Rounding: p is rounded to bf16 before P @ latent and normalised at the end (the model rounds the
+normalised probabilities); the kernel is closer to the fp32 math than the model's bf16 path.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+BM = 64  # query rows per program (one wgmma M tile)
+
+
+@dataclasses.dataclass(frozen=True)
+class MlaAttentionConfig:
+  """Tiling for the live-prefix MLA attention.
+
+  Attributes:
+    block_s: cache slots per pipeline step (QK wgmma N, PV wgmma K; 32 or a multiple of 64: P's swizzle).
+    split_blocks: blocks per split (SB); the split partition is fixed by the slot index (batch invariance).
+    block_l: ctx columns per attend program (its fp32 accumulator [64, BL]; multiple of 64).
+    stages: attend TMA pipeline depth (>= 2).
+    combine_block_l: ctx columns per combine program (multiple of 64).
+    interpret: run in the Mosaic GPU interpreter (CPU tests).
+  """
+  block_s: int = 32
+  split_blocks: int = 16
+  block_l: int = 128
+  stages: int = 2
+  combine_block_l: int = 128
+  interpret: bool = False
+
+  def __post_init__(self):
+    if self.block_s <= 0 or not (self.block_s == 32 or self.block_s % 64 == 0):
+      raise ValueError(f"block_s={self.block_s} must be 32 or a positive multiple of 64")
+    for name in ("block_l", "combine_block_l"):
+      v = getattr(self, name)
+      if v <= 0 or v % 64:
+        raise ValueError(f"{name}={v} must be a positive multiple of 64")
+    if self.split_blocks < 1:
+      raise ValueError(f"split_blocks={self.split_blocks} must be >= 1")
+    if self.stages < 2:
+      raise ValueError(f"stages={self.stages} must be >= 2")
+
+  @property
+  def split(self) -> int:
+    """Cache slots per split."""
+    return self.block_s * self.split_blocks
+
+  def check(self, lr: int, r: int, s: int):
+    for name, blk in (("block_l", self.block_l), ("combine_block_l", self.combine_block_l)):
+      if lr % blk:
+        raise ValueError(f"{name}={blk} must divide Lr={lr}")
+    if not (r == 32 or (r > 0 and r % 64 == 0)):
+      raise ValueError(f"rope width R={r} must be 32 or a multiple of 64 (its SMEM rows take a swizzle)")
+    if s % self.block_s:
+      raise ValueError(f"cache slots S={s} must be a multiple of block_s={self.block_s}")
+
+
+def _load(src_gmem, shape, dtype):
+  """A GMEM tile -> registers, through SMEM (TMA + barrier)."""
+  def scope(smem, bar):
+    plgpu.copy_gmem_to_smem(src_gmem, smem, bar)
+    plgpu.barrier_wait(bar)
+    return smem[...]
+  return pl.run_scoped(scope, plgpu.SMEM(shape, dtype), plgpu.Barrier(num_barriers=1))
+
+
+def _online_softmax_step(s, pos, j0, carry, latent_chunk_smem, *, bl):
+  """One block: mask, rescale, accumulate bf16(p) @ latent chunk. s [BM, BS] scaled scores."""
+  acc, m, l = carry
+  bs = s.shape[1]
+  slot = lax.broadcasted_iota(jnp.int32, (BM, bs), 1) + j0
+  s = jnp.where(slot <= lax.broadcast_in_dim(pos, (BM, bs), (0,)), s, -jnp.inf)
+  m_new = jnp.maximum(m, jnp.max(s, axis=1))
+  m_base = jnp.where(m_new == -jnp.inf, 0.0, m_new)        # a row with nothing visible yet: no NaN
+  alpha = jnp.exp(m - m_base)
+  p = jnp.exp(s - lax.broadcast_in_dim(m_base, (BM, bs), (0,)))
+  l = l * alpha + jnp.sum(p, axis=1)
+
+  def pv(acc_ref):
+    def with_p(p_smem):                                     # wgmma takes P from SMEM
+      p_smem[...] = p.astype(p_smem.dtype)
+      plgpu.commit_smem()
+      plgpu.wgmma(acc_ref, p_smem, latent_chunk_smem)       # [BM, BS] @ [BS, BL]
+    pl.run_scoped(with_p, plgpu.SMEM((BM, bs), latent_chunk_smem.dtype))
+    return acc_ref[...]
+
+  acc = acc * lax.broadcast_in_dim(alpha, (BM, bl), (0,)) + pl.run_scoped(pv, plgpu.ACC((BM, bl)))
+  return acc, m_new, l
+
+
+def _attend_kernel(live_gmem, pos_gmem, q_gmem, qr_gmem, cache_gmem, acc_gmem, m_gmem, l_gmem, *,
+                   cfg: MlaAttentionConfig, lr: int, r: int, scale: float):
+  b, mt, lc, sp = (lax.axis_index(n) for n in ("b", "m", "l", "s"))
+  bs, bl = cfg.block_s, cfg.block_l
+  live_blocks = pl.cdiv(live_gmem[b], bs)
+  first = sp * cfg.split_blocks
+  steps = jnp.clip(live_blocks - first, 0, cfg.split_blocks)   # 0: past the live prefix, no loads
+  rows = pl.ds(mt * BM, BM)
+  cache = cache_gmem.at[b]                                     # [S, Lr + R]
+
+  def run(q_smem, qr_smem, bar):
+    plgpu.copy_gmem_to_smem(q_gmem.at[b, rows], q_smem, bar.at[0])
+    plgpu.copy_gmem_to_smem(qr_gmem.at[b, rows], qr_smem, bar.at[1])
+    pos = _load(pos_gmem.at[b, rows], (BM,), jnp.int32)
+    plgpu.barrier_wait(bar.at[0])
+    plgpu.barrier_wait(bar.at[1])
+
+    def step(idx, lat_smem, rope_smem, chunk_smem, carry):
+      def qk(s_ref):
+        plgpu.wgmma(s_ref, q_smem, lat_smem.transpose((1, 0)))      # [BM, Lr] @ [Lr, BS]
+        plgpu.wgmma(s_ref, qr_smem, rope_smem.transpose((1, 0)))    # [BM, R] @ [R, BS]
+        return s_ref[...]
+      s = pl.run_scoped(qk, plgpu.ACC((BM, bs))) * scale
+      return _online_softmax_step(s, pos, (first + idx[0]) * bs, carry, chunk_smem, bl=bl)
+
+    spec = lambda shape, imap: plgpu.BlockSpec(shape, imap, delay_release=1)
+    init = (jnp.zeros((BM, bl), jnp.float32), jnp.full((BM,), -jnp.inf, jnp.float32),
+            jnp.zeros((BM,), jnp.float32))
+    return plgpu.emit_pipeline(
+        step, grid=(steps,),
+        in_specs=[spec((bs, lr), lambda j: (first + j, 0)),          # latent block (QK)
+                  spec((bs, r), lambda j: (first + j, 0)),           # k_rope block (QK)
+                  spec((bs, bl), lambda j: (first + j, lc))],        # this program's latent columns (PV, L2)
+        max_concurrent_steps=cfg.stages, init_carry=init,
+    )(cache.at[:, pl.ds(0, lr)], cache.at[:, pl.ds(lr, r)], cache.at[:, pl.ds(0, lr)])
+
+  acc, m, l = pl.run_scoped(run, plgpu.SMEM((BM, lr), q_gmem.dtype), plgpu.SMEM((BM, r), q_gmem.dtype),
+                            plgpu.Barrier(num_barriers=2))
+
+  def store(acc_smem, m_smem, l_smem):
+    acc_smem[...] = acc
+    m_smem[...] = m
+    l_smem[...] = l
+    plgpu.commit_smem()
+
+    @pl.when(steps > 0)
+    def _():
+      plgpu.copy_smem_to_gmem(acc_smem, acc_gmem.at[b, sp, rows, pl.ds(lc * bl, bl)])
+
+    @pl.when(lc == 0)
+    def _():
+      plgpu.copy_smem_to_gmem(m_smem, m_gmem.at[b, sp, rows])
+      plgpu.copy_smem_to_gmem(l_smem, l_gmem.at[b, sp, rows])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  pl.run_scoped(store, plgpu.SMEM((BM, bl), jnp.float32), plgpu.SMEM((BM,), jnp.float32),
+                plgpu.SMEM((BM,), jnp.float32))
+
+
+def _combine_kernel(live_gmem, coef_gmem, acc_gmem, ctx_gmem, *, cfg: MlaAttentionConfig, mp: int):
+  """ctx[b, rows, cols] = sum over live splits (in order) of coef[b, sp, rows] * acc[b, sp, rows, cols]."""
+  b, mt, lc = (lax.axis_index(n) for n in ("b", "m", "l"))
+  bl, tiles = cfg.combine_block_l, mp // BM
+  live_splits = pl.cdiv(live_gmem[b], cfg.split)
+
+  def step(_, acc_smem, coef_smem, ctx):
+    part = plgpu.layout_cast(acc_smem[...], plgpu.Layout.WGMMA)
+    return ctx + lax.broadcast_in_dim(coef_smem[...], (BM, bl), (0,)) * part
+
+  ctx = plgpu.emit_pipeline(
+      step, grid=(live_splits,),
+      in_specs=[plgpu.BlockSpec((BM, bl), lambda s: (s * tiles + mt, lc)),   # acc viewed [NS*Mp, Lr]
+                plgpu.BlockSpec((BM,), lambda s: (s * tiles + mt,))],        # coef viewed [NS*Mp]
+      max_concurrent_steps=2, init_carry=jnp.zeros((BM, bl), jnp.float32),
+  )(acc_gmem.at[b], coef_gmem.at[b])
+
+  def store(ctx_smem):
+    ctx_smem[...] = ctx.astype(ctx_smem.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(ctx_smem, ctx_gmem.at[b, pl.ds(mt * BM, BM), pl.ds(lc * bl, bl)])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  pl.run_scoped(store, plgpu.SMEM((BM, bl), ctx_gmem.dtype))
+
+
+def _split_coefficients(m, l):
+  """m, l [B, NS, Mp] -> coef [B, NS, Mp] = exp(m - max m) / sum_sp exp(m_sp - max m) l_sp (split order)."""
+  w = jnp.exp(m - jnp.max(m, axis=1, keepdims=True))        # dead splits: exp(-inf) = 0
+  total = w[:, 0] * l[:, 0]
+  for sp in range(1, m.shape[1]):                           # a fixed order, whatever the other dims
+    total = total + w[:, sp] * l[:, sp]
+  return w / total[:, None]
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "config"))
+def mla_attention(q_lat, q_rope, cache, positions, *, scale: float, config: MlaAttentionConfig | None = None):
+  """Absorbed MLA context over the live prefix. q_lat [B, T, H, Lr] (q_nope @ W_uk), q_rope [B, T, H, R]
+  (rotated), cache [B, S, Lr + R] (rows of the T queries already written), positions int32 [B, T]
+  (absolute; row t sees slots j <= positions[b, t]), scale = qk_head_dim^-0.5.
+  Returns ctx [B, T, H, Lr] in the cache dtype (attention-weighted latent, before W_uv)."""
+  cfg = config or MlaAttentionConfig()
+  b, t, h, lr = q_lat.shape
+  r, s = q_rope.shape[-1], cache.shape[1]
+  if q_rope.shape[:3] != (b, t, h) or cache.shape != (b, s, lr + r) or positions.shape != (b, t):
+    raise ValueError(f"shapes q_lat {q_lat.shape}, q_rope {q_rope.shape}, cache {cache.shape}, positions "
+                     f"{positions.shape}: want [B,T,H,Lr], [B,T,H,R], [B,S,Lr+R], [B,T]")
+  if cache.dtype not in (jnp.bfloat16, jnp.float16) or {q_lat.dtype, q_rope.dtype} != {cache.dtype}:
+    raise ValueError(f"q_lat {q_lat.dtype} / q_rope {q_rope.dtype} / cache {cache.dtype}: the wgmma path "
+                     "takes one 16-bit dtype (bf16 or f16) for all three")
+  cfg.check(lr, r, s)
+  m_rows = t * h
+  mp, ns = pl.cdiv(m_rows, BM) * BM, pl.cdiv(s, cfg.split)
+  pad = lambda a: a if mp == m_rows else jnp.pad(a, ((0, 0), (0, mp - m_rows)) + ((0, 0),) * (a.ndim - 2),
+                                                 mode="edge")
+  q = pad(q_lat.reshape(b, m_rows, lr))
+  qr = pad(q_rope.reshape(b, m_rows, r))
+  pos = pad(jnp.repeat(positions.astype(jnp.int32), h, axis=1))      # [B, Mp] position of each row
+  live = jnp.max(positions, axis=1).astype(jnp.int32) + 1              # [B]
+  params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+  interp = plgpu.InterpretGPUParams() if cfg.interpret else None
+
+  attend = plgpu.kernel(
+      functools.partial(_attend_kernel, cfg=cfg, lr=lr, r=r, scale=float(scale)),
+      out_type=(jax.ShapeDtypeStruct((b, ns, mp, lr), jnp.float32),
+                jax.ShapeDtypeStruct((b, ns, mp), jnp.float32), jax.ShapeDtypeStruct((b, ns, mp), jnp.float32)),
+      grid=(b, mp // BM, lr // cfg.block_l, ns), grid_names=("b", "m", "l", "s"),
+      compiler_params=params, interpret=interp)
+  acc, m, l = attend(live, pos, q, qr, cache)
+  coef = _split_coefficients(m, l)                                      # [B, NS, Mp]
+
+  combine = plgpu.kernel(
+      functools.partial(_combine_kernel, cfg=cfg, mp=mp),
+      out_type=jax.ShapeDtypeStruct((b, mp, lr), cache.dtype),
+      grid=(b, mp // BM, lr // cfg.combine_block_l), grid_names=("b", "m", "l"),
+      compiler_params=params, interpret=interp)
+  ctx = combine(live, coef.reshape(b, ns * mp), acc.reshape(b, ns * mp, lr))
+  return ctx[:, :m_rows].reshape(b, t, h, lr)
