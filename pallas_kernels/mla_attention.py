@@ -118,8 +118,8 @@ def _online_softmax_step(s, pos, j0, carry, latent_chunk_smem, *, bl):
       p_smem[...] = p.astype(p_smem.dtype)
       plgpu.commit_smem()
       plgpu.wgmma(acc_ref, p_smem, latent_chunk_smem)       # [BM, BS] @ [BS, BL]
-    pl.run_scoped(with_p, plgpu.SMEM((BM, bs), latent_chunk_smem.dtype))
-    return acc_ref[...]
+      return acc_ref[...]                                   # waits for the wgmma while P is still live
+    return pl.run_scoped(with_p, plgpu.SMEM((BM, bs), latent_chunk_smem.dtype))
 
   acc = acc * lax.broadcast_in_dim(alpha, (BM, bl), (0,)) + pl.run_scoped(pv, plgpu.ACC((BM, bl)))
   return acc, m_new, l
