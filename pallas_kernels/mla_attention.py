@@ -13,22 +13,24 @@ Flash-decoding layout (all M rows share the latent rows, MQA-like, so they sit o
      max trick) over the blocks of split sp below the live length live[b] = max_t pos[b, t] + 1:
        per block: s = Q [BM, Lr+R] @ [latent | k_rope]^T [Lr+R, BS]; m' = max(m, rowmax s);
        p = exp(s - m'); l = l e^(m - m') + rowsum p; acc = acc e^(m - m') + bf16(p) @ latent[:, lc-th BL]
-     and writes acc [BM, BL] f32 and (lc = 0) m, l [BM]. Splits past the live length exit at once: no
-     loads, they only write m = -inf, l = 0. So the work is ceil(live / BS) blocks, not S / BS.
-  2. coefficients (jnp, [B, NS, Mp], tiny): w_sp = exp(m_sp - max_sp' m_sp'), L = sum_sp w_sp l_sp
-     (summed in split order), coef_sp = w_sp / L.
-  3. `_combine_kernel`, grid (B, Mp/BM, Lr/BLc): ctx = sum over the live splits of coef_sp acc_sp, in split
-     order -> bf16. It reads only live splits' partials.
+     and writes acc [BM, BL] f32 and (lc = 0) m, l [BM]. Programs whose split lies past the live length
+     exit at once (no loads, no writes). So the work is ceil(live / BS) blocks, not S / BS.
+  2. `_combine_kernel`, grid (B, Mp/BM, Lr/BLc): over the live splits only, in split order, the same
+     rescale: M' = max(M, m_sp); ctx = ctx e^(M - M') + acc_sp e^(m_sp - M'); L likewise with l_sp;
+     ctx / L -> bf16. No global-max pass and no XLA kernel between the two launches.
+  Around them: the q reshape (+ row padding when T*H is not a multiple of 64), per-row positions and the
+  live length: small XLA fusions the caller's producers can absorb.
 Bytes per layer (bf16 cache, Ling: Lr + R = 576): the cache is read for the live prefix only,
-ceil(live / BS) * BS * 576 * 2 B from HBM (9.4 MB at live = 8192), vs S * 576 * 2 B for attend_absorbed
-(9.5 MB at S = 8256, and the whole 8256 slots at every length); plus the fp32 partials, written and read
-once: n_live_splits * Mp * Lr * 4 B (16 x 192 x 512 x 4 = 6.3 MB at T = 6, live 8192; mostly L2-resident).
+ceil(live / BS) * BS * 576 * 2 B from HBM (1.2 MB at live = 1024, 9.4 MB at 8192), vs S * 576 * 2 B for
+attend_absorbed at every length (9.5 MB at S = 8256); plus the fp32 partials, written once and read once:
+n_live_splits * Mp * Lr * 4 B (16 x 192 x 512 x 4 = 6.3 MB at T = 6, live 8192; 18.9 MB at T = 17), which
+mostly stay in the 60 MB L2 between the two launches; split_blocks trades them against parallelism.
 The Lr/BL programs of one (b, mt, sp) and the Mp/BM row tiles read the same cache blocks: those repeats
 come from L2 (each block reaches SMEM (Mp/BM)(Lr/BL) times: the cost of one warpgroup per CTA, whose
 registers cannot hold a [64, 512] fp32 accumulator).
 Batch invariance: the split partition is fixed (slot j is in split j // (SB*BS) whatever T, B or the live
-length), a row's blocks beyond its position are exact no-ops (p = 0, rescale 1), splits beyond it give
-w = 0 exactly, and both sums run in split order: a row's ctx does not depend on T or on the other rows.
+length), a row's blocks beyond its position are exact no-ops (p = 0, rescale 1), so are the splits beyond it in
+the combine (e^(-inf) = 0, rescale 1), and both sums run in a fixed order: a row's ctx does not depend on T or on the other rows.
 Rounding: p is rounded to bf16 before P @ latent and normalised at the end (the model rounds the
 normalised probabilities); the kernel is closer to the fp32 math than the model's bf16 path.
 """
@@ -161,45 +163,54 @@ def _attend_kernel(live_gmem, pos_gmem, q_gmem, qr_gmem, cache_gmem, acc_gmem, m
         max_concurrent_steps=cfg.stages, init_carry=init,
     )(cache.at[:, pl.ds(0, lr)], cache.at[:, pl.ds(lr, r)], cache.at[:, pl.ds(0, lr)])
 
-  acc, m, l = pl.run_scoped(run, plgpu.SMEM((BM, lr), q_gmem.dtype), plgpu.SMEM((BM, r), q_gmem.dtype),
-                            plgpu.Barrier(num_barriers=2))
+  @pl.when(steps > 0)                                          # past the live prefix: exit, no loads
+  def _live():
+    acc, m, l = pl.run_scoped(run, plgpu.SMEM((BM, lr), q_gmem.dtype), plgpu.SMEM((BM, r), q_gmem.dtype),
+                              plgpu.Barrier(num_barriers=2))
 
-  def store(acc_smem, m_smem, l_smem):
-    acc_smem[...] = acc
-    m_smem[...] = m
-    l_smem[...] = l
-    plgpu.commit_smem()
-
-    @pl.when(steps > 0)
-    def _():
+    def store(acc_smem, m_smem, l_smem):
+      acc_smem[...] = acc
+      m_smem[...] = m
+      l_smem[...] = l
+      plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(acc_smem, acc_gmem.at[b, sp, rows, pl.ds(lc * bl, bl)])
 
-    @pl.when(lc == 0)
-    def _():
-      plgpu.copy_smem_to_gmem(m_smem, m_gmem.at[b, sp, rows])
-      plgpu.copy_smem_to_gmem(l_smem, l_gmem.at[b, sp, rows])
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      @pl.when(lc == 0)                                          # every column chunk has the same m, l
+      def _():
+        plgpu.copy_smem_to_gmem(m_smem, m_gmem.at[b, sp, rows])
+        plgpu.copy_smem_to_gmem(l_smem, l_gmem.at[b, sp, rows])
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-  pl.run_scoped(store, plgpu.SMEM((BM, bl), jnp.float32), plgpu.SMEM((BM,), jnp.float32),
-                plgpu.SMEM((BM,), jnp.float32))
+    pl.run_scoped(store, plgpu.SMEM((BM, bl), jnp.float32), plgpu.SMEM((BM,), jnp.float32),
+                  plgpu.SMEM((BM,), jnp.float32))
 
 
-def _combine_kernel(live_gmem, coef_gmem, acc_gmem, ctx_gmem, *, cfg: MlaAttentionConfig, mp: int):
-  """ctx[b, rows, cols] = sum over live splits (in order) of coef[b, sp, rows] * acc[b, sp, rows, cols]."""
+def _combine_kernel(live_gmem, m_gmem, l_gmem, acc_gmem, ctx_gmem, *, cfg: MlaAttentionConfig, mp: int):
+  """ctx[b, rows, cols] = sum_sp e^(m_sp - M) acc_sp / sum_sp e^(m_sp - M) l_sp over the live splits, with
+  the max M found on the way (the flash rescale, split by split in order)."""
   b, mt, lc = (lax.axis_index(n) for n in ("b", "m", "l"))
   bl, tiles = cfg.combine_block_l, mp // BM
   live_splits = pl.cdiv(live_gmem[b], cfg.split)
+  col = lambda v: lax.broadcast_in_dim(v, (BM, bl), (0,))
 
-  def step(_, acc_smem, coef_smem, ctx):
+  def step(_, acc_smem, m_smem, l_smem, carry):
+    ctx, m_run, l_run = carry
+    m_sp = m_smem[...]
+    m_new = jnp.maximum(m_run, m_sp)
+    m_base = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    keep, take = jnp.exp(m_run - m_base), jnp.exp(m_sp - m_base)   # a split a row cannot see: take = 0
     part = plgpu.layout_cast(acc_smem[...], plgpu.Layout.WGMMA)
-    return ctx + lax.broadcast_in_dim(coef_smem[...], (BM, bl), (0,)) * part
+    return ctx * col(keep) + part * col(take), m_new, l_run * keep + l_smem[...] * take
 
-  ctx = plgpu.emit_pipeline(
+  vec = lambda: plgpu.BlockSpec((BM,), lambda s: (s * tiles + mt,))           # m, l viewed [NS*Mp]
+  init = (jnp.zeros((BM, bl), jnp.float32), jnp.full((BM,), -jnp.inf, jnp.float32),
+          jnp.zeros((BM,), jnp.float32))
+  ctx, _, l_sum = plgpu.emit_pipeline(
       step, grid=(live_splits,),
-      in_specs=[plgpu.BlockSpec((BM, bl), lambda s: (s * tiles + mt, lc)),   # acc viewed [NS*Mp, Lr]
-                plgpu.BlockSpec((BM,), lambda s: (s * tiles + mt,))],        # coef viewed [NS*Mp]
-      max_concurrent_steps=2, init_carry=jnp.zeros((BM, bl), jnp.float32),
-  )(acc_gmem.at[b], coef_gmem.at[b])
+      in_specs=[plgpu.BlockSpec((BM, bl), lambda s: (s * tiles + mt, lc)), vec(), vec()],  # acc: [NS*Mp, Lr]
+      max_concurrent_steps=2, init_carry=init,
+  )(acc_gmem.at[b], m_gmem.at[b], l_gmem.at[b])
+  ctx = ctx / col(l_sum)
 
   def store(ctx_smem):
     ctx_smem[...] = ctx.astype(ctx_smem.dtype)
@@ -208,15 +219,6 @@ def _combine_kernel(live_gmem, coef_gmem, acc_gmem, ctx_gmem, *, cfg: MlaAttenti
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   pl.run_scoped(store, plgpu.SMEM((BM, bl), ctx_gmem.dtype))
-
-
-def _split_coefficients(m, l):
-  """m, l [B, NS, Mp] -> coef [B, NS, Mp] = exp(m - max m) / sum_sp exp(m_sp - max m) l_sp (split order)."""
-  w = jnp.exp(m - jnp.max(m, axis=1, keepdims=True))        # dead splits: exp(-inf) = 0
-  total = w[:, 0] * l[:, 0]
-  for sp in range(1, m.shape[1]):                           # a fixed order, whatever the other dims
-    total = total + w[:, sp] * l[:, sp]
-  return w / total[:, None]
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "config"))
@@ -252,13 +254,12 @@ def mla_attention(q_lat, q_rope, cache, positions, *, scale: float, config: MlaA
                 jax.ShapeDtypeStruct((b, ns, mp), jnp.float32), jax.ShapeDtypeStruct((b, ns, mp), jnp.float32)),
       grid=(b, mp // BM, lr // cfg.block_l, ns), grid_names=("b", "m", "l", "s"),
       compiler_params=params, interpret=interp)
-  acc, m, l = attend(live, pos, q, qr, cache)
-  coef = _split_coefficients(m, l)                                      # [B, NS, Mp]
+  acc, m, l = attend(live, pos, q, qr, cache)                          # live splits' partials only
 
   combine = plgpu.kernel(
       functools.partial(_combine_kernel, cfg=cfg, mp=mp),
       out_type=jax.ShapeDtypeStruct((b, mp, lr), cache.dtype),
       grid=(b, mp // BM, lr // cfg.combine_block_l), grid_names=("b", "m", "l"),
       compiler_params=params, interpret=interp)
-  ctx = combine(live, coef.reshape(b, ns * mp), acc.reshape(b, ns * mp, lr))
+  ctx = combine(live, m.reshape(b, ns * mp), l.reshape(b, ns * mp), acc.reshape(b, ns * mp, lr))
   return ctx[:, :m_rows].reshape(b, t, h, lr)
