@@ -13,6 +13,7 @@ Flash-decoding layout (all M rows share the latent rows, MQA-like, so they sit o
      max trick) over the blocks of split sp below the live length live[b] = max_t pos[b, t] + 1:
        per block: s = Q [BM, Lr+R] @ [latent | k_rope]^T [Lr+R, BS]; m' = max(m, rowmax s);
        p = exp(s - m'); l = l e^(m - m') + rowsum p; acc = acc e^(m - m') + bf16(p) @ latent[:, lc-th BL]
+     (the PV operand is a column slice of the latent block already in SMEM: one TMA per block and program)
      and writes acc [BM, BL] f32 and (lc = 0) m, l [BM]. Programs whose split lies past the live length
      exit at once (no loads, no writes). So the work is ceil(live / BS) blocks, not S / BS.
   2. `_combine_kernel`, grid (B, Mp/BM, Lr/BLc): over the live splits only, in split order, the same
@@ -25,9 +26,10 @@ ceil(live / BS) * BS * 576 * 2 B from HBM (1.2 MB at live = 1024, 9.4 MB at 8192
 attend_absorbed at every length (9.5 MB at S = 8256); plus the fp32 partials, written once and read once:
 n_live_splits * Mp * Lr * 4 B (16 x 192 x 512 x 4 = 6.3 MB at T = 6, live 8192; 18.9 MB at T = 17), which
 mostly stay in the 60 MB L2 between the two launches; split_blocks trades them against parallelism.
-The Lr/BL programs of one (b, mt, sp) and the Mp/BM row tiles read the same cache blocks: those repeats
-come from L2 (each block reaches SMEM (Mp/BM)(Lr/BL) times: the cost of one warpgroup per CTA, whose
-registers cannot hold a [64, 512] fp32 accumulator).
+The Lr/BL programs of one (b, mt, sp) and the Mp/BM row tiles load the same cache blocks: those repeats
+come from L2 (each block reaches SMEM (Mp/BM)(Lr/BL) times, 12 at T = 6: the cost of one warpgroup per
+CTA, whose registers cannot hold a [64, 512] fp32 accumulator; two or four compute warpgroups sharing the
+block, FlashMLA-style, would remove the Lr/BL factor).
 Batch invariance: the split partition is fixed (slot j is in split j // (SB*BS) whatever T, B or the live
 length), a row's blocks beyond its position are exact no-ops (p = 0, rescale 1), so are the splits beyond it in
 the combine (e^(-inf) = 0, rescale 1), and both sums run in a fixed order: a row's ctx does not depend on T or on the other rows.
@@ -54,14 +56,17 @@ class MlaAttentionConfig:
 
   Attributes:
     block_s: cache slots per pipeline step (QK wgmma N, PV wgmma K; 32 or a multiple of 64: P's swizzle).
+      SMEM: the [64, Lr + R] query tile + stages x [BS, Lr + R] blocks (216 KB at 64 x 2 at Ling size).
     split_blocks: blocks per split (SB); the split partition is fixed by the slot index (batch invariance).
-    block_l: ctx columns per attend program (its fp32 accumulator [64, BL]; multiple of 64).
+      Fewer: more programs in flight at short lengths, more fp32 partials.
+    block_l: ctx columns per attend program (its fp32 accumulator [64, BL], plus one more for the block's
+      P @ latent before the rescale: 2 x 64 registers per thread at 128; multiple of 64).
     stages: attend TMA pipeline depth (>= 2).
     combine_block_l: ctx columns per combine program (multiple of 64).
     interpret: run in the Mosaic GPU interpreter (CPU tests).
   """
-  block_s: int = 32
-  split_blocks: int = 16
+  block_s: int = 64
+  split_blocks: int = 8
   block_l: int = 128
   stages: int = 2
   combine_block_l: int = 128
@@ -103,7 +108,7 @@ def _load(src_gmem, shape, dtype):
   return pl.run_scoped(scope, plgpu.SMEM(shape, dtype), plgpu.Barrier(num_barriers=1))
 
 
-def _online_softmax_step(s, pos, j0, carry, latent_chunk_smem, *, bl):
+def _online_softmax_step(s, pos, j0, carry, lat_smem, lc, *, bl):
   """One block: mask, rescale, accumulate bf16(p) @ latent chunk. s [BM, BS] scaled scores."""
   acc, m, l = carry
   bs = s.shape[1]
@@ -119,9 +124,12 @@ def _online_softmax_step(s, pos, j0, carry, latent_chunk_smem, *, bl):
     def with_p(p_smem):                                     # wgmma takes P from SMEM
       p_smem[...] = p.astype(p_smem.dtype)
       plgpu.commit_smem()
-      plgpu.wgmma(acc_ref, p_smem, latent_chunk_smem)       # [BM, BS] @ [BS, BL]
+      for c in range(lat_smem.shape[1] // bl):              # static column slices of the latent block
+        @pl.when(lc == c)
+        def _():
+          plgpu.wgmma(acc_ref, p_smem, lat_smem.at[:, pl.ds(c * bl, bl)])   # [BM, BS] @ [BS, BL]
       return acc_ref[...]                                   # waits for the wgmma while P is still live
-    return pl.run_scoped(with_p, plgpu.SMEM((BM, bs), latent_chunk_smem.dtype))
+    return pl.run_scoped(with_p, plgpu.SMEM((BM, bs), lat_smem.dtype))
 
   acc = acc * lax.broadcast_in_dim(alpha, (BM, bl), (0,)) + pl.run_scoped(pv, plgpu.ACC((BM, bl)))
   return acc, m_new, l
@@ -144,13 +152,13 @@ def _attend_kernel(live_gmem, pos_gmem, q_gmem, qr_gmem, cache_gmem, acc_gmem, m
     plgpu.barrier_wait(bar.at[0])
     plgpu.barrier_wait(bar.at[1])
 
-    def step(idx, lat_smem, rope_smem, chunk_smem, carry):
+    def step(idx, lat_smem, rope_smem, carry):
       def qk(s_ref):
         plgpu.wgmma(s_ref, q_smem, lat_smem.transpose((1, 0)))      # [BM, Lr] @ [Lr, BS]
         plgpu.wgmma(s_ref, qr_smem, rope_smem.transpose((1, 0)))    # [BM, R] @ [R, BS]
         return s_ref[...]
       s = pl.run_scoped(qk, plgpu.ACC((BM, bs))) * scale
-      return _online_softmax_step(s, pos, (first + idx[0]) * bs, carry, chunk_smem, bl=bl)
+      return _online_softmax_step(s, pos, (first + idx[0]) * bs, carry, lat_smem, lc, bl=bl)
 
     spec = lambda shape, imap: plgpu.BlockSpec(shape, imap, delay_release=1)
     init = (jnp.zeros((BM, bl), jnp.float32), jnp.full((BM,), -jnp.inf, jnp.float32),
@@ -158,10 +166,9 @@ def _attend_kernel(live_gmem, pos_gmem, q_gmem, qr_gmem, cache_gmem, acc_gmem, m
     return plgpu.emit_pipeline(
         step, grid=(steps,),
         in_specs=[spec((bs, lr), lambda j: (first + j, 0)),          # latent block (QK)
-                  spec((bs, r), lambda j: (first + j, 0)),           # k_rope block (QK)
-                  spec((bs, bl), lambda j: (first + j, lc))],        # this program's latent columns (PV, L2)
+                  spec((bs, r), lambda j: (first + j, 0))],          # k_rope block (QK)
         max_concurrent_steps=cfg.stages, init_carry=init,
-    )(cache.at[:, pl.ds(0, lr)], cache.at[:, pl.ds(lr, r)], cache.at[:, pl.ds(0, lr)])
+    )(cache.at[:, pl.ds(0, lr)], cache.at[:, pl.ds(lr, r)])
 
   @pl.when(steps > 0)                                          # past the live prefix: exit, no loads
   def _live():

@@ -6,7 +6,7 @@ is attend_absorbed itself, unmodified, with kv_b_proj = [I; I] per head (qk_nope
 kv_lora_rank): then q_lat = q_nope and the output is ctx exactly, with the model's own scores, mask,
 softmax and bf16 rounding points. Two oracles: the model in bf16 (<= 1e-2) and the model in fp32 (inputs
 upcast; the kernel must be at least as close to it as the bf16 model is, and <= 5e-3).
-Shapes: ling-demo's H = 4, Lr = 128, R = 32; S = 256; tiles BS = 32, splits of 2 blocks (NS = 4), ctx
+Shapes: ling-demo's H = 4, Lr = 128, R = 32; S = 256; tiles BS = 32 (one case 64), splits of 2 blocks (NS = 4), ctx
 columns in 2 chunks of 64. Lengths: inside one block, at a block (and split) boundary, mid-cache with
 T = 6 causal verify rows, T = 17 (two row tiles), B = 2 with different lengths.
 """
@@ -80,6 +80,15 @@ def test_matches_attend_absorbed(name):
     assert rel(wide[:, 0], ref16[:, 0]) > 0.3
 
 
+def test_block_of_64_slots():
+  """The default block size (P tile [64, 64], 128 B swizzle), one block per split: NS = 4, live 156."""
+  cfg = dataclasses.replace(KCFG, block_s=64, split_blocks=1)
+  positions = jnp.array([list(range(150, 156))], jnp.int32)
+  q_lat, q_rope, cache = make(17, 1, 6)
+  ctx = mla_attention(q_lat, q_rope, cache, positions, scale=SCALE, config=cfg)
+  assert rel(ctx, model_ctx(q_lat, q_rope, cache, positions)) <= 1e-2
+
+
 def test_reads_only_the_live_blocks():
   """NaN in every block past the live prefix changes nothing: those blocks are never loaded."""
   positions = jnp.array([[40, 41]], jnp.int32)                   # live 42: blocks 0, 1 (slots 0..63)
@@ -130,7 +139,7 @@ def test_lowers_for_cuda_at_ling_shapes(t):
   with jax.sharding.use_abstract_mesh(H200):
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu") == 2 and "wgmma" in text     # attend + combine
-    if t == 6:   # 4 stages x (32 x 576 + 32 x 128) x 2 B + the 72 KB query tile: over the SMEM budget
+    if t == 6:   # 4 stages x 64 x 576 x 2 B + the 72 KB query tile: over the SMEM budget
       big = lambda *a: mla_attention(*a, scale=192 ** -0.5, config=MlaAttentionConfig(stages=4, block_s=64))
       with pytest.raises(ValueError, match="shared memory"):
         jax.jit(big).trace(*args).lower(lowering_platforms=("cuda",))
