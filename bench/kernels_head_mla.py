@@ -31,11 +31,11 @@ CFG = get_preset("ling3-flash")
 V, D, H, LR, R, P, VH = (CFG.vocab_size, CFG.hidden_size, CFG.num_attention_heads, CFG.kv_lora_rank,
                          CFG.qk_rope_head_dim, CFG.qk_nope_head_dim, CFG.v_head_dim)
 S = 8192 + 64
-T_LM, T_ATT, LIVES = (1, 6), (1, 6, 17), (1024, 8192)
+T_LM, T_ATT, LIVES, SWEEP_LIVE = (1, 6), (1, 6, 17), (1024, 8192), 8192   # all ATT_CONFIGS at SWEEP_LIVE
 SCALE = CFG.qk_head_dim ** -0.5
 LM_CONFIGS = [("v128k128s4", LmHeadConfig()), ("v64k128s4", LmHeadConfig(block_v=64)),
               ("v256k64s4", LmHeadConfig(block_v=256, block_k=64))]
-ATT_CONFIGS = [("s64sb8l128", MlaAttentionConfig()),        # the others only at live 8192, ctx only
+ATT_CONFIGS = [("s64sb8l128", MlaAttentionConfig()),        # the others only at SWEEP_LIVE, ctx only
                ("s32sb16l128st3", MlaAttentionConfig(block_s=32, split_blocks=16, stages=3)),
                ("s64sb4l128", MlaAttentionConfig(split_blocks=4))]
 
@@ -52,7 +52,8 @@ def bench_lm_head(rows, key):
   xla = jax.jit(lambda h, w: (lambda lg: (jnp.argmax(lg, -1).astype(jnp.int32), jnp.max(lg, -1)))(
       lm_logits({"lm_head": w}, h)))
   for t in T_LM:
-    sets = [(jax.random.normal(jax.random.fold_in(key, 10 * t + j), (t, D), F32).astype(BF),) for j in range(4)]
+    sets = [(jax.random.normal(jax.random.fold_in(key, 10 * t + j), (t, D), F32).astype(BF),)
+            for j in range(4)]
     ref_tok, ref_max = xla(sets[0][0], w)
     t_xla = bk.timeit(xla, sets, (w,))
     row(rows, f"lm_head T={t} XLA lm_logits + argmax", t_xla, V * D * 2 + 2 * t * V * 4 + t * D * 2,
@@ -95,7 +96,7 @@ def bench_attention(rows, key):
       t_xla = bk.timeit(xla, sets, (p,))
       row(rows, f"mla T={t} live={live} XLA attend_absorbed (all {S} slots)", t_xla, S * 576 * 2 + proj_bytes,
           baseline="-", baseline_time_us=None)
-      for name, cfg in ATT_CONFIGS[:1] if live < 8192 else ATT_CONFIGS:
+      for name, cfg in ATT_CONFIGS if live == SWEEP_LIVE else ATT_CONFIGS[:1]:
         ctx_fn = lambda ql, qr, c, pos, cfg=cfg: mla_attention(ql, qr, c, pos, scale=SCALE, config=cfg)
         path = jax.jit(lambda qn, qr, c, pos, wk, wv, ctx_fn=ctx_fn: jnp.einsum(
             "bthl,hvl->bthv", ctx_fn(jnp.einsum("bthp,hpl->bthl", qn, wk), qr, c, pos), wv,

@@ -31,8 +31,9 @@ come from L2 (each block reaches SMEM (Mp/BM)(Lr/BL) times, 12 at T = 6: the cos
 CTA, whose registers cannot hold a [64, 512] fp32 accumulator; two or four compute warpgroups sharing the
 block, FlashMLA-style, would remove the Lr/BL factor).
 Batch invariance: the split partition is fixed (slot j is in split j // (SB*BS) whatever T, B or the live
-length), a row's blocks beyond its position are exact no-ops (p = 0, rescale 1), so are the splits beyond it in
-the combine (e^(-inf) = 0, rescale 1), and both sums run in a fixed order: a row's ctx does not depend on T or on the other rows.
+length), a row's blocks beyond its position are exact no-ops (p = 0, rescale 1), so are the splits beyond
+it in the combine (e^(-inf) = 0, rescale 1), and both sums run in a fixed order: a row's ctx does not
+depend on T or on the other rows.
 Rounding: p is rounded to bf16 before P @ latent and normalised at the end (the model rounds the
 normalised probabilities); the kernel is closer to the fp32 math than the model's bf16 path.
 """
@@ -257,8 +258,9 @@ def mla_attention(q_lat, q_rope, cache, positions, *, scale: float, config: MlaA
 
   attend = plgpu.kernel(
       functools.partial(_attend_kernel, cfg=cfg, lr=lr, r=r, scale=float(scale)),
-      out_type=(jax.ShapeDtypeStruct((b, ns, mp, lr), jnp.float32),
-                jax.ShapeDtypeStruct((b, ns, mp), jnp.float32), jax.ShapeDtypeStruct((b, ns, mp), jnp.float32)),
+      out_type=(jax.ShapeDtypeStruct((b, ns, mp, lr), jnp.float32),     # acc, m, l per split
+                jax.ShapeDtypeStruct((b, ns, mp), jnp.float32),
+                jax.ShapeDtypeStruct((b, ns, mp), jnp.float32)),
       grid=(b, mp // BM, lr // cfg.block_l, ns), grid_names=("b", "m", "l", "s"),
       compiler_params=params, interpret=interp)
   acc, m, l = attend(live, pos, q, qr, cache)                          # live splits' partials only

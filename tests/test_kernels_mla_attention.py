@@ -6,9 +6,9 @@ is attend_absorbed itself, unmodified, with kv_b_proj = [I; I] per head (qk_nope
 kv_lora_rank): then q_lat = q_nope and the output is ctx exactly, with the model's own scores, mask,
 softmax and bf16 rounding points. Two oracles: the model in bf16 (<= 1e-2) and the model in fp32 (inputs
 upcast; the kernel must be at least as close to it as the bf16 model is, and <= 5e-3).
-Shapes: ling-demo's H = 4, Lr = 128, R = 32; S = 256; tiles BS = 32 (one case 64), splits of 2 blocks (NS = 4), ctx
-columns in 2 chunks of 64. Lengths: inside one block, at a block (and split) boundary, mid-cache with
-T = 6 causal verify rows, T = 17 (two row tiles), B = 2 with different lengths.
+Shapes: ling-demo's H = 4, Lr = 128, R = 32; S = 256; tiles BS = 32 (one case 64), splits of 2 blocks
+(NS = 4), ctx columns in 2 chunks of 64. Lengths: inside one block, at a block (and split) boundary,
+mid-cache with T = 6 causal verify rows, T = 17 (two row tiles), B = 2 with different lengths.
 """
 import dataclasses
 
