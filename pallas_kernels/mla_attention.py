@@ -252,7 +252,7 @@ def mla_attention(q_lat, q_rope, cache, positions, *, scale: float, config: MlaA
   q = pad(q_lat.reshape(b, m_rows, lr))
   qr = pad(q_rope.reshape(b, m_rows, r))
   pos = pad(jnp.repeat(positions.astype(jnp.int32), h, axis=1))      # [B, Mp] position of each row
-  live = jnp.max(positions, axis=1).astype(jnp.int32) + 1              # [B]
+  live = jnp.minimum(jnp.max(positions, axis=1).astype(jnp.int32) + 1, s)   # [B]; never a block past S
   params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
   interp = plgpu.InterpretGPUParams() if cfg.interpret else None
 
