@@ -266,6 +266,17 @@ class ShardedKernelCalls(KernelCalls):
         return f(q_raw, k_raw, v_raw, f_raw, b_raw, A_log, dt_bias, q_conv_w, k_conv_w, v_conv_w, conv_window,
                  rec_state)
 
+    def mla_context(self, q_lat, q_rope, cache, positions, *, scale: float, layer: int | None = None):
+        """Heads split over "tp" (the queries), the latent cache replicated: each device attends its heads."""
+        base = super()
+        if self._mla_config(q_lat, q_rope, cache) is None:
+            return None
+        q_axes = (None, None, "heads", None)
+        rep = P()
+        f = shard_kernel(lambda a, b, c, d: base.mla_context(a, b, c, d, scale=scale, layer=layer), self.mesh,
+                         (q_axes, q_axes, rep, rep), q_axes, self.rules)
+        return f(q_lat, q_rope, cache, positions)
+
     def kda_prefill(self, q, k, v, g, beta, state):
         base = super()
         bthk, st = (None, None, "heads", None), (None, "heads", None, None)

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from pallas_kernels import kda_decode as _kda_decode
 from pallas_kernels import kda_prefill as _kda_prefill
 from pallas_kernels import kda_verify as _kda_verify
+from pallas_kernels import mla_attention as _mla_attention
 from pallas_kernels import moe as _moe_triton
 from pallas_kernels import moe_mosaic as _moe_mosaic
 from pallas_kernels import router as _router
@@ -141,6 +142,26 @@ class KernelCalls:
                                                   k_conv_w, v_conv_w, conv_window.reshape(B, Wm1, -1), rec_state,
                                                   lower_bound=lower_bound, config=self._kda_config())
         return o, state, window.reshape(conv_window.shape)
+
+    def mla_context(self, q_lat, q_rope, cache, positions, *, scale: float, layer: int | None = None):
+        """Absorbed MLA context over the live prefix (Mosaic GPU), or None where the kernel does not take the
+        shapes (fp32, slots not a multiple of its block, small latent widths): the caller runs the jnp form.
+        cache [B, S, F] or the stacked [L, B, S, F] read at `layer` in place."""
+        cfg = self._mla_config(q_lat, q_rope, cache)
+        if cfg is None:
+            return None
+        return _mla_attention.mla_attention(q_lat, q_rope, cache, positions, scale=scale, config=cfg, layer=layer)
+
+    def _mla_config(self, q_lat, q_rope, cache):
+        """The MLA kernel's config for these operands, or None where it does not apply."""
+        cfg = _mla_attention.MlaAttentionConfig(interpret=self.interpret)
+        if len({q_lat.dtype, q_rope.dtype, cache.dtype}) != 1 or cache.dtype not in (jnp.bfloat16, jnp.float16):
+            return None
+        try:
+            cfg.check(q_lat.shape[-1], q_rope.shape[-1], cache.shape[-2])
+        except ValueError:
+            return None
+        return cfg
 
     def kda_prefill(self, q, k, v, g, beta, state):
         config = None

@@ -126,11 +126,12 @@ def ffn(p, x, cfg: ModelConfig, i: int, opts: RuntimeOptions, return_load: bool 
 
 
 def mla_block(p, x, cache, lengths, cfg: ModelConfig, i: int, *, absorbed: bool, opts: RuntimeOptions,
-              return_load: bool = False, live_rows=None):
+              return_load: bool = False, live_rows=None, layer: int | None = None):
     """A decoder block with gated-MLA attention (target MLA layers and the MTP layer). Returns (x, cache),
-    or (x, cache, expert load) with return_load."""
+    or (x, cache, expert load) with return_load. layer: cache is the stacked [Lm, B, S, F], this block's is
+    layer `layer` (see mla_layer)."""
     a, cache = mla_layer(p["attn"], rms_norm(x, p["input_norm"], cfg.rms_norm_eps), cache, lengths, cfg,
-                         absorbed=absorbed)
+                         absorbed=absorbed, layer=layer, kernels=opts.calls)
     x = x + a
     f = ffn(p["mlp"], rms_norm(x, p["post_norm"], cfg.rms_norm_eps), cfg, i, opts, return_load, live_rows)
     return (x + f[0], cache, f[1]) if return_load else (x + f, cache)
@@ -159,10 +160,9 @@ def forward(params, tokens, state: DecodeState, cfg: ModelConfig, *, mode: str, 
     ki = mi = 0
     for i, p in enumerate(params["layers"]):
         if cfg.is_mla(i):
-            x, layer_cache, *load = mla_block(p, x, cache[mi], state.lengths, cfg, i, absorbed=absorbed, opts=opts,
-                                              return_load=expert_load, live_rows=live_rows)
+            x, cache, *load = mla_block(p, x, cache, state.lengths, cfg, i, absorbed=absorbed, opts=opts,
+                                        return_load=expert_load, live_rows=live_rows, layer=mi)
             loads += [l for l in load if l is not None]
-            cache = cache.at[mi].set(layer_cache)
             mi += 1
             continue
         a, new_conv, new_rec, pend = kda_layer(p["attn"], rms_norm(x, p["input_norm"], cfg.rms_norm_eps),

@@ -137,14 +137,14 @@ def _online_softmax_step(s, pos, j0, carry, lat_smem, lc, *, bl):
 
 
 def _attend_kernel(live_gmem, pos_gmem, q_gmem, qr_gmem, cache_gmem, acc_gmem, m_gmem, l_gmem, *,
-                   cfg: MlaAttentionConfig, lr: int, r: int, scale: float):
+                   cfg: MlaAttentionConfig, lr: int, r: int, scale: float, layer: int | None):
   b, mt, lc, sp = (lax.axis_index(n) for n in ("b", "m", "l", "s"))
   bs, bl = cfg.block_s, cfg.block_l
   live_blocks = pl.cdiv(live_gmem[b], bs)
   first = sp * cfg.split_blocks
   steps = jnp.clip(live_blocks - first, 0, cfg.split_blocks)   # 0: past the live prefix, no loads
   rows = pl.ds(mt * BM, BM)
-  cache = cache_gmem.at[b]                                     # [S, Lr + R]
+  cache = cache_gmem.at[b] if layer is None else cache_gmem.at[layer, b]   # [S, Lr + R]
 
   def run(q_smem, qr_smem, bar):
     plgpu.copy_gmem_to_smem(q_gmem.at[b, rows], q_smem, bar.at[0])
@@ -229,13 +229,21 @@ def _combine_kernel(live_gmem, m_gmem, l_gmem, acc_gmem, ctx_gmem, *, cfg: MlaAt
   pl.run_scoped(store, plgpu.SMEM((BM, bl), ctx_gmem.dtype))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "config"))
-def mla_attention(q_lat, q_rope, cache, positions, *, scale: float, config: MlaAttentionConfig | None = None):
+@functools.partial(jax.jit, static_argnames=("scale", "config", "layer"))
+def mla_attention(q_lat, q_rope, cache, positions, *, scale: float, config: MlaAttentionConfig | None = None,
+                  layer: int | None = None):
   """Absorbed MLA context over the live prefix. q_lat [B, T, H, Lr] (q_nope @ W_uk), q_rope [B, T, H, R]
   (rotated), cache [B, S, Lr + R] (rows of the T queries already written), positions int32 [B, T]
   (absolute; row t sees slots j <= positions[b, t]), scale = qk_head_dim^-0.5.
+  layer: the cache is the model's stacked [L, B, S, Lr + R] and this call reads its layer `layer` in place
+  (a slice of the stack would be a copy of the whole layer's cache: a custom call takes whole buffers).
   Returns ctx [B, T, H, Lr] in the cache dtype (attention-weighted latent, before W_uv)."""
   cfg = config or MlaAttentionConfig()
+  stacked = cache if layer is not None else None
+  if layer is not None:
+    if cache.ndim != 4 or not 0 <= layer < cache.shape[0]:
+      raise ValueError(f"layer={layer} needs a stacked cache [L, B, S, F] with L > layer, got {cache.shape}")
+    cache = jax.ShapeDtypeStruct(cache.shape[1:], cache.dtype)   # the layer's view, for the checks below
   b, t, h, lr = q_lat.shape
   r, s = q_rope.shape[-1], cache.shape[1]
   if q_rope.shape[:3] != (b, t, h) or cache.shape != (b, s, lr + r) or positions.shape != (b, t):
@@ -257,13 +265,13 @@ def mla_attention(q_lat, q_rope, cache, positions, *, scale: float, config: MlaA
   interp = plgpu.InterpretGPUParams() if cfg.interpret else None
 
   attend = plgpu.kernel(
-      functools.partial(_attend_kernel, cfg=cfg, lr=lr, r=r, scale=float(scale)),
+      functools.partial(_attend_kernel, cfg=cfg, lr=lr, r=r, scale=float(scale), layer=layer),
       out_type=(jax.ShapeDtypeStruct((b, ns, mp, lr), jnp.float32),     # acc, m, l per split
                 jax.ShapeDtypeStruct((b, ns, mp), jnp.float32),
                 jax.ShapeDtypeStruct((b, ns, mp), jnp.float32)),
       grid=(b, mp // BM, lr // cfg.block_l, ns), grid_names=("b", "m", "l", "s"),
       compiler_params=params, interpret=interp)
-  acc, m, l = attend(live, pos, q, qr, cache)                          # live splits' partials only
+  acc, m, l = attend(live, pos, q, qr, cache if stacked is None else stacked)   # live splits' partials only
 
   combine = plgpu.kernel(
       functools.partial(_combine_kernel, cfg=cfg, mp=mp),

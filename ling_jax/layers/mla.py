@@ -54,10 +54,15 @@ def mla_cache_rows(p, x, positions, cfg):
     return jnp.concatenate([latent, k_rope], axis=-1)
 
 
-def write_cache(cache, rows, start):
-    """cache [B, S, F], rows [B, T, F], start [B] -> cache with rows at slots start[b] .. start[b]+T-1."""
-    put = lambda c, r, s: lax.dynamic_update_slice_in_dim(c, r.astype(c.dtype), s, axis=0)
-    return jax.vmap(put)(cache, rows, start.astype(jnp.int32))
+def write_cache(cache, rows, start, layer: int | None = None):
+    """cache [B, S, F] (or the stacked [L, B, S, F] with `layer`), rows [B, T, F], start [B] -> cache with rows
+    at slots start[b] .. start[b]+T-1 (of layer `layer`). Writing into the stack in place avoids copying the
+    layer's cache out of it and back."""
+    if layer is None:
+        put = lambda c, r, s: lax.dynamic_update_slice_in_dim(c, r.astype(c.dtype), s, axis=0)
+        return jax.vmap(put)(cache, rows, start.astype(jnp.int32))
+    put = lambda c, r, s: lax.dynamic_update_slice(c, r[None].astype(c.dtype), (layer, s, 0))  # c [L, S, F]
+    return jax.vmap(put, in_axes=(1, 0, 0), out_axes=1)(cache, rows, start.astype(jnp.int32))
 
 
 def _causal_mask(positions, S):
@@ -79,17 +84,29 @@ def attend_plain(p, q_nope, q_rope, cache, positions, cfg):
     return o.astype(v.dtype).astype(jnp.float32)
 
 
-def attend_absorbed(p, q_nope, q_rope, cache, positions, cfg):
-    """Decode/verify path: attention over latent rows with W_uk, W_uv absorbed. Returns [B, T, H, Vh] f32."""
-    w_uk, w_uv = _split_kv_b(p, cfg)
-    q_lat = jnp.einsum("bthp,hpl->bthl", q_nope, w_uk)  # query in latent space
+def absorbed_context(q_lat, q_rope, cache, positions, cfg):
+    """The attention-weighted latent: q_lat [B, T, H, Lr] (q_nope W_uk), q_rope [B, T, H, R], cache [B, S, Lr+R]
+    -> ctx [B, T, H, Lr] in the cache dtype (before W_uv). The reference of pallas_kernels/mla_attention.py."""
     # One dot over the whole 576-wide row ([q_lat | q_rope] . [latent | k_rope] = q_lat.latent + q_rope.k_rope),
     # and the context over whole rows with its rope columns dropped after: slicing the cache into its latent and
     # rope parts first would copy the whole allocated cache (two XLA slice kernels per call).
     q_row = jnp.concatenate([q_lat.astype(cache.dtype), q_rope.astype(cache.dtype)], axis=-1)  # [B, T, H, Lr+R]
     scores = jnp.einsum("bthf,bsf->bhts", q_row, cache, preferred_element_type=jnp.float32)
     probs = _softmax(scores * cfg.qk_head_dim**-0.5, _causal_mask(positions, cache.shape[1]))
-    ctx = jnp.einsum("bhts,bsf->bthf", probs.astype(cache.dtype), cache)[..., : cfg.kv_lora_rank]
+    return jnp.einsum("bhts,bsf->bthf", probs.astype(cache.dtype), cache)[..., : cfg.kv_lora_rank]
+
+
+def attend_absorbed(p, q_nope, q_rope, cache, positions, cfg, *, kernels=None, layer: int | None = None):
+    """Decode/verify path: attention over latent rows with W_uk, W_uv absorbed. Returns [B, T, H, Vh] f32.
+    cache: [B, S, F], or the stacked [L, B, S, F] read at `layer`. kernels: a KernelCalls whose MLA kernel reads
+    the live prefix only (None, or a shape it does not take: the jnp context over every slot)."""
+    w_uk, w_uv = _split_kv_b(p, cfg)
+    q_lat = jnp.einsum("bthp,hpl->bthl", q_nope, w_uk)  # query in latent space
+    ctx = None
+    if kernels is not None:
+        ctx = kernels.mla_context(q_lat, q_rope, cache, positions, scale=cfg.qk_head_dim**-0.5, layer=layer)
+    if ctx is None:
+        ctx = absorbed_context(q_lat, q_rope, cache if layer is None else cache[layer], positions, cfg)
     return jnp.einsum("bthl,hvl->bthv", ctx, w_uv, preferred_element_type=jnp.float32)
 
 
@@ -98,19 +115,22 @@ def _softmax(scores, mask):
     return jax.nn.softmax(scores, axis=-1)
 
 
-def mla_layer(p, x, cache, lengths, cfg, *, absorbed: bool):
-    """One gated-MLA block (no residual). x [B, T, D] at positions lengths[b] + t; cache [B, S, Lr + R].
+def mla_layer(p, x, cache, lengths, cfg, *, absorbed: bool, layer: int | None = None, kernels=None):
+    """One gated-MLA block (no residual). x [B, T, D] at positions lengths[b] + t; cache [B, S, Lr + R], or the
+    model's stacked [L, B, S, Lr + R] of which this block owns layer `layer` (read and written in place).
 
     The new rows are written first so each query sees itself; rows past the committed length (a rejected
     verify position) are overwritten by later steps and never read before that.
-    Returns (out [B, T, D], cache).
+    Returns (out [B, T, D], cache) with the cache in the layout it came in.
     """
     B, T, _ = x.shape
     positions = lengths[:, None].astype(jnp.int32) + jnp.arange(T, dtype=jnp.int32)[None, :]
     q_nope, q_rope = mla_queries(p, x, positions, cfg)
-    cache = write_cache(cache, mla_cache_rows(p, x, positions, cfg), lengths)
-    attend = attend_absorbed if absorbed else attend_plain
-    o = attend(p, q_nope, q_rope, cache, positions, cfg)  # [B, T, H, Vh] f32
+    cache = write_cache(cache, mla_cache_rows(p, x, positions, cfg), lengths, layer)
+    if absorbed:
+        o = attend_absorbed(p, q_nope, q_rope, cache, positions, cfg, kernels=kernels, layer=layer)
+    else:
+        o = attend_plain(p, q_nope, q_rope, cache if layer is None else cache[layer], positions, cfg)
     gate = jax.nn.sigmoid(jnp.einsum("btd,hd->bth", x, p["g_proj"]).astype(jnp.float32))
     o = (o * gate[..., None]).reshape(B, T, -1).astype(x.dtype)
     return jnp.einsum("btc,dc->btd", o, p["dense"]), cache
