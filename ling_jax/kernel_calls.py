@@ -8,6 +8,7 @@ kernel on the arrays it is given (one device, or whatever the caller's jit parti
 Shapes (per call, the layers' view; a subclass sees its per-device slices inside shard_map):
   moe:        x [T, D], ids [T, A] int32, weights [T, A] f32, w_gate/w_up [E, I, D], w_down [E, D, I],
               shared = (gate [Is, D], up [Is, D], down [D, Is])           -> [T, D] f32
+              (any weight may be a quant.Fp8Weight: w8 of that shape + its 128-block scales)
   kda_verify: q/k/v/f raw [B, T, C], b_raw [B, T, H], A_log [H], dt_bias [C], conv weights 3 x [C, 1, W],
               conv_window [B, W-1, 3, C], rec_state [B, H, K, V] f32       -> (o [B, T, H, V] f32, KdaCommitInputs)
   kda_commit: rec_state [B, H, K, V], KdaCommitInputs, n_accept [B]        -> rec_state
@@ -23,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import jax.numpy as jnp
+
+from ling_jax.quant import Fp8Weight, dense
 
 
 @dataclass(frozen=True)
@@ -80,9 +83,31 @@ class KernelCalls:
 
         return KdaConfig(block_v=16, interpret=True)
 
+    def _fp8_mosaic(self, x, experts, shared) -> bool:
+        """Whether the fp8-weight Mosaic kernel serves this call: every weight block fp8, the bf16 Mosaic kernel's
+        tiles fit (dispatch.moe_impl), and the shared expert rides as slot P (its width equals I)."""
+        from pallas_kernels.dispatch import moe_impl
+
+        weights = list(experts) + list(shared or ())
+        if self.interpret or not all(isinstance(w, Fp8Weight) for w in weights):
+            return False
+        if shared is not None and shared[0].shape[0] != experts[0].shape[1]:
+            return False
+        return moe_impl(x, experts[0], self.moe_impl) == "mosaic"
+
     def moe(self, x, ids, weights, w_gate, w_up, w_down, *, limit: float, shared, shared_limit: float):
+        """fp8 weights (quant.Fp8Weight): the fp8 Mosaic kernel where it applies, else the bf16 kernels on the
+        weights dequantised to x.dtype (interpret mode, widths its tiles cannot take)."""
         from pallas_kernels.dispatch import Backend, moe
 
+        if self._fp8_mosaic(x, (w_gate, w_up, w_down), shared):
+            from pallas_kernels.moe_mosaic_fp8 import moe_fp8
+
+            out = moe_fp8(x, ids, weights, w_gate, w_up, w_down, limit=limit, shared=shared,
+                          shared_limit=shared_limit)
+            return out.astype(jnp.float32)
+        w_gate, w_up, w_down = (dense(w, x.dtype) for w in (w_gate, w_up, w_down))
+        shared = None if shared is None else tuple(dense(w, x.dtype) for w in shared)
         out = moe(x, ids, weights, w_gate, w_up, w_down, limit=limit, shared=shared, shared_limit=shared_limit,
                   config=self._moe_config(x, w_gate), backend=Backend.PALLAS, impl=self.moe_impl)
         return out.astype(jnp.float32)
