@@ -25,6 +25,8 @@ in ascending expert order, over a fixed I split; no float atomics anywhere.
 Measured (H200, bench/results/kernels-moe-mosaic-h200-2026-11-30.json, bench_kernels.timeit, noisy at
 T <= 6): rel err vs reference 2.8e-3 to 2.9e-3 (bf16 h' rounding after the weight fold), token 0
 bit-identical alone and in the batch; T=17 ~356 us for 1.42 GB (~4.0 TB/s), Triton 799 us.
+fp8 weights: moe_mosaic_fp8 runs these same kernels (`run_kernels`) with fp8 tiles, each dequantised before its
+wgmma (`_weight_tile`), one scale per tile from a per-CTA SMEM row.
 Limits: tokens are padded to N = 64 columns (x and h' tiles cost SMEM/L2 traffic, not HBM);
 alignment is a few small XLA reductions (no sort since e3db4e6; the GPU run used the sort); up and down are two launches (no PDL yet).
 """

@@ -201,3 +201,14 @@ def test_model_runs_on_fp8_weights(tiny):
     x = jax.random.normal(jax.random.key(5), (6, cfg.hidden_size), jnp.bfloat16)
     mlp = lambda p: dense_mlp(p["layers"][0]["mlp"], x)
     assert 5e-3 < rel_err(mlp(q), mlp(params)) < 0.06
+
+
+def test_quantization_flags_parse():
+    from ling_jax import generate
+    from serve import launch_server
+
+    a = generate.build_parser().parse_args(["--model", "m", "--prompt-ids", "1", "--quantization", "fp8"])
+    assert a.quantization == "fp8"
+    assert launch_server.build_parser().parse_args(["--model-path", "m", "--quantization", "fp8"]).quantization == "fp8"
+    with pytest.raises(SystemExit):
+        generate.build_parser().parse_args(["--model", "m", "--prompt-ids", "1", "--quantization", "int4"])
