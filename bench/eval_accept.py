@@ -9,6 +9,9 @@ held-out split (the same windows the trainer evaluates; plus the NEXTN head's to
 
     python -m bench.eval_accept --model models/ling-demo --data .data/stdlib --steps 1-8
 Writes bench/results/eval-accept-<device>-<date>.json and .png.
+--quantization fp8: the same measurements for the checkpoint's weights and for them quantised to block fp8
+(ling_jax.quant), plus the fp8 model's greedy agreement with the unquantised one (per prompt: tokens before the
+first difference, and the fraction of equal positions); writes eval-fp8-<device>-<date>.json.
 """
 
 from __future__ import annotations
@@ -142,11 +145,65 @@ def main(argv=None):
     p.add_argument("--target-rows", type=int, default=None,
                    help="deterministic inference: every target pass runs this many rows (RuntimeOptions.target_rows; "
                         "8 covers steps <= 7), which makes the bf16 lossless check exact too")
+    p.add_argument("--quantization", choices=["fp8"], default=None,
+                   help="fp8: also evaluate the weights quantised to block fp8 and compare with the unquantised run")
     p.add_argument("--out", default="bench/results")
     a = p.parse_args(argv)
+    if a.quantization:
+        return compare_fp8(a, argv)
     cfg = load_config(a.model)
-    dtype = jnp.dtype(a.dtype)
-    params = load_params(cfg, a.model, dtype=dtype)  # bf16 weights, upcast exactly when --dtype float32
+    params = load_params(cfg, a.model, dtype=jnp.dtype(a.dtype))  # bf16 weights, upcast exactly when float32
+    report = evaluate(a, cfg, params)
+    report["command"] = "python -m bench.eval_accept " + " ".join(argv if argv is not None else sys.argv[1:])
+    path = os.path.join(a.out, f"eval-accept-{report['device']}-{report['date']}")
+    os.makedirs(a.out, exist_ok=True)
+    with open(path + ".json", "w") as f:
+        json.dump({k: v for k, v in report.items() if k != "outputs"}, f, indent=1)
+    plot(report["rows"], path + ".png", f"{a.model}: NEXTN on {report['prompts']} held-out prompts, {report['device']}")
+    print(f"wrote {path}.json")
+    return report
+
+
+def agreement(outs, base_outs) -> dict:
+    """Greedy agreement of two runs on the same prompts: tokens before the first difference, equal positions."""
+    prefix = [next((j for j, (x, y) in enumerate(zip(o, b)) if x != y), min(len(o), len(b))) for o, b in
+              zip(outs, base_outs)]
+    equal = [float(np.mean(np.asarray(o) == np.asarray(b))) for o, b in zip(outs, base_outs)]
+    return {"identical_prompts": sum(o == b for o, b in zip(outs, base_outs)), "first_difference_at": prefix,
+            "mean_first_difference_at": float(np.mean(prefix)), "equal_position_fraction": float(np.mean(equal))}
+
+
+def compare_fp8(a, argv):
+    """The checkpoint's weights vs the same weights quantised to block fp8 (what --quantization fp8 loads)."""
+    cfg = load_config(a.model)
+    runs = {}
+    for name, q in (("unquantised", None), ("fp8", "fp8")):
+        params = load_params(cfg, a.model, dtype=jnp.dtype(a.dtype), quantization=q)
+        print(f"== {name}", flush=True)
+        runs[name] = evaluate(a, cfg, params)
+    ref, fp8 = runs["unquantised"], runs["fp8"]
+    plain = agreement(fp8["outputs"][0], ref["outputs"][0])
+    delta = {"heldout_ppl_unquantised": ref["heldout_ppl"], "heldout_ppl_fp8": fp8["heldout_ppl"],
+             "heldout_ppl_ratio": fp8["heldout_ppl"] / ref["heldout_ppl"],
+             "plain_greedy_agreement": plain,
+             "accept_length": {r["steps"]: {"unquantised": r["mean_accept_length"], "fp8": f["mean_accept_length"]}
+                               for r, f in zip(ref["rows"], fp8["rows"]) if r["steps"] > 0}}
+    print(json.dumps(delta), flush=True)
+    report = {"command": "python -m bench.eval_accept " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "device": ref["device"], "date": ref["date"], "git_commit": ref["git_commit"], "model": a.model,
+              "dtype": a.dtype, "quantization": "fp8 (128x128 blocks, e4m3, ling_jax.quant.fp8_policy)",
+              "fp8_vs_unquantised": delta,
+              **{name: {k: v for k, v in r.items() if k != "outputs"} for name, r in runs.items()}}
+    os.makedirs(a.out, exist_ok=True)
+    path = os.path.join(a.out, f"eval-fp8-{ref['device']}-{ref['date']}.json")
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"wrote {path}")
+    return report
+
+
+def evaluate(a, cfg, params) -> dict:
+    """Held-out loss, plain greedy, and NEXTN at each --steps on these params; outputs[k] the token lists."""
     held = heldout_tokens(a.data, a.model)
     prompts = make_prompts(held, a.prompts, a.prompt_len, cfg.eos_token_id)
     max_len = a.prompt_len + a.new_tokens + 64
@@ -154,13 +211,14 @@ def main(argv=None):
     loss = heldout_loss(cfg, params, held, a.eval_seq, a.eval_windows, a.eval_batch)
     print(json.dumps(loss), flush=True)
     base, base_outs = run_steps(cfg, params, prompts, 0, a.new_tokens, max_len, a.target_rows)
-    rows = [base]
+    rows, all_outs = [base], [base_outs]
     print(f"plain greedy: {base['decode_tokens_per_s']:.1f} tok/s", flush=True)
     for k in parse_steps(a.steps):
         row, outs = run_steps(cfg, params, prompts, k, a.new_tokens, max_len, a.target_rows)
         row["lossless_prompts"] = sum(o == b for o, b in zip(outs, base_outs))
         row["speedup_vs_plain"] = row["decode_tokens_per_s"] / base["decode_tokens_per_s"]
         rows.append(row)
+        all_outs.append(outs)
         print(f"steps={k}: accept {row['mean_accept_length']:.3f}, per-position "
               f"{[round(x, 3) for x in row['acceptance_rate_per_position']]}, {row['decode_tokens_per_s']:.1f} tok/s, "
               f"lossless {row['lossless_prompts']}/{len(prompts)}", flush=True)
@@ -171,19 +229,11 @@ def main(argv=None):
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     except OSError:
         commit = "unknown"
-    report = {"command": "python -m bench.eval_accept " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "device": device, "jax_version": jax.__version__, "date": date, "git_commit": commit,
-              "model": a.model, "prompts": len(prompts), "prompt_len": a.prompt_len, "new_tokens": a.new_tokens,
-              "greedy": True, "dtype": a.dtype, "target_rows": a.target_rows, **loss,
-              "wall_s": time.perf_counter() - t0, "rows": rows,
-              "sample": {"prompt": prompts[0], "plain_output": base_outs[0]}}
-    os.makedirs(a.out, exist_ok=True)
-    path = os.path.join(a.out, f"eval-accept-{device}-{date}")
-    with open(path + ".json", "w") as f:
-        json.dump(report, f, indent=1)
-    plot(rows, path + ".png", f"{a.model}: NEXTN on {len(prompts)} held-out prompts, {device}")
-    print(f"wrote {path}.json")
-    return report
+    return {"device": device, "jax_version": jax.__version__, "date": date, "git_commit": commit,
+            "model": a.model, "prompts": len(prompts), "prompt_len": a.prompt_len, "new_tokens": a.new_tokens,
+            "greedy": True, "dtype": a.dtype, "target_rows": a.target_rows, **loss,
+            "wall_s": time.perf_counter() - t0, "rows": rows,
+            "sample": {"prompt": prompts[0], "plain_output": base_outs[0]}, "outputs": all_outs}
 
 
 if __name__ == "__main__":

@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0, help="sampling seed (and random-init seed for presets)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    p.add_argument("--quantization", choices=["fp8"], default=None,
+                   help="fp8: block-fp8 linear weights (DeepSeek-V3 layout), quantising a bf16 checkpoint while it loads")
     p.add_argument("--context-length", type=int, default=None, help="KV cache slots (default: prompt+new+slack)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--speculative-algorithm", choices=["NEXTN", "NONE"], default="NONE")
@@ -69,7 +71,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    params = load_params(cfg, a.model, dtype=DTYPES[a.dtype], seed=a.seed)
+    params = load_params(cfg, a.model, dtype=DTYPES[a.dtype], seed=a.seed, quantization=a.quantization)
     jax.block_until_ready(params)
     load_s = time.perf_counter() - t0
     max_len = a.context_length or max(256, len(prompt) + a.max_new_tokens + 4 * spec.draft_tokens)

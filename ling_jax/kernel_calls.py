@@ -9,6 +9,7 @@ The compiler (compile/sharding.py, `ShardedKernelCalls`) subclasses it to run th
 Shapes (per call, the layers' view; a subclass sees its per-device slices inside shard_map):
   moe:        x [T, D], ids [T, A] int32, weights [T, A] f32, w_gate/w_up [E, I, D], w_down [E, D, I],
               shared = (gate [Is, D], up [Is, D], down [D, Is])           -> [T, D] f32
+              (any weight may be a quant.Fp8Weight: w8 of that shape + its 128-block scales)
   kda_verify: q/k/v/f raw [B, T, C], b_raw [B, T, H], A_log [H], dt_bias [C], conv weights 3 x [C, 1, W],
               conv_window [B, W-1, 3, C], rec_state [B, H, K, V] f32       -> (o [B, T, H, V] f32, KdaCommitInputs)
   kda_commit: rec_state [B, H, K, V], KdaCommitInputs, n_accept [B]        -> rec_state
@@ -26,12 +27,14 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from ling_jax.quant import Fp8Weight, dense
 from pallas_kernels import kda_decode as _kda_decode
 from pallas_kernels import kda_prefill as _kda_prefill
 from pallas_kernels import kda_verify as _kda_verify
 from pallas_kernels import mla_attention as _mla_attention
 from pallas_kernels import moe as _moe_triton
 from pallas_kernels import moe_mosaic as _moe_mosaic
+from pallas_kernels import moe_mosaic_fp8 as _moe_mosaic_fp8
 from pallas_kernels import router as _router
 
 CHOICES = ("auto", "pallas", "reference", "interpret")
@@ -116,7 +119,25 @@ class KernelCalls:
                              top_k=cfg.num_experts_per_tok, routed_scaling_factor=cfg.routed_scaling_factor,
                              norm_topk_prob=cfg.norm_topk_prob, config=rc)
 
+    def _fp8_mosaic(self, x, experts, shared) -> bool:
+        """Whether the fp8-weight Mosaic kernel serves this call: every weight block fp8, the bf16 Mosaic kernel's
+        tiles fit (moe_kernel), and the shared expert rides as slot P (its width equals I)."""
+        weights = list(experts) + list(shared or ())
+        if self.interpret or not all(isinstance(w, Fp8Weight) for w in weights):
+            return False
+        if shared is not None and shared[0].shape[0] != experts[0].shape[1]:
+            return False
+        return self.moe_kernel(x, experts[0]) == "mosaic"
+
     def moe(self, x, ids, weights, w_gate, w_up, w_down, *, limit: float, shared, shared_limit: float):
+        """fp8 weights (quant.Fp8Weight): the fp8 Mosaic kernel where it applies, else the bf16 kernels on the
+        weights dequantised to x.dtype (interpret mode, widths its tiles cannot take)."""
+        if self._fp8_mosaic(x, (w_gate, w_up, w_down), shared):
+            out = _moe_mosaic_fp8.moe_fp8(x, ids, weights, w_gate, w_up, w_down, limit=limit, shared=shared,
+                                          shared_limit=shared_limit)
+            return out.astype(jnp.float32)
+        w_gate, w_up, w_down = (dense(w, x.dtype) for w in (w_gate, w_up, w_down))
+        shared = None if shared is None else tuple(dense(w, x.dtype) for w in shared)
         if self.moe_kernel(x, w_gate) == "mosaic":
             out = _moe_mosaic.moe(x, ids, weights, w_gate, w_up, w_down, limit=limit, shared=shared,
                                   shared_limit=shared_limit)

@@ -32,6 +32,7 @@ from ling_jax.layers.kda import KdaPending, kda_commit, kda_layer
 from ling_jax.layers.mla import mla_layer
 from ling_jax.layers.moe import dense_mlp, moe_layer
 from ling_jax.layers.norms import rms_norm
+from ling_jax.quant import dense
 from ling_jax.state import DecodeState
 
 MODES = ("prefill", "decode", "verify")
@@ -106,7 +107,7 @@ def embed(params, tokens):
 
 def lm_logits(params, hidden, opts: RuntimeOptions = RuntimeOptions()):
     """hidden [..., D] -> logits [..., V] float32."""
-    w = params["lm_head"] if "lm_head" in params else params["embed"]  # tied embeddings
+    w = dense(params["lm_head"], hidden.dtype) if "lm_head" in params else params["embed"]  # tied embeddings
     if opts.numerics.lm_head_fp32:
         return jnp.einsum("...d,vd->...v", hidden.astype(jnp.float32), w.astype(jnp.float32))
     return jnp.einsum("...d,vd->...v", hidden, w, preferred_element_type=jnp.float32)

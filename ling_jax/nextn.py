@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from ling_jax.config import ModelConfig
 from ling_jax.layers.norms import rms_norm
 from ling_jax.model import RuntimeOptions, embed, mla_block
+from ling_jax.quant import dense
 
 
 def mtp_forward(params, tokens, hidden, cache, start, cfg: ModelConfig, *, absorbed: bool,
@@ -29,7 +30,7 @@ def mtp_forward(params, tokens, hidden, cache, start, cfg: ModelConfig, *, absor
     p = params["mtp"][0]
     e = rms_norm(embed(params, tokens), p["enorm"], cfg.rms_norm_eps)
     h = rms_norm(hidden.astype(e.dtype), p["hnorm"], cfg.rms_norm_eps)
-    x = jnp.einsum("btc,dc->btd", jnp.concatenate([e, h], axis=-1), p["eh_proj"])
+    x = jnp.einsum("btc,dc->btd", jnp.concatenate([e, h], axis=-1), dense(p["eh_proj"], e.dtype))
     x, cache, *load = mla_block(p, x, cache, start, cfg, cfg.mtp_layers[0], absorbed=absorbed, opts=opts,
                                 return_load=expert_load)
     h = rms_norm(x, p["final_norm"], cfg.rms_norm_eps)

@@ -1,4 +1,4 @@
-"""Minimal safetensors reader/writer over numpy memmaps (bf16 via ml_dtypes).
+"""Minimal safetensors reader/writer over numpy memmaps (bf16 and fp8 e4m3 via ml_dtypes).
 
 The reader validates the header against the file size, so a truncated shard is an error naming the file and
 the tensor, and it slices tensors lazily: a device reads only the bytes of its own shard of a weight.
@@ -18,6 +18,7 @@ DTYPES = {
     "BF16": np.dtype(ml_dtypes.bfloat16),
     "F16": np.dtype(np.float16),
     "F32": np.dtype(np.float32),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
     "F64": np.dtype(np.float64),
     "I32": np.dtype(np.int32),
     "I64": np.dtype(np.int64),

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ling_jax import quant
 from ling_jax.config import ModelConfig, to_hf_dict
 from ling_jax.safetensors_io import DTYPES, CheckpointError, open_checkpoint, save_file
 
@@ -270,8 +271,9 @@ def validate_checkpoint(cfg: ModelConfig, model_dir: str) -> dict:
     """Check names, shapes and dtypes of every tensor against the spec before reading any data."""
     where = open_checkpoint(model_dir)
     spec = param_spec(cfg)
+    fp8 = _stored_fp8(cfg, model_dir, where)
     missing = sorted(set(spec) - set(where))
-    extra = sorted(set(where) - set(spec))
+    extra = sorted(set(where) - set(spec) - {name + quant.SCALE_SUFFIX for name in fp8})
     if missing or extra:
         raise CheckpointError(
             f"{model_dir}: checkpoint does not match {cfg.name}: "
@@ -283,37 +285,80 @@ def validate_checkpoint(cfg: ModelConfig, model_dir: str) -> dict:
         want_dt = np.dtype(np.float32) if e.dtype == "float32" else wdt
         if tuple(shape) != tuple(e.shape):
             raise CheckpointError(f"{where[name].path}: tensor {name}: expected shape {e.shape}, found {tuple(shape)}")
-        if dt != want_dt:
+        if dt != want_dt and name not in fp8:  # fp8 tensors and their scales: checked by quant.stored_fp8
             raise CheckpointError(f"{where[name].path}: tensor {name}: expected dtype {want_dt}, found {dt}")
     return where
 
 
+def _stored_fp8(cfg: ModelConfig, model_dir: str, where: dict) -> set[str]:
+    """HF names stored as block fp8 (each checked against config.json's quantization_config)."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        qcfg = quant.read_quantization_config(json.load(f), f"{model_dir}/config.json")
+    return quant.stored_fp8(param_spec(cfg), where, qcfg, model_dir)
+
+
+def _reader(where: dict, a: ArrayInfo, shape: tuple[int, ...], dt, suffix: str = ""):
+    """The callback that reads array `a` (or its `suffix` companion, e.g. fp8 scales, of `shape`) for one index."""
+    stacked = a.hf[0][1] is not None
+
+    def read(index):
+        index = tuple(index) + (slice(None),) * (len(shape) - len(tuple(index)))
+        if not stacked:
+            name = a.hf[0][0] + suffix
+            return np.asarray(where[name].tensor(name)[index], dtype=dt)
+        parts = range(*index[0].indices(shape[0]))
+        rows = [where[a.hf[i][0] + suffix].tensor(a.hf[i][0] + suffix)[index[1:]] for i in parts]
+        return np.stack(rows).astype(dt)
+
+    return read
+
+
 def load_hf_checkpoint(cfg: ModelConfig, model_dir: str, dtype=jnp.bfloat16, shardings: Callable | None = None,
-                       progress: Callable | None = None) -> dict:
+                       progress: Callable | None = None, quantization: str | None = None) -> dict:
     """Load an HF checkpoint dir into the params pytree. Each device reads only its own slice of each tensor
-    (jax.make_array_from_callback over numpy memmaps)."""
+    (jax.make_array_from_callback over numpy memmaps). Weights the checkpoint stores as block fp8 load as
+    quant.Fp8Weight; quantization="fp8" also quantises the bf16 ones quant.fp8_policy picks, array by array."""
+    if quantization not in (None, *quant.QUANTIZATIONS):
+        raise ValueError(f"quantization={quantization!r} not in {(None, *quant.QUANTIZATIONS)}")
     where = validate_checkpoint(cfg, model_dir)
+    fp8 = _stored_fp8(cfg, model_dir, where)
     spec = array_spec(cfg)
+
+    def place(a, shape, read):
+        if shardings is None:
+            return jnp.asarray(read(()))
+        return jax.make_array_from_callback(shape, shardings(a), read)
+
     leaves = []
     for n, a in enumerate(spec):
-        dt = resolve_dtype(a, dtype)
-        stacked = a.hf[0][1] is not None
-
-        def read(index, _a=a, _dt=dt, _stacked=stacked):
-            index = tuple(index) + (slice(None),) * (len(_a.shape) - len(tuple(index)))
-            if not _stacked:
-                name = _a.hf[0][0]
-                return np.asarray(where[name].tensor(name)[index], dtype=_dt)
-            parts = range(*index[0].indices(_a.shape[0]))
-            rows = [where[_a.hf[i][0]].tensor(_a.hf[i][0])[index[1:]] for i in parts]
-            return np.stack(rows).astype(_dt)
-
-        if shardings is None:
-            leaves.append(jnp.asarray(read(())))
+        names = [name for name, _ in a.hf]
+        stored = [name in fp8 for name in names]
+        if any(stored) and not all(stored):
+            raise CheckpointError(f"{model_dir}: tensor {names[stored.index(False)]} is not fp8 but "
+                                  f"{names[stored.index(True)]} is: the parts of one stacked array must agree")
+        if all(stored):
+            leaf = quant.Fp8Weight(place(a, a.shape, _reader(where, a, a.shape, quant.FP8)),
+                                   place(a, quant.scale_shape(a.shape),
+                                         _reader(where, a, quant.scale_shape(a.shape), np.float32, quant.SCALE_SUFFIX)))
         else:
-            leaves.append(jax.make_array_from_callback(a.shape, shardings(a), read))
+            leaf = place(a, a.shape, _reader(where, a, a.shape, resolve_dtype(a, dtype)))
+            if quantization == "fp8" and quant.fp8_policy(names[0], a.hf_shape):
+                leaf = quant.quantize(leaf)
+        leaves.append(leaf)
         if progress:
             progress(n + 1, len(spec))
+    return unflatten(spec, leaves)
+
+
+def quantize_params(cfg: ModelConfig, params: dict) -> dict:
+    """Every array quant.fp8_policy picks (and not already fp8) as block fp8; the rest unchanged."""
+    spec = array_spec(cfg)
+    leaves = []
+    for a in spec:
+        leaf = get_path(params, a.path)
+        if quant.fp8_policy(a.hf[0][0], a.hf_shape) and not isinstance(leaf, quant.Fp8Weight):
+            leaf = quant.quantize(leaf)
+        leaves.append(leaf)
     return unflatten(spec, leaves)
 
 
@@ -321,15 +366,23 @@ def save_hf_checkpoint(cfg: ModelConfig, params: dict, out_dir: str, max_shard_b
     """Write params as an HF-layout checkpoint (config.json + safetensors, sharded with an index when large)."""
     os.makedirs(out_dir, exist_ok=True)
     tensors: dict[str, np.ndarray] = {}
-    model_dtype = None
+    model_dtype, not_converted, n_fp8 = None, set(), 0
     for a in array_spec(cfg):
-        arr = np.asarray(jax.device_get(get_path(params, a.path)))
-        if a.dtype == "model":
-            model_dtype = arr.dtype
-        for name, idx in a.hf:
-            tensors[name] = arr if idx is None else arr[idx]
+        leaf = jax.device_get(get_path(params, a.path))
+        parts = [(leaf.w8, ""), (leaf.scale_inv, quant.SCALE_SUFFIX)] if isinstance(leaf, quant.Fp8Weight) else [(leaf, "")]
+        n_fp8 += len(parts) == 2
+        for arr, suffix in parts:
+            arr = np.asarray(arr)
+            if a.dtype == "model" and not suffix and len(parts) == 1:
+                model_dtype = arr.dtype
+            for name, idx in a.hf:
+                tensors[name + suffix] = arr if idx is None else arr[idx]
+                if len(parts) == 1 and quant.can_be_fp8(name, a.hf_shape):
+                    not_converted.add(quant.module_name(name))
     d = to_hf_dict(cfg)
     d["torch_dtype"] = {"bfloat16": "bfloat16", "float32": "float32", "float16": "float16"}[str(model_dtype)]
+    if n_fp8:
+        d["quantization_config"] = quant.quantization_config(not_converted)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(d, f, indent=1)
     shards, cur, size = [], {}, 0
@@ -373,11 +426,16 @@ def restore_orbax(cfg: ModelConfig, path: str, dtype=jnp.bfloat16, shardings: Ca
     return ocp.StandardCheckpointer().restore(os.path.abspath(path), target)
 
 
-def load_params(cfg: ModelConfig, model: str, *, dtype=jnp.bfloat16, seed: int = 0, shardings=None, progress=None):
-    """A preset name -> random init (seeded); a directory -> its HF checkpoint."""
+def load_params(cfg: ModelConfig, model: str, *, dtype=jnp.bfloat16, seed: int = 0, shardings=None, progress=None,
+                quantization: str | None = None):
+    """A preset name -> random init (seeded); a directory -> its HF checkpoint. quantization="fp8": the weights
+    quant.fp8_policy picks as block fp8 (a checkpoint's fp8 tensors load as fp8 either way)."""
     if os.path.isdir(model):
-        return load_hf_checkpoint(cfg, model, dtype, shardings, progress)
-    return init_params(cfg, seed, dtype, shardings)
+        return load_hf_checkpoint(cfg, model, dtype, shardings, progress, quantization)
+    params = init_params(cfg, seed, dtype, shardings)
+    if quantization not in (None, *quant.QUANTIZATIONS):
+        raise ValueError(f"quantization={quantization!r} not in {(None, *quant.QUANTIZATIONS)}")
+    return quantize_params(cfg, params) if quantization == "fp8" else params
 
 
 def count(cfg: ModelConfig) -> int:
@@ -386,5 +444,5 @@ def count(cfg: ModelConfig) -> int:
 
 __all__ = [
     "ArrayInfo", "HFEntry", "array_spec", "param_spec", "init_params", "abstract_params", "load_hf_checkpoint",
-    "save_hf_checkpoint", "validate_checkpoint", "save_orbax", "restore_orbax", "load_params", "CheckpointError",
+    "save_hf_checkpoint", "validate_checkpoint", "quantize_params", "save_orbax", "restore_orbax", "load_params", "CheckpointError",
 ]

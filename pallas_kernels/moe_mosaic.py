@@ -25,6 +25,8 @@ in ascending expert order, over a fixed I split; no float atomics anywhere.
 Measured (H200, bench/results/kernels-moe-mosaic-h200-2026-11-30.json, bench_kernels.timeit, noisy at
 T <= 6): rel err vs reference 2.8e-3 to 2.9e-3 (bf16 h' rounding after the weight fold), token 0
 bit-identical alone and in the batch; T=17 ~356 us for 1.42 GB (~4.0 TB/s), Triton 799 us.
+fp8 weights: moe_mosaic_fp8 runs these same kernels (`run_kernels`) with fp8 tiles, each dequantised before its
+wgmma (`_weight_tile`), one scale per tile from a per-CTA SMEM row.
 Limits: tokens are padded to N = 64 columns (x and h' tiles cost SMEM/L2 traffic, not HBM);
 alignment is a few small XLA reductions (no sort since e3db4e6; the GPU run used the sort); up and down are two launches (no PDL yet).
 """
@@ -56,6 +58,8 @@ class MosaicMoeConfig:
       a fixed order, so the result does not depend on the batch).
     down_stages: down GEMM: TMA pipeline depth.
     n_tokens: token columns N (wgmma N; multiple of 64 so h' tiles take the 128 B swizzle; T <= N).
+    fp8_operand: fp8 weights (moe_mosaic_fp8): where the dequantised bf16 tile goes before its wgmma, "smem"
+      (a scratch tile; what the interpreter runs) or "registers" (skips the SMEM store; GPU only).
     interpret: run in the Mosaic GPU interpreter (CPU tests).
   """
   block_i: int = 64
@@ -66,6 +70,7 @@ class MosaicMoeConfig:
   split_k: int = 3
   down_stages: int = 4
   n_tokens: int = 64
+  fp8_operand: str = "smem"
   interpret: bool = False
 
   def __post_init__(self):
@@ -78,6 +83,10 @@ class MosaicMoeConfig:
     for name in ("up_stages", "down_stages", "split_k"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+    if self.fp8_operand not in ("smem", "registers"):
+      raise ValueError(f"fp8_operand={self.fp8_operand!r} not in ('smem', 'registers')")
+    if self.fp8_operand == "registers" and self.interpret:
+      raise ValueError("fp8_operand='registers': the interpreter's wgmma reads operands from SMEM only")
 
   def check(self, t: int, d: int, i: int):
     for name, blk, dim in (("block_i", self.block_i, i), ("block_k", self.block_k, d),
@@ -124,23 +133,68 @@ def _align(topk_ids, topk_weights, n, has_shared):
 # ----------------------------------------------------------------------------- kernels
 
 
-def _load_row(src_gmem, n):
-  """wc row [N] f32 from GMEM via SMEM (TMA + barrier)."""
+def _with_row(src_gmem, body):
+  """body(row_smem) with a GMEM row ([L] or [L/W, W]) f32 copied to SMEM (TMA + barrier); None -> body(None)."""
+  if src_gmem is None:
+    return body(None)
+
   def scope(row_smem, bar):
     plgpu.copy_gmem_to_smem(src_gmem, row_smem, bar)
     plgpu.barrier_wait(bar)
-    return row_smem[...]
-  return pl.run_scoped(scope, plgpu.SMEM((n,), jnp.float32), plgpu.Barrier(num_barriers=1))
+    return body(row_smem)
+  return pl.run_scoped(scope, plgpu.SMEM(src_gmem.shape, jnp.float32), plgpu.Barrier(num_barriers=1))
 
 
-def _up_slot(wg_gmem, wu_gmem, x_gmem, wc_gmem, h_gmem, s, ib, *, cfg, d, limit, shared):
-  """h'[s, ib*BI:(ib+1)*BI, :] = wc[s] * SwiGLU(wg_tile @ x^T, wu_tile @ x^T)."""
+def _load_row(src_gmem):
+  """wc row [N] f32 from GMEM via SMEM."""
+  return _with_row(src_gmem, lambda row_smem: row_smem[...])
+
+
+def _weight_tile(w_smem, scales, j, scratch):
+  """The wgmma A operand: the bf16 SMEM tile itself, or (fp8 weights: `scales` is the CTA's scale row in SMEM,
+  [L/W, W] f32 (TMA copies <= 256 per axis), one scale per tile since a tile lies in one 128 x 128 block) the
+  tile dequantised in registers with scale j of the row, bf16(f32(w8) * s) (the model's dequantised weight),
+  stored to the bf16 SMEM `scratch` tile, or kept in registers when scratch is None."""
+  if scales is None:
+    return w_smem
+  w = scales.shape[-1]
+  tile = (w_smem[...].astype(jnp.float32) * scales[j // w, j % w]).astype(jnp.bfloat16)
+  if scratch is None:
+    return tile
+  scratch[...] = tile
+  plgpu.commit_smem()
+  return scratch
+
+
+def _with_scratch(cfg, fp8, shapes, body):
+  """body(*scratch): bf16 SMEM tiles for the dequantised fp8 operands (Nones when unused)."""
+  if not fp8 or cfg.fp8_operand == "registers":
+    return body(*(None,) * len(shapes))
+  return pl.run_scoped(body, *(plgpu.SMEM(shape, jnp.bfloat16) for shape in shapes))
+
+
+def _await_register_operands(scales):
+  """A register A operand must stay untouched until its wgmma has read it (fp8: wait each step)."""
+  if scales is not None:
+    plgpu.wgmma_wait(0)
+
+
+def _up_slot(wg_gmem, wu_gmem, x_gmem, wc_gmem, h_gmem, s, ib, *, cfg, d, limit, shared, scales_gmem=None):
+  """h'[s, ib*BI:(ib+1)*BI, :] = wc[s] * SwiGLU(wg_tile @ x^T, wu_tile @ x^T).
+  scales_gmem (fp8 weights): this CTA's row of scales, gate's of K step k at k, up's at d/BK + k."""
   bi, bk, n = cfg.block_i, cfg.block_k, cfg.n_tokens
 
   def acc_scope(acc_g, acc_u):
-    def step(_, g_smem, u_smem, x_smem):
-      plgpu.wgmma(acc_g, g_smem, x_smem.transpose((1, 0)))            # [BI, BK] @ [BK, N]
-      plgpu.wgmma(acc_u, u_smem, x_smem.transpose((1, 0)))
+    body = lambda scales: _with_scratch(cfg, scales is not None, [(bi, bk)] * 2,
+                                        functools.partial(pipeline, acc_g, acc_u, scales))
+    return _with_row(scales_gmem, body)
+
+  def pipeline(acc_g, acc_u, scales, g_tmp, u_tmp):
+    def step(idx, g_smem, u_smem, x_smem):
+      (k,) = idx
+      plgpu.wgmma(acc_g, _weight_tile(g_smem, scales, k, g_tmp), x_smem.transpose((1, 0)))  # [BI, BK] @ [BK, N]
+      plgpu.wgmma(acc_u, _weight_tile(u_smem, scales, d // bk + k, u_tmp), x_smem.transpose((1, 0)))
+      _await_register_operands(scales)
 
     spec = lambda shape, imap: plgpu.BlockSpec(shape, imap, delay_release=1)
     plgpu.emit_pipeline(
@@ -152,7 +206,7 @@ def _up_slot(wg_gmem, wu_gmem, x_gmem, wc_gmem, h_gmem, s, ib, *, cfg, d, limit,
     return acc_g[...], acc_u[...]
 
   g, u = pl.run_scoped(acc_scope, plgpu.ACC((bi, n)), plgpu.ACC((bi, n)))
-  wc = _load_row(wc_gmem.at[s], n)                                    # [N]
+  wc = _load_row(wc_gmem.at[s])                                       # [N]
   h = _swiglu(g, u, limit, shared) * lax.broadcast_in_dim(wc, (bi, n), (1,))
 
   def store(h_smem):
@@ -164,12 +218,15 @@ def _up_slot(wg_gmem, wu_gmem, x_gmem, wc_gmem, h_gmem, s, ib, *, cfg, d, limit,
   pl.run_scoped(store, plgpu.SMEM((bi, n), h_gmem.dtype))
 
 
-def _up_kernel(meta, x_gmem, wc_gmem, wg_gmem, wu_gmem, *rest, cfg, d, p, limit, shared_limit,
-               has_shared):
+def _up_kernel(meta, x_gmem, wc_gmem, *rest, cfg, d, p, limit, shared_limit, has_shared, fp8):
+  """rest: ([up scales [S, I/128, R, W] if fp8], w_gate, w_up, [shared gate, up], h')."""
+  scales, rest = (rest[0], rest[1:]) if fp8 else (None, rest)
+  wg_gmem, wu_gmem, *rest = rest
   swg, swu, h_gmem = rest if has_shared else (None, None, rest[0])
   s, ib = lax.axis_index("s"), lax.axis_index("i")
+  rows = None if scales is None else scales.at[s, (ib * cfg.block_i) // 128]
   up = functools.partial(_up_slot, x_gmem=x_gmem, wc_gmem=wc_gmem, h_gmem=h_gmem, s=s, ib=ib,
-                         cfg=cfg, d=d)
+                         cfg=cfg, d=d, scales_gmem=rows)
 
   @pl.when(s < meta[0])
   def _routed():
@@ -182,18 +239,29 @@ def _up_kernel(meta, x_gmem, wc_gmem, wg_gmem, wu_gmem, *rest, cfg, d, p, limit,
       up(swg, swu, limit=shared_limit, shared=True)
 
 
-def _down_kernel(meta, h_gmem, wd_gmem, *rest, cfg, d, i, p, has_shared):
-  """out_part[ks, db*BD:(db+1)*BD, :] = sum_s W_down[e_s][rows, chunk ks] @ h'[s, chunk ks]."""
+def _down_kernel(meta, h_gmem, *rest, cfg, d, i, p, has_shared, fp8):
+  """out_part[ks, db*BD:(db+1)*BD, :] = sum_s W_down[e_s][rows, chunk ks] @ h'[s, chunk ks].
+  rest: ([down scales [D/128, KS, R, W] if fp8: step j of slot s at s * kper + j], w_down, [shared down], out)."""
+  scales, rest = (rest[0], rest[1:]) if fp8 else (None, rest)
+  wd_gmem, *rest = rest
   swd, out_gmem = rest if has_shared else (None, rest[0])
   db, ks = lax.axis_index("d"), lax.axis_index("k")
   bd, bkd, n = cfg.block_d, cfg.block_kd, cfg.n_tokens
   kper = i // (cfg.split_k * bkd)                   # pipeline steps per slot
   k0 = ks * kper                                    # first I block of this CTA's chunk
   spec = lambda shape, imap: plgpu.BlockSpec(shape, imap, delay_release=1)
+  row = None if scales is None else scales.at[(db * bd) // 128, ks]
 
   def acc_scope(acc):
-    def step(_, w_smem, h_smem):
-      plgpu.wgmma(acc, w_smem, h_smem)                                # [BD, BKD] @ [BKD, N]
+    body = lambda scales: _with_scratch(cfg, scales is not None, [(bd, bkd)],
+                                        functools.partial(pipelines, acc, scales))
+    return _with_row(row, body)
+
+  def pipelines(acc, scales, w_tmp):
+    def step(idx, w_smem, h_smem, base=0):
+      (j,) = idx
+      plgpu.wgmma(acc, _weight_tile(w_smem, scales, base + j, w_tmp), h_smem)  # [BD, BKD] @ [BKD, N]
+      _await_register_operands(scales)
 
     # Routed: step j -> slot j // kper (ascending expert), I block k0 + j % kper.
     # wd_gmem is [E * D, I]; h_gmem is [S * I, N].
@@ -206,7 +274,7 @@ def _down_kernel(meta, h_gmem, wd_gmem, *rest, cfg, d, i, p, has_shared):
     )(wd_gmem, h_gmem)
     if has_shared:
       plgpu.emit_pipeline(
-          step, grid=(kper,),
+          functools.partial(step, base=p * kper), grid=(kper,),
           in_specs=[spec((bd, bkd), lambda j: (db, k0 + j)),
                     spec((bkd, n), lambda j: (p * (i // bkd) + k0 + j, 0))],
           max_concurrent_steps=cfg.down_stages,
@@ -247,26 +315,37 @@ def moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, limit=0.0, shared=No
     sh = _dense_expert(x, *shared, shared_limit, True)
     return (routed.astype(jnp.float32) + sh).astype(x.dtype)
 
-  has_shared, p, n = shared is not None, t * a, cfg.n_tokens
-  meta, wc = _align(topk_ids, topk_weights, n, has_shared)            # [1+P], [S, N]
+  meta, wc = _align(topk_ids, topk_weights, cfg.n_tokens, shared is not None)  # [1+P], [S, N]
+  return run_kernels(x, meta, wc, w_gate, w_up, w_down, shared, limit=limit, shared_limit=shared_limit, cfg=cfg)
+
+
+def run_kernels(x, meta, wc, w_gate, w_up, w_down, shared, *, limit, shared_limit, cfg, scales=None):
+  """The up and down launches and the fixed-order sum of the split-K partials, on checked operands.
+  scales (fp8 weights, see moe_mosaic_fp8.scale_tables): (up [S, I/128, R, W], down [D/128, KS, R', W]) f32."""
+  t, d = x.shape
+  e, i, _ = w_gate.shape
+  has_shared, p, n = shared is not None, wc.shape[0] - 1, cfg.n_tokens
+  fp8 = scales is not None
+  up_scales, down_scales = scales if fp8 else ((), ())
   x_pad = jnp.pad(x, ((0, n - t), (0, 0)))                            # [N, D]
   interp = plgpu.InterpretGPUParams() if cfg.interpret else None
   params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
 
   up = plgpu.kernel(
       functools.partial(_up_kernel, cfg=cfg, d=d, p=p, limit=float(limit),
-                        shared_limit=float(shared_limit), has_shared=has_shared),
+                        shared_limit=float(shared_limit), has_shared=has_shared, fp8=fp8),
       out_type=jax.ShapeDtypeStruct((p + 1, i, n), x.dtype),
       grid=(p + 1, i // cfg.block_i), grid_names=("s", "i"),
       compiler_params=params, interpret=interp)
-  h = up(meta, x_pad, wc, w_gate, w_up, *(shared[:2] if has_shared else ()))  # [S, I, N]
+  h = up(meta, x_pad, wc, *([up_scales] if fp8 else []), w_gate, w_up,
+         *(shared[:2] if has_shared else ()))                        # [S, I, N]
 
   down = plgpu.kernel(
-      functools.partial(_down_kernel, cfg=cfg, d=d, i=i, p=p, has_shared=has_shared),
+      functools.partial(_down_kernel, cfg=cfg, d=d, i=i, p=p, has_shared=has_shared, fp8=fp8),
       out_type=jax.ShapeDtypeStruct((cfg.split_k, d, n), jnp.float32),
       grid=(d // cfg.block_d, cfg.split_k), grid_names=("d", "k"),
       compiler_params=params, interpret=interp)
-  parts = down(meta, h.reshape((p + 1) * i, n), w_down.reshape(e * d, i),
+  parts = down(meta, h.reshape((p + 1) * i, n), *([down_scales] if fp8 else []), w_down.reshape(e * d, i),
                *(shared[2:] if has_shared else ()))                  # [KS, D, N]
   out = parts[0]
   for k in range(1, cfg.split_k):                                     # fixed order

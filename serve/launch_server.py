@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--random-weights", action="store_true", help="random init even when --model-path is a dir")
     p.add_argument("--seed", type=int, default=0, help="random-init seed and the server's sampling-seed source")
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    p.add_argument("--quantization", choices=["fp8"], default=None,
+                   help="fp8: block-fp8 linear weights; a bf16 checkpoint is quantised while it loads")
     p.add_argument("--log-level", default="info")
     p.add_argument("--enable-deterministic-inference", action="store_true",
                    help="every target pass runs a fixed row count, so greedy output is identical with or without "
@@ -105,7 +107,7 @@ def make_loader(a: argparse.Namespace, cfg, spec, tokenizer, mesh, shardings, co
         from tqdm import tqdm
 
         from ling_jax.runner import Generator
-        from ling_jax.weights import array_spec, init_params, load_params
+        from ling_jax.weights import array_spec, init_params, load_params, quantize_params
         from serve.engine import warmup
         from serve.protocol import ModelLimits
 
@@ -118,12 +120,13 @@ def make_loader(a: argparse.Namespace, cfg, spec, tokenizer, mesh, shardings, co
         if a.random_weights or not os.path.isdir(a.model_path):
             with tqdm(total=1, desc="random init", unit="model", file=sys.stderr) as bar:
                 params = init_params(cfg, a.seed, dtype, shardings)
+                params = quantize_params(cfg, params) if a.quantization == "fp8" else params
                 jax.block_until_ready(params)
                 bar.update()
         else:
             with tqdm(total=len(array_spec(cfg)), desc="loading weights", unit="tensor", file=sys.stderr) as bar:
                 params = load_params(cfg, a.model_path, dtype=dtype, shardings=shardings,
-                                     progress=lambda i, n: bar.update(i - bar.n))
+                                     progress=lambda i, n: bar.update(i - bar.n), quantization=a.quantization)
                 jax.block_until_ready(params)
         logging.info("weights ready in %.1f s", time.perf_counter() - t0)
         if a.nnodes > 1:

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ling_jax.layers.norms import l2_normalize
+from ling_jax.quant import dense
 
 
 class KdaPending(NamedTuple):
@@ -155,7 +156,7 @@ def kda_project(p, x, conv_window, cfg):
     """
     B, T, _ = x.shape
     H, Kd = cfg.num_attention_heads, cfg.head_dim
-    proj = jnp.einsum("btd,scd->btsc", x, p["w_qkvfg"])  # [B, T, 5, C]: q, k, v, f, g streams
+    proj = jnp.einsum("btd,scd->btsc", x, dense(p["w_qkvfg"], x.dtype))  # [B, T, 5, C]: q, k, v, f, g streams
     qkv_raw = proj[:, :, :3]  # [B, T, 3, C]
     qkv = short_conv(qkv_raw, p["conv_w"][:, :, 0, :], conv_window)  # conv_w [3, C, 1, W]
     # l2norm in fp32, rounded to the activation dtype before the fp32 recurrence (as fla does).
@@ -164,7 +165,7 @@ def kda_project(p, x, conv_window, cfg):
     k = to_act(l2_normalize(qkv[:, :, 1].reshape(B, T, H, Kd)))
     v = qkv[:, :, 2].reshape(B, T, H, Kd).astype(jnp.float32)
     g = kda_gate(proj[:, :, 3].reshape(B, T, H, Kd), p["A_log"], p["dt_bias"], cfg.kda_lower_bound)
-    beta = jax.nn.sigmoid(jnp.einsum("btd,hd->bth", x, p["b_proj"]).astype(jnp.float32))
+    beta = jax.nn.sigmoid(jnp.einsum("btd,hd->bth", x, dense(p["b_proj"], x.dtype)).astype(jnp.float32))
     out_gate = proj[:, :, 4]
     return q, k, v, g, beta, qkv_raw, out_gate
 
@@ -175,7 +176,7 @@ def kda_output(p, o, out_gate, cfg, dtype):
     o = o.astype(dtype).astype(jnp.float32)  # the recurrence hands its output over in the activation dtype
     o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + cfg.rms_norm_eps)
     o = o * p["o_norm"].astype(jnp.float32) * jax.nn.sigmoid(out_gate.astype(jnp.float32)).reshape(B, T, H, Vd)
-    return jnp.einsum("btc,dc->btd", o.reshape(B, T, H * Vd).astype(dtype), p["o_proj"])
+    return jnp.einsum("btc,dc->btd", o.reshape(B, T, H * Vd).astype(dtype), dense(p["o_proj"], dtype))
 
 
 def no_op_mask(g, beta, n_valid):
@@ -188,8 +189,8 @@ def no_op_mask(g, beta, n_valid):
 def _kernel_inputs(p, x, conv_window, rec_state):
     """The fused KDA kernels' arguments (raw q/k/v/f streams, b, gates, conv weights, states) and the out-gate
     stream, from one projection of x."""
-    proj = jnp.einsum("btd,scd->btsc", x, p["w_qkvfg"])  # [B, T, 5, C]
-    b_raw = jnp.einsum("btd,hd->bth", x, p["b_proj"])
+    proj = jnp.einsum("btd,scd->btsc", x, dense(p["w_qkvfg"], x.dtype))  # [B, T, 5, C]
+    b_raw = jnp.einsum("btd,hd->bth", x, dense(p["b_proj"], x.dtype))
     conv_w = p["conv_w"]  # [3, C, 1, W]
     args = (proj[:, :, 0], proj[:, :, 1], proj[:, :, 2], proj[:, :, 3], b_raw, p["A_log"], p["dt_bias"],
             conv_w[0], conv_w[1], conv_w[2], conv_window, rec_state)

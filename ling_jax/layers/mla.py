@@ -21,12 +21,13 @@ from jax import lax
 
 from ling_jax.layers.norms import rms_norm
 from ling_jax.layers.rope import apply_rope_interleaved, rope_angles
+from ling_jax.quant import dense
 
 
-def _split_kv_b(p, cfg):
-    """kv_b_proj [H*(P+Vh), Lr] -> W_uk [H, P, Lr], W_uv [H, Vh, Lr]."""
+def _split_kv_b(p, cfg, dtype):
+    """kv_b_proj [H*(P+Vh), Lr] -> W_uk [H, P, Lr], W_uv [H, Vh, Lr] (fp8 weights dequantised to dtype)."""
     H, P, Vh = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
-    w = p["kv_b_proj"].reshape(H, P + Vh, -1)
+    w = dense(p["kv_b_proj"], dtype).reshape(H, P + Vh, -1)
     return w[:, :P], w[:, P:]
 
 
@@ -35,10 +36,10 @@ def mla_queries(p, x, positions, cfg):
     B, T, _ = x.shape
     H = cfg.num_attention_heads
     if cfg.q_lora_rank is None:
-        q = jnp.einsum("btd,fd->btf", x, p["q_proj"])
+        q = jnp.einsum("btd,fd->btf", x, dense(p["q_proj"], x.dtype))
     else:
-        q_a = rms_norm(jnp.einsum("btd,fd->btf", x, p["q_a_proj"]), p["q_a_layernorm"], cfg.rms_norm_eps)
-        q = jnp.einsum("btr,fr->btf", q_a, p["q_b_proj"])
+        q_a = rms_norm(jnp.einsum("btd,fd->btf", x, dense(p["q_a_proj"], x.dtype)), p["q_a_layernorm"], cfg.rms_norm_eps)
+        q = jnp.einsum("btr,fr->btf", q_a, dense(p["q_b_proj"], x.dtype))
     q = q.reshape(B, T, H, cfg.qk_head_dim)
     cos, sin = rope_angles(positions, cfg.qk_rope_head_dim, cfg.rope_theta)  # [B, T, R/2]
     q_rope = apply_rope_interleaved(q[..., cfg.qk_nope_head_dim :], cos[:, :, None], sin[:, :, None])
@@ -47,7 +48,7 @@ def mla_queries(p, x, positions, cfg):
 
 def mla_cache_rows(p, x, positions, cfg):
     """x [B, T, D] -> cache rows [B, T, Lr + R]: normalised latent and rotated shared rope key."""
-    c = jnp.einsum("btd,fd->btf", x, p["kv_a_proj_with_mqa"])
+    c = jnp.einsum("btd,fd->btf", x, dense(p["kv_a_proj_with_mqa"], x.dtype))
     latent = rms_norm(c[..., : cfg.kv_lora_rank], p["kv_a_layernorm"], cfg.rms_norm_eps)
     cos, sin = rope_angles(positions, cfg.qk_rope_head_dim, cfg.rope_theta)
     k_rope = apply_rope_interleaved(c[..., cfg.kv_lora_rank :], cos, sin)
@@ -72,7 +73,7 @@ def _causal_mask(positions, S):
 
 def attend_plain(p, q_nope, q_rope, cache, positions, cfg):
     """Prefill path: expand keys/values of every slot. Returns [B, T, H, Vh] f32."""
-    w_uk, w_uv = _split_kv_b(p, cfg)
+    w_uk, w_uv = _split_kv_b(p, cfg, cache.dtype)
     latent, k_rope = cache[..., : cfg.kv_lora_rank], cache[..., cfg.kv_lora_rank :]
     k_nope = jnp.einsum("bsl,hpl->bshp", latent, w_uk)
     v = jnp.einsum("bsl,hvl->bshv", latent, w_uv)
@@ -100,7 +101,7 @@ def attend_absorbed(p, q_nope, q_rope, cache, positions, cfg, *, kernels=None, l
     """Decode/verify path: attention over latent rows with W_uk, W_uv absorbed. Returns [B, T, H, Vh] f32.
     cache: [B, S, F], or the stacked [L, B, S, F] read at `layer`. kernels: a KernelCalls whose MLA kernel reads
     the live prefix only (None, or a shape it does not take: the jnp context over every slot)."""
-    w_uk, w_uv = _split_kv_b(p, cfg)
+    w_uk, w_uv = _split_kv_b(p, cfg, q_nope.dtype)
     q_lat = jnp.einsum("bthp,hpl->bthl", q_nope, w_uk)  # query in latent space
     ctx = None
     if kernels is not None:
@@ -131,6 +132,6 @@ def mla_layer(p, x, cache, lengths, cfg, *, absorbed: bool, layer: int | None = 
         o = attend_absorbed(p, q_nope, q_rope, cache, positions, cfg, kernels=kernels, layer=layer)
     else:
         o = attend_plain(p, q_nope, q_rope, cache if layer is None else cache[layer], positions, cfg)
-    gate = jax.nn.sigmoid(jnp.einsum("btd,hd->bth", x, p["g_proj"]).astype(jnp.float32))
+    gate = jax.nn.sigmoid(jnp.einsum("btd,hd->bth", x, dense(p["g_proj"], x.dtype)).astype(jnp.float32))
     o = (o * gate[..., None]).reshape(B, T, -1).astype(x.dtype)
-    return jnp.einsum("btc,dc->btd", o, p["dense"]), cache
+    return jnp.einsum("btc,dc->btd", o, dense(p["dense"], x.dtype)), cache

@@ -15,6 +15,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ling_jax.quant import dense, take
+
 
 def _rounded(a, dtype):
     """Round an fp32 intermediate to the activation dtype, as the reference computes it (no-op in fp32)."""
@@ -39,11 +41,12 @@ def swiglu_shared(gate, up, limit: float):
 
 
 def dense_mlp(p, x, limit: float = 0.0):
-    """down(act(gate(x)) * up(x)) in the weight dtype; p = {gate_proj [F, D], up_proj [F, D], down_proj [D, F]}."""
-    g = jnp.einsum("...d,fd->...f", x, p["gate_proj"])
-    u = jnp.einsum("...d,fd->...f", x, p["up_proj"])
+    """down(act(gate(x)) * up(x)) in the weight dtype; p = {gate_proj [F, D], up_proj [F, D], down_proj [D, F]}
+    (fp8 weights dequantised to x.dtype)."""
+    g = jnp.einsum("...d,fd->...f", x, dense(p["gate_proj"], x.dtype))
+    u = jnp.einsum("...d,fd->...f", x, dense(p["up_proj"], x.dtype))
     h = swiglu_shared(g, u, limit)
-    return jnp.einsum("...f,df->...d", h, p["down_proj"])
+    return jnp.einsum("...f,df->...d", h, dense(p["down_proj"], x.dtype))
 
 
 def router_logits(x, gate_w, *, fp32_weight: bool):
@@ -75,21 +78,22 @@ def routed_experts(x, ids, weights, w_gate, w_up, w_down, limit: float):
     """sum_a weights[t, a] * Expert_{ids[t, a]}(x_t), fp32 combine. x [T, D]; w_gate/w_up [E, I, D]; w_down [E, D, I].
 
     Few tokens: gather the A chosen experts per token. Many tokens: every expert over every token, weighted
-    by a dense [T, E] combine matrix (no gather of T*A expert copies).
+    by a dense [T, E] combine matrix (no gather of T*A expert copies). fp8 experts: gathered, then dequantised.
     """
     T = x.shape[0]
     E = w_gate.shape[0]
     if T * ids.shape[1] <= E:
-        g = jnp.einsum("td,tafd->taf", x, w_gate[ids])
-        u = jnp.einsum("td,tafd->taf", x, w_up[ids])
+        pick = lambda w: dense(take(w, ids), x.dtype)  # [T, A, ., .]
+        g = jnp.einsum("td,tafd->taf", x, pick(w_gate))
+        u = jnp.einsum("td,tafd->taf", x, pick(w_up))
         h = swiglu_routed(g, u, limit)
-        y = jnp.einsum("taf,tadf->tad", h, w_down[ids])  # each expert's output in the activation dtype
+        y = jnp.einsum("taf,tadf->tad", h, pick(w_down))  # each expert's output in the activation dtype
         return jnp.einsum("tad,ta->td", y.astype(jnp.float32), weights)
     combine = jnp.zeros((T, E), jnp.float32).at[jnp.arange(T)[:, None], ids].add(weights)
-    g = jnp.einsum("td,efd->tef", x, w_gate)
-    u = jnp.einsum("td,efd->tef", x, w_up)
+    g = jnp.einsum("td,efd->tef", x, dense(w_gate, x.dtype))
+    u = jnp.einsum("td,efd->tef", x, dense(w_up, x.dtype))
     h = swiglu_routed(g, u, limit)
-    y = jnp.einsum("tef,edf->ted", h, w_down)
+    y = jnp.einsum("tef,edf->ted", h, dense(w_down, x.dtype))
     return jnp.einsum("ted,te->td", y.astype(jnp.float32), combine)
 
 
@@ -117,11 +121,12 @@ def moe_layer(p, x, cfg, *, routed_limit: float, shared_limit: float, router_fp3
     live_rows[b]-1's experts and weights, so they add no expert reads (their outputs are discarded)."""
     shape = x.shape
     xt = x.reshape(-1, shape[-1])
+    gate_w = dense(p["gate_w"], x.dtype)
     routed = None
     if kernels is not None and not router_fp32:  # one fused Pallas router (matvec + sigmoid + grouped top-k)
-        routed = kernels.route(xt, p["gate_w"], p["expert_bias"], cfg)
+        routed = kernels.route(xt, gate_w, p["expert_bias"], cfg)
     if routed is None:
-        routed = route(router_logits(xt, p["gate_w"], fp32_weight=router_fp32), p["expert_bias"], cfg)
+        routed = route(router_logits(xt, gate_w, fp32_weight=router_fp32), p["expert_bias"], cfg)
     ids, w = routed
     if live_rows is not None:
         ids, w = borrow_routing(ids, w, live_rows, shape[:-1])

@@ -37,6 +37,7 @@ from ling_jax.nextn import mtp_forward
 from ling_jax.state import init_state
 from ling_jax.train.data import random_windows
 from ling_jax.weights import array_spec, unflatten
+from ling_jax.quant import Fp8Weight
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,9 @@ def bias_mask(cfg: ModelConfig) -> dict:
 
 
 def cast_params(params, cfg: ModelConfig, dtype):
-    return jax.tree.map(lambda p, keep: p if keep else p.astype(dtype), params, fp32_mask(cfg))
+    """Arrays to dtype except the fp32 ones; block-fp8 weights (quant.Fp8Weight) stay fp8 (layers dequantise)."""
+    cast = lambda keep, p: p if keep or isinstance(p, Fp8Weight) else p.astype(dtype)
+    return jax.tree.map(cast, fp32_mask(cfg), params)
 
 
 def moe_layer_paths(cfg: ModelConfig) -> list[tuple]:

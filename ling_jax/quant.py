@@ -1,0 +1,196 @@
+"""Block fp8 weights in the DeepSeek-V3 layout (as inclusionAI publishes Ling-3.0-flash-fp8): the math and the
+checkpoint format.
+
+Shape legend: N output rows, K input columns of one linear weight [N, K] (leading axes, e.g. experts, are kept),
+B = 128 the block edge, nN = ceil(N / B), nK = ceil(K / B).
+
+    per block (i, j) of W:  s[i, j] = amax |W[iB:(i+1)B, jB:(j+1)B]| / 448      (448 = the largest e4m3 value)
+                            W8 = round_e4m3(W / s)          W ~ W8 * s          (s is stored as `weight_scale_inv`)
+Ragged edges (N or K not a multiple of B) form smaller blocks: the ceil in nN, nK. An all-zero block gets s = 0
+and W8 = 0 (DeepSeek's weight_quant computes 0 / 0 = NaN there; we keep its scale and store zeros, which
+dequantise to the exact block). Dequantising is the reference the kernels are tested against:
+    W = bf16(f32(W8) * repeat(s))         (the scale applied in fp32, one rounding to the activation dtype)
+
+Checkpoint format (config.json `quantization_config`):
+    {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], "activation_scheme": "dynamic",
+     "modules_to_not_convert": [module names kept in bf16]}     (vLLM-style files call the list "ignored_layers")
+and each quantised linear as `<module>.weight` F8_E4M3 [N, K] + `<module>.weight_scale_inv` F32 [nN, nK].
+Which tensors are fp8 follows the checkpoint; a weight whose storage contradicts the config is an error naming it.
+`--quantization fp8` quantises a bf16 checkpoint while it loads, with DeepSeek's policy (`fp8_policy`): every
+2-D linear weight except the embedding, lm_head, the MoE router gate and the MTP eh_proj.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from ling_jax.safetensors_io import CheckpointError
+
+BLOCK = 128
+FP8 = jnp.float8_e4m3fn
+FP8_MAX = 448.0  # jnp.finfo(float8_e4m3fn).max
+QUANTIZATIONS = ("fp8",)
+ACTIVATION_SCHEMES = ("dynamic",)  # activations stay bf16 here; "static" would ship input scales we do not use
+SCALE_SUFFIX = "_scale_inv"
+NOT_QUANTISED = ("lm_head.weight", ".mlp.gate.weight", ".eh_proj.weight", "word_embeddings.weight")
+
+
+class Fp8Weight(NamedTuple):
+    """One block-fp8 weight (a pytree): w8 [..., N, K] float8_e4m3fn, scale_inv [..., nN, nK] float32."""
+
+    w8: jax.Array
+    scale_inv: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.w8.shape)
+
+
+def scale_shape(shape: tuple[int, ...], block: int = BLOCK) -> tuple[int, ...]:
+    """[..., N, K] -> [..., ceil(N / block), ceil(K / block)]."""
+    *lead, n, k = shape
+    return (*lead, math.ceil(n / block), math.ceil(k / block))
+
+
+def _blocks(w, block):
+    """[..., N, K] -> zero-padded [..., nN, B, nK, B] (zeros never raise a block's amax)."""
+    *lead, n, k = w.shape
+    nn, nk = scale_shape(w.shape, block)[-2:]
+    pad = [(0, 0)] * len(lead) + [(0, nn * block - n), (0, nk * block - k)]
+    return jnp.pad(w, pad).reshape(*lead, nn, block, nk, block)
+
+
+def _expand(scale, shape, block):
+    """scale [..., nN, nK] -> [..., N, K]: each block's scale repeated over its elements (ragged edges cropped)."""
+    n, k = shape[-2:]
+    s = jnp.repeat(jnp.repeat(scale, block, axis=-2), block, axis=-1)
+    return s[..., :n, :k]
+
+
+@jax.jit
+def quantize(w) -> Fp8Weight:
+    """w [..., N, K] (bf16 / f32) -> Fp8Weight, one scale per 128 x 128 block of the last two axes."""
+    wf = w.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(_blocks(wf, BLOCK)), axis=(-3, -1))  # [..., nN, nK]
+    scale = amax / FP8_MAX
+    safe = jnp.where(scale > 0, scale, 1.0)  # all-zero block: W / 1 = 0 (not 0 / 0)
+    w8 = (wf / _expand(safe, w.shape, BLOCK)).astype(FP8)
+    return Fp8Weight(w8, scale)
+
+
+def dequantize(q: Fp8Weight, dtype=jnp.bfloat16) -> jax.Array:
+    """W = f32(W8) * repeat(scale_inv), rounded once to dtype."""
+    s = _expand(q.scale_inv.astype(jnp.float32), q.w8.shape, BLOCK)
+    return (q.w8.astype(jnp.float32) * s).astype(dtype)
+
+
+def dense(w, dtype):
+    """A weight as the dense array its einsum takes: dequantised to `dtype` when fp8, else unchanged."""
+    return dequantize(w, dtype) if isinstance(w, Fp8Weight) else w
+
+
+def take(w, ids):
+    """w[ids] along the leading (expert) axis, for a dense array or an Fp8Weight (both parts gathered)."""
+    if isinstance(w, Fp8Weight):
+        return Fp8Weight(w.w8[ids], w.scale_inv[ids])
+    return w[ids]
+
+
+def quantize_numpy(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The same quantisation on the host (checkpoint writers): -> (w8 float8_e4m3fn, scale_inv float32)."""
+    q = quantize(jnp.asarray(w))
+    return np.asarray(q.w8), np.asarray(q.scale_inv)
+
+
+# ---- which weights -----------------------------------------------------------------------------------------------
+
+
+def fp8_policy(hf_name: str, hf_shape: tuple[int, ...]) -> bool:
+    """Whether `--quantization fp8` quantises this HF tensor (DeepSeek's bf16_cast_fp8 skip list, 2-D weights)."""
+    return len(hf_shape) == 2 and hf_name.endswith(".weight") and not hf_name.endswith(NOT_QUANTISED)
+
+
+def can_be_fp8(hf_name: str, hf_shape: tuple[int, ...]) -> bool:
+    """Whether a checkpoint may store this tensor as fp8: any 2-D linear weight (the embedding is a lookup)."""
+    return len(hf_shape) == 2 and hf_name.endswith(".weight") and not hf_name.endswith("word_embeddings.weight")
+
+
+def module_name(hf_name: str) -> str:
+    return hf_name[: -len(".weight")] if hf_name.endswith(".weight") else hf_name
+
+
+# ---- config.json ---------------------------------------------------------------------------------------------------
+
+
+class Fp8Config(NamedTuple):
+    """The parsed `quantization_config` of a block-fp8 checkpoint."""
+
+    block: tuple[int, int]
+    not_converted: frozenset[str]  # module names kept in bf16
+
+
+def quantization_config(not_converted) -> dict:
+    """The `quantization_config` we write (DeepSeek-V3's keys plus the HF list of unconverted modules)."""
+    return {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [BLOCK, BLOCK], "activation_scheme": "dynamic",
+            "modules_to_not_convert": sorted(not_converted)}
+
+
+def read_quantization_config(config: dict, where: str = "config.json") -> Fp8Config | None:
+    """config.json dict -> Fp8Config, or None for an unquantised checkpoint. Any value not implemented is an error."""
+    q = config.get("quantization_config")
+    if q is None:
+        return None
+    if q.get("quant_method") != "fp8":
+        raise CheckpointError(f"{where}: quantization_config.quant_method={q.get('quant_method')!r}: only 'fp8' "
+                              "(block fp8, DeepSeek-V3 layout) is implemented")
+    if q.get("fmt", "e4m3") != "e4m3":
+        raise CheckpointError(f"{where}: quantization_config.fmt={q['fmt']!r}: only 'e4m3' is implemented")
+    if list(q.get("weight_block_size") or []) != [BLOCK, BLOCK]:
+        raise CheckpointError(f"{where}: quantization_config.weight_block_size={q.get('weight_block_size')!r}: "
+                              f"only [{BLOCK}, {BLOCK}] is implemented")
+    if q.get("activation_scheme", "dynamic") not in ACTIVATION_SCHEMES:
+        raise CheckpointError(f"{where}: quantization_config.activation_scheme={q['activation_scheme']!r}: only "
+                              f"{ACTIVATION_SCHEMES} (weights fp8, activations bf16) is implemented")
+    names = list(q.get("modules_to_not_convert") or []) + list(q.get("ignored_layers") or [])
+    return Fp8Config((BLOCK, BLOCK), frozenset(names))
+
+
+def stored_fp8(spec: dict, where: dict, qcfg: Fp8Config | None, model_dir: str) -> set[str]:
+    """The HF names (keys of the param spec) this checkpoint stores as block fp8, after checking each one:
+    F8_E4M3 weight with an F32 `_scale_inv` of the block shape, a tensor that may be fp8, a quantization_config
+    that does not list it as unconverted. `where`: tensor name -> SafetensorsFile."""
+    fp8 = np.dtype(ml_dtypes.float8_e4m3fn)
+    out = set()
+    for name, e in spec.items():
+        sname = name + SCALE_SUFFIX
+        is_fp8 = name in where and where[name].header[name][0] == fp8
+        if not is_fp8:
+            if sname in where:
+                raise CheckpointError(f"{where[sname].path}: {sname} scales tensor {name}, which is not F8_E4M3")
+            continue
+        path = where[name].path
+        if qcfg is None:
+            raise CheckpointError(f"{path}: tensor {name} is F8_E4M3 but config.json has no quantization_config")
+        if module_name(name) in qcfg.not_converted:
+            raise CheckpointError(f"{path}: tensor {name} is F8_E4M3 but quantization_config lists "
+                                  f"{module_name(name)!r} in modules_to_not_convert")
+        if not can_be_fp8(name, e.shape):
+            raise CheckpointError(f"{path}: tensor {name} {e.shape} is F8_E4M3; only 2-D linear weights can be fp8")
+        if sname not in where:
+            raise CheckpointError(f"{path}: tensor {name} is F8_E4M3 but its scales {sname} are missing")
+        dt, shape, _ = where[sname].header[sname]
+        if dt != np.dtype(np.float32) or tuple(shape) != scale_shape(e.shape):
+            raise CheckpointError(f"{where[sname].path}: tensor {sname}: expected float32 {scale_shape(e.shape)}, "
+                                  f"found {dt} {tuple(shape)}")
+        out.add(name)
+    return out
+
+
+__all__ = ["Fp8Weight", "Fp8Config", "quantize", "dequantize", "dense", "take", "quantize_numpy", "fp8_policy",
+           "can_be_fp8", "quantization_config", "read_quantization_config", "stored_fp8", "scale_shape", "BLOCK"]

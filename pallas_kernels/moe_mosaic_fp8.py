@@ -1,0 +1,109 @@
+"""Routed + shared MoE with block-fp8 weights and bf16 activations: the Mosaic GPU kernels of moe_mosaic.
+
+Shape legend (as moe_mosaic): T tokens, N token columns, D hidden, A experts per token, E experts, I expert
+width, P = T*A pairs, S = P + 1 slots (slot P: the shared expert), KS the split of I in the down GEMM,
+KPS = I / (KS * BKD) down steps per slot and CTA, nI = ceil(I/128), nD = ceil(D/128) scale blocks.
+
+Weights are (w8, scale_inv) pairs in the DeepSeek-V3 layout (ling_jax.quant.Fp8Weight is one):
+  w_gate, w_up: w8 [E, I, D] e4m3, scale_inv [E, nI, nD] f32; w_down: w8 [E, D, I], scale_inv [E, nD, nI];
+  shared: three pairs of [I, D], [I, D], [D, I] weights and their [nI, nD] / [nD, nI] scales.
+Math: moe_mosaic's with W = bf16(f32(W8) * s) per 128 x 128 block (the model's dequantised weight, so the
+reference is the model's routed_experts + dense_mlp on dequantised weights; only summation order differs).
+
+Plan: the same two launches and pipelines as the bf16 kernel (moe_mosaic.run_kernels); TMA streams the fp8
+tiles (half the bytes), and each pipeline step dequantises its [BI, BK] (up) or [BD, BKD] (down) tile in
+registers, bf16(f32(w8) * s), before a bf16 wgmma with fp32 accumulation. A tile lies inside one scale block
+(tiles divide 128), so it takes one scalar scale, read from a per-CTA scale row in SMEM that one TMA copy loads
+before the pipeline. The rows come from two small XLA gathers over the aligned slots (the scale tables).
+
+Why not e4m3 wgmma with per-block scale promotion: Hopper's fp8 wgmma takes fp8 for BOTH operands, so the
+tokens x and h' would have to be quantised too (an activation error the bf16 model does not make), and at
+these token counts the MMAs are tiny (N = 64 columns) while the bytes are what cost: dequantising 8 KB of fp8
+per step in registers hides under the TMA stream, and the result matches the dequantised reference.
+Batch invariance as in moe_mosaic (a column only sees its own experts, in ascending order, fixed I split).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.moe_mosaic import MosaicMoeConfig, _align, run_kernels
+
+FP8_DTYPES = (jnp.float8_e4m3fn,)
+SCALE_BLOCK = 128
+
+
+def check_fp8_config(cfg: MosaicMoeConfig):
+  """Each weight tile must lie in one 128 x 128 scale block (one scalar scale per pipeline step)."""
+  for name in ("block_i", "block_k", "block_d", "block_kd"):
+    v = getattr(cfg, name)
+    if SCALE_BLOCK % v:
+      raise ValueError(f"{name}={v}: fp8 tiles must divide the {SCALE_BLOCK}-wide scale blocks (64 or 128)")
+
+
+ROW = 16  # scale rows are stored [L/ROW, ROW]: TMA copies <= 256 elements per axis, in 16-byte units
+
+
+def _rows(a):
+  """[..., L] -> zero-padded [..., ceil(L/ROW), ROW] f32."""
+  extra = -a.shape[-1] % ROW
+  a = jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, extra)]) if extra else a
+  return a.reshape(*a.shape[:-1], a.shape[-1] // ROW, ROW).astype(jnp.float32)
+
+
+def _per_slot(scale, shared_scale, slot_expert):
+  """scale [E, r, c] -> [S, r, c]: slot s's expert's scales, the shared expert's (or zeros) in slot P."""
+  rows = scale[slot_expert]                                           # [P, r, c]
+  last = jnp.zeros_like(rows[:1]) if shared_scale is None else shared_scale[None]
+  return jnp.concatenate([rows, last])
+
+
+def scale_tables(meta, p, gate_s, up_s, down_s, shared_s, *, cfg, d, i):
+  """The per-CTA scale rows (flat index shown; stored as [R, ROW]). up [S, nI, .]: gate's scale of D step k
+  at k, up's at D/BK + k; down [nD, KS, .]: CTA (row block, ks) step j of slot s (I block ks*KPS + j) at
+  s * KPS + j."""
+  slot_expert = meta[1:1 + p]
+  sg, su, sd = shared_s if shared_s is not None else (None, None, None)
+  kcols = np.arange(d // cfg.block_k) * cfg.block_k // SCALE_BLOCK   # D step -> scale column
+  g = _per_slot(gate_s, sg, slot_expert)[:, :, kcols]                 # [S, nI, D/BK]
+  u = _per_slot(up_s, su, slot_expert)[:, :, kcols]
+  up = jnp.concatenate([g, u], axis=-1)                               # [S, nI, 2*D/BK]
+  kps = i // (cfg.split_k * cfg.block_kd)
+  icols = (np.arange(cfg.split_k)[:, None] * kps + np.arange(kps)[None]) * cfg.block_kd // SCALE_BLOCK
+  dn = _per_slot(down_s, sd, slot_expert)[:, :, icols]                # [S, nD, KS, KPS]
+  s_slots, n_d = dn.shape[:2]
+  dn = dn.transpose(1, 2, 0, 3).reshape(n_d, cfg.split_k, s_slots * kps)
+  return _rows(up), _rows(dn)
+
+
+@functools.partial(jax.jit, static_argnames=("limit", "shared_limit", "config"))
+def moe_fp8(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, limit=0.0, shared=None,
+            shared_limit=0.0, config=None):
+  """Mosaic GPU MoE on block-fp8 weights: the signature of moe_mosaic.moe with (w8, scale_inv) pairs for
+  every weight (shared: three pairs). x bf16 [T, D] -> [T, D] bf16."""
+  cfg = config or MosaicMoeConfig()
+  (wg8, gs), (wu8, us), (wd8, ds) = w_gate, w_up, w_down
+  t, d = x.shape
+  e, i, _ = wg8.shape
+  if x.dtype != jnp.bfloat16:
+    raise ValueError(f"x {x.dtype}: the fp8-weight kernel takes bf16 activations")
+  for name, (w8, sc), shape in (("w_gate", w_gate, (e, i, d)), ("w_up", w_up, (e, i, d)),
+                                ("w_down", w_down, (e, d, i))):
+    want = shape[:1] + tuple(-(-n // SCALE_BLOCK) for n in shape[1:])
+    if w8.dtype not in FP8_DTYPES or w8.shape != shape or sc.shape != want:
+      raise ValueError(f"{name}: expected float8_e4m3fn {shape} with scales {want}, got {w8.dtype} "
+                       f"{w8.shape} with scales {sc.shape}")
+  if shared is not None and shared[0][0].shape != (i, d):
+    raise ValueError(f"shared expert gate {shared[0][0].shape}: the fp8 kernel runs it as slot P, so its "
+                     f"width must equal the routed width I={i} (dequantise it and use moe_mosaic.moe otherwise)")
+  cfg.check(t, d, i)
+  check_fp8_config(cfg)
+  meta, wc = _align(topk_ids, topk_weights, cfg.n_tokens, shared is not None)  # [1+P], [S, N]
+  shared_s = None if shared is None else tuple(sc for _, sc in shared)
+  tables = scale_tables(meta, t * topk_ids.shape[1], gs, us, ds, shared_s, cfg=cfg, d=d, i=i)
+  shared8 = None if shared is None else tuple(w for w, _ in shared)
+  return run_kernels(x, meta, wc, wg8, wu8, wd8, shared8, limit=limit, shared_limit=shared_limit, cfg=cfg,
+                     scales=tables)
