@@ -70,14 +70,18 @@ L2_EPS = 1e-6  # ling_jax.layers.norms.l2_normalize's eps (KDA's q and k)
 class KdaChainConfig:
   """Attributes:
     num_warps: Triton warps of the one program per (b, h); 8 keeps the [K, V] state at 64 registers per thread.
+    prefetch: new rows whose loads run ahead of the serial step (>= T: every load before the first step).
     interpret: run in the Pallas interpreter (CPU tests).
   """
   num_warps: int = 8
+  prefetch: int = 2
   interpret: bool = False
 
   def __post_init__(self):
     if self.num_warps not in (1, 2, 4, 8, 16):
       raise ValueError(f"num_warps={self.num_warps} must be one of 1, 2, 4, 8, 16")
+    if self.prefetch < 1:
+      raise ValueError(f"prefetch={self.prefetch}: new rows loaded ahead of the serial step, >= 1")
 
 
 class KdaChainOut(NamedTuple):
@@ -103,17 +107,6 @@ def _round(x, act):
   return x.astype(act).astype(jnp.float32)
 
 
-def _conv_silu_rows(xcat, w, t_len, act):
-  """R(silu(sum_j w_j xcat_{t+j})) for t < T: xcat is W-1 + T rows [K] f32, w is W rows [K]."""
-  out = []
-  for t in range(t_len):
-    y = w[0] * xcat[t]
-    for j in range(1, len(w)):
-      y = y + w[j] * xcat[t + j]
-    out.append(_round(y * _sigmoid(y), act))
-  return out
-
-
 def _delta_step(s, k, v, e, beta):
   """diag(e) S, then S + (beta k)(v - S^T k)^T, the model's kda_recurrent step. s [K, V], k, e [K], v [V]."""
   s = s * e[:, None]
@@ -121,22 +114,54 @@ def _delta_step(s, k, v, e, beta):
   return s + (beta * k)[:, None] * (v - pred)[None, :]
 
 
-def _committed_window(win_ref, pq_ref, b, n, c0, kd, width, tp_len, act):
-  """The W-1 rows of concat(window, pending raw) starting at row n, per stream (3 lists of W-1 rows [K] act)."""
+def _committed_window(win_ref, pq_ref, b, n, cols, width, tp_len, act):
+  """Rows n .. n+W-2 of xcat = concat(window, pending raw), per stream: 3 lists of W-1 rows [K] act."""
   rows = []
-  for s in range(3):
-    cols = pl.ds(c0, kd)
+  for st in range(3):
     stream = []
     for i in range(width - 1):
-      r = n + i                                                        # row of xcat = [window (W-1), raw (Tp)]
-      from_win = win_ref[b, jnp.clip(r, 0, width - 2), s, cols].astype(act)
-      from_raw = pq_ref[b, jnp.clip(r - (width - 1), 0, tp_len - 1), s, cols].astype(act)
+      r = n + i
+      from_win = win_ref[b, jnp.clip(r, 0, width - 2), st, cols].astype(act)
+      from_raw = pq_ref[b, jnp.clip(r - (width - 1), 0, tp_len - 1), st, cols].astype(act)
       stream.append(jnp.where(r < width - 1, from_win, from_raw))
     rows.append(stream)
   return rows
 
 
-def _chain_kernel(*refs, t_len, tp_len, width, kd, lower_bound, eps, folded, advance, act):
+def _store_window(wo_ref, b, cols, window):
+  for st, rows in enumerate(window):
+    for i, row in enumerate(rows):
+      wo_ref[b, i, st, cols] = row.astype(wo_ref.dtype)
+
+
+class _Row(NamedTuple):
+  """One new row after conv, norms and gates (f32): qn, kn, e = exp(g), g [K]; v [V]; beta scalar; gate [V]."""
+  qn: jax.Array
+  kn: jax.Array
+  v: jax.Array
+  g: jax.Array
+  beta: jax.Array
+  gate: jax.Array
+
+
+def _prepare_row(xq, xk, xv, f, gate, braw, w, a, dtb, kd, lower_bound, act):
+  """Conv + SiLU (xq|xk|xv: the W rows xcat_t .. xcat_{t+W-1} [K] act), l2norms, gate and beta of one row."""
+  f32 = jnp.float32
+
+  def conv(xs, ws):                                                    # R(silu(sum_j w_j xcat_{t+j}))
+    y = ws[0] * xs[0].astype(f32)
+    for j in range(1, len(ws)):
+      y = y + ws[j] * xs[j].astype(f32)
+    return _round(y * _sigmoid(y), act)
+
+  q, k, v = conv(xq, w[0]), conv(xk, w[1]), conv(xv, w[2])
+  qn = _round(q * lax.rsqrt(jnp.sum(q * q) + L2_EPS), act) * kd ** -0.5
+  kn = _round(k * lax.rsqrt(jnp.sum(k * k) + L2_EPS), act)
+  g = lower_bound * _sigmoid(a * (f.astype(f32) + dtb))
+  return _Row(qn, kn, v, g, _sigmoid(braw.astype(f32)), gate.astype(f32))
+
+
+def _chain_kernel(*refs, t_len, tp_len, width, kd, lower_bound, eps, folded, advance, act, prefetch):
   n_in = 8 + (6 if folded else 0)
   proj_ref, b_ref, alog_ref, dtb_ref, cw_ref, onorm_ref, win_ref, s_ref = refs[:8]
   pq_ref, pk_ref, pv_ref, pg_ref, pb_ref, n_ref = refs[8:n_in] if folded else (None,) * 6
@@ -144,59 +169,48 @@ def _chain_kernel(*refs, t_len, tp_len, width, kd, lower_bound, eps, folded, adv
   so_ref, wo_ref = refs[n_in + 5:] if (folded or advance) else (None, None)
   b, h = pl.program_id(0), pl.program_id(1)
   f32 = jnp.float32
-  c0, cols = h * kd, pl.ds(h * kd, kd)
-  # ---- every load first (producer-independent ones at the top: state, weights, window)
+  cols = pl.ds(h * kd, kd)
+  # Loads issued before any store cannot alias it: the producer-independent ones (state, weights, window), the
+  # pending rows and the first `prefetch` new rows come first; row t + prefetch is loaded at step t, before that
+  # step's stores, so its latency hides behind `prefetch` steps and only ~prefetch rows stay live.
   s = s_ref[b, h, :, :]                                                # [K, V] f32
   w = [[cw_ref[st, cols, 0, j].astype(f32) for j in range(width)] for st in range(3)]
   a = jnp.exp(alog_ref[h].astype(f32))
   dtb = dtb_ref[cols].astype(f32)
   w_norm = onorm_ref[:].astype(f32)
-  if folded:
+  load_row = lambda t: ([proj_ref[b, t, st, cols] for st in range(5)], b_ref[b, t, h])
+  rows = {t: load_row(t) for t in range(min(prefetch, t_len))}
+  if folded:                                   # the folded commit: replay tp < n_prev (no-op mask past n_prev)
     n = n_ref[b]
-    window = _committed_window(win_ref, pq_ref, b, n, c0, kd, width, tp_len, act)
+    window = _committed_window(win_ref, pq_ref, b, n, cols, width, tp_len, act)
     pend = [(pk_ref[b, t, h, :], pv_ref[b, t, h, :], pg_ref[b, t, h, :], pb_ref[b, t, h]) for t in range(tp_len)]
-  else:
-    window = [[win_ref[b, i, st, cols].astype(act) for i in range(width - 1)] for st in range(3)]
-  raw = [[proj_ref[b, t, st, cols] for t in range(t_len)] for st in range(5)]   # q, k, v, f, gate streams
-  braw = [b_ref[b, t, h].astype(f32) for t in range(t_len)]
-  # ---- the folded commit: replay rows tp < n_prev from the base state (no-op mask past n_prev)
-  if folded:
     for t, (kp, vp, gp, bp) in enumerate(pend):
       live = t < n
       s = _delta_step(s, kp, vp, jnp.where(live, jnp.exp(gp), 1.0), jnp.where(live, bp, 0.0))
-  # ---- the new rows: conv + norms + gates (position-parallel), then the serial delta rule
-  q, k, v = (_conv_silu_rows([x.astype(f32) for x in window[st]] + [r.astype(f32) for r in raw[st]], w[st],
-                             t_len, act) for st in range(3))
-  qn = [_round(x * lax.rsqrt(jnp.sum(x * x) + L2_EPS), act) * kd ** -0.5 for x in q]
-  kn = [_round(x * lax.rsqrt(jnp.sum(x * x) + L2_EPS), act) for x in k]
-  g = [lower_bound * _sigmoid(a * (f.astype(f32) + dtb)) for f in raw[3]]
-  beta = [_sigmoid(x) for x in braw]
-  if folded and not advance:                                           # the new base, once
-    so_ref[b, h, :, :] = s
-    _store_window(wo_ref, b, cols, window, width)
-  outs = []
+    if not advance:                                                    # the new base, written once
+      so_ref[b, h, :, :] = s
+      _store_window(wo_ref, b, cols, window)
+  else:
+    window = [[win_ref[b, i, st, cols].astype(act) for i in range(width - 1)] for st in range(3)]
+  xcat = [list(rows_) for rows_ in window]                             # per stream: window rows, then raw rows
   for t in range(t_len):
-    s = _delta_step(s, kn[t], v[t], jnp.exp(g[t]), beta[t])
-    outs.append(jnp.sum(s * qn[t][:, None], axis=0))                   # o_t = S^T qn_t  [V]
+    if t + prefetch < t_len:
+      rows[t + prefetch] = load_row(t + prefetch)
+    raw, braw = rows.pop(t)
+    for st in range(3):
+      xcat[st].append(raw[st].astype(act))
+    r = _prepare_row(*(x[t:t + width] for x in xcat), raw[3], raw[4], braw, w, a, dtb, kd, lower_bound, act)
+    s = _delta_step(s, r.kn, r.v, jnp.exp(r.g), r.beta)
+    o = _round(jnp.sum(s * r.qn[:, None], axis=0), act)                # R(S^T qn)  [V]
+    o = o * lax.rsqrt(jnp.sum(o * o) / kd + eps)                       # RMSNorm over V, o_norm, sigmoid(gate)
+    o_ref[b, t, cols] = (o * w_norm * _sigmoid(r.gate)).astype(o_ref.dtype)
+    ko_ref[b, t, h, :] = r.kn
+    vo_ref[b, t, h, :] = r.v
+    go_ref[b, t, h, :] = r.g
+    bo_ref[b, t, h] = r.beta
   if advance:
     so_ref[b, h, :, :] = s
-    _store_window(wo_ref, b, cols, [(window[st] + raw[st])[-(width - 1):] for st in range(3)], width)
-  # ---- epilogue: RMSNorm over V, o_norm, sigmoid(gate); the commit inputs of the new rows
-  for t in range(t_len):
-    o = _round(outs[t], act)
-    o = o * lax.rsqrt(jnp.sum(o * o) / kd + eps)
-    o = o * w_norm * _sigmoid(raw[4][t].astype(f32))
-    o_ref[b, t, cols] = o.astype(o_ref.dtype)
-    ko_ref[b, t, h, :] = kn[t]
-    vo_ref[b, t, h, :] = v[t]
-    go_ref[b, t, h, :] = g[t]
-    bo_ref[b, t, h] = beta[t]
-
-
-def _store_window(wo_ref, b, cols, window, width):
-  for st in range(3):
-    for i in range(width - 1):
-      wo_ref[b, i, st, cols] = window[st][i].astype(wo_ref.dtype)
+    _store_window(wo_ref, b, cols, [x[-(width - 1):] for x in xcat])
 
 
 # ----------------------------------------------------------------------------- entry point
@@ -270,7 +284,8 @@ def kda_chain(proj, b_raw, A_log, dt_bias, conv_w, o_norm, conv_window, rec_stat
     out_shape += [jax.ShapeDtypeStruct(rec_state.shape, f32), jax.ShapeDtypeStruct(conv_window.shape,
                                                                                     conv_window.dtype)]
   kern = functools.partial(_chain_kernel, t_len=t, tp_len=tp, width=width, kd=kd, lower_bound=float(lower_bound),
-                           eps=float(eps), folded=folded, advance=advance, act=proj.dtype)
+                           eps=float(eps), folded=folded, advance=advance, act=proj.dtype,
+                           prefetch=cfg.prefetch)
   outs = pl.pallas_call(
       kern, grid=(bsz, h), out_shape=tuple(out_shape),
       input_output_aliases={7: 5, 6: 6} if writes else {},
