@@ -32,22 +32,35 @@ weights and window are < 0.3 MB at T = 17):
 
 Tiling: grid (B, H); one program owns a head's whole [K, V] state, because the RMSNorm over V needs the whole row
 of o_t and Triton programs cannot exchange partial sums (no grid sync, no cluster shared memory in Pallas Triton).
-The 128 x 128 fp32 tile is 64 KB of registers: 128 regs/thread at 4 warps (spills), 64 at 8, 32 at 16. ptxas
-(Triton 3.8, sm_90, `python3 -m bench.kernels_kda_chain --ptxas`) reports for the default 8 warps: see RESOURCES
-below. Every load is issued before the first store (a load after a store may alias it, so the compiler would put a
-global round trip on the serial chain; see kda_verify.py). Only 32 programs run at B = 1 (32 of 132 SMs): each
-step is ~4 flops on each of 16384 state elements per SM, ~0.3 us per row at one FMA pipe per SM, against
-kda_verify's 128 programs of [K, 32] tiles (7.5 us at T = 6). Whether the removed kernels (kda_output's XLA
-kernels, the commit kernel) pay for the 4x fewer SMs is the bench's question (bench/kernels_kda_chain.py).
+The 128 x 128 fp32 tile is 64 KB of registers: 128 regs/thread at 4 warps, 64 at 8, 32 at 16. Register use,
+measured on CPU by compiling this kernel's TTIR (captured at jax's lowering) with pip Triton 3.8 + its ptxas for
+sm_90 (XLA's own Triton and ptxas may allocate differently), full Ling shapes, prefetch 2:
+    T = 6,  8 warps: 128 regs + 2.6 KB stack (255 regs + 1.8 KB when ptxas is given .maxnreg 255)
+    T = 6, 16 warps:  64 regs + 1.5 KB stack (128 regs + 1.0 KB with .maxnreg 128)
+    T = 17, 8 warps: 128 regs + 2.7 KB stack (all loads first instead of prefetch: 6.6 KB)
+    (kda_verify bv32w4 for comparison: T = 6 128 regs, T = 17 255 regs, no stack)
+So the kernel spills. The cause, read from the TTGIR: Triton lays the state out with V across the 32 lanes and K
+across the warps, and places the loads of the q/k conv weights, window and raw rows directly in the state's
+K-slice layout (16 values per thread at 8 warps, replicated across lanes) to avoid layout conversions; the ~30
+such [K] rows cost ~8-16 registers each. The same layout makes each S^T k / S^T q a cross-warp reduction through
+shared memory (107 bar.sync at T = 6, as many as kda_verify). Next levers, in order: keep the position-parallel
+q/k math in a compact layout (e.g. the W conv rows as one [W, K] tile reduced over W), or store the state as
+[B, H, V, K] so that lanes run along K and both reductions become warp shuffles (a model-wide layout change).
+Every load is issued before the first store that could alias it (a load after a store may alias, so the compiler
+would put a global round trip on the serial chain; see kda_verify.py): row t + prefetch is loaded at step t, the
+rest at the top. Only 32 programs run at B = 1 (32 of 132 SMs): each step is ~4 flops on each of 16384 state
+elements per SM, against kda_verify's 128 programs of [K, 32] tiles (7.5 us at T = 6). Whether the removed
+kernels (kda_output's XLA kernels, the commit) pay for 4x fewer SMs is the bench's question
+(python3 -m bench.kernels_kda_chain).
 
 Backend: Triton (Pallas `plt`), not Mosaic GPU. The chain is a serial recurrence of elementwise ops and reductions
 over K on a register tile, with nothing for TMA or wgmma to do (T <= 17 rows is below a 64-row wgmma tile; the
 chunked tensor-core form measured 2-3x slower, bench/KERNEL_NOTES.md). In Mosaic GPU (jax 0.11.2) the same code
 needs a warpgroup array layout in which both the K reduction and the broadcasts of [K] and [V] vectors along both
 axes lower, and splitting the 64 KB tile over several warpgroups needs a hand-written shared-memory reduction for
-the V norm; Triton picks those layouts itself and the serial kernel it makes is validated on the H200. Cost: Pallas
-Triton has no PDL hook (no griddepcontrol), so this kernel cannot overlap its state load with the previous kernel's
-tail; the producer-independent loads (state, weights, window) are simply issued first.
+the V norm; Triton picks those layouts itself, and kda_verify's serial kernel of the same structure runs on the
+H200 today. Cost: Pallas Triton has no PDL hook (no griddepcontrol), so this kernel cannot overlap its state load
+with the previous kernel's tail; the producer-independent loads (state, weights, window) are simply issued first.
 """
 from __future__ import annotations
 
