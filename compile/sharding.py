@@ -28,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from ling_jax.config import ModelConfig
 from ling_jax.kernel_calls import KernelCalls
 from ling_jax.weights import ArrayInfo, array_spec
+from pallas_kernels.kda_chain import KdaChainOut
 from pallas_kernels.kda_verify import KdaCommitInputs
 
 TP = "tp"
@@ -265,6 +266,24 @@ class ShardedKernelCalls(KernelCalls):
         f = shard_kernel(kernel, self.mesh, in_axes, ((None, None, "heads", None), state, window), self.rules)
         return f(q_raw, k_raw, v_raw, f_raw, b_raw, A_log, dt_bias, q_conv_w, k_conv_w, v_conv_w, conv_window,
                  rec_state)
+
+    def kda_chain(self, proj, b_raw, A_log, dt_bias, conv_w, o_norm, conv_window, rec_state, *, lower_bound: float,
+                  eps: float, advance: bool):
+        """Heads split over "tp": every head-indexed operand is sliced, the V norm is per head (no collective)."""
+        base = super()
+
+        def kernel(*a):  # the written state only exists with advance: return a tuple of the leaves there are
+            r = base.kda_chain(*a, lower_bound=lower_bound, eps=eps, advance=advance)
+            return (r.o, r.commit) + ((r.rec_state, r.conv_window) if advance else ())
+
+        bthk, state, window = (None, None, "heads", None), (None, "heads", None, None), (None, None, None, "heads")
+        in_axes = ((None, None, None, "heads"), (None, None, "heads"), ("heads",), ("heads",),
+                   (None, "heads", None, None), (None,), window, state)
+        commit = KdaCommitInputs(bthk, bthk, bthk, (None, None, "heads"))
+        out_axes = ((None, None, "heads"), commit) + ((state, window) if advance else ())
+        f = shard_kernel(kernel, self.mesh, in_axes, out_axes, self.rules)
+        o, ci, *written = f(proj, b_raw, A_log, dt_bias, conv_w, o_norm, conv_window, rec_state)
+        return KdaChainOut(o, ci, *(written or (None, None)))
 
     def mla_context(self, q_lat, q_rope, cache, positions, *, scale: float, layer: int | None = None):
         """Heads split over "tp" (the queries), the latent cache replicated: each device attends its heads."""

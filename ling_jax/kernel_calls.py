@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from ling_jax.quant import Fp8Weight, dense
+from pallas_kernels import kda_chain as _kda_chain
 from pallas_kernels import kda_decode as _kda_decode
 from pallas_kernels import kda_prefill as _kda_prefill
 from pallas_kernels import kda_verify as _kda_verify
@@ -39,6 +40,7 @@ from pallas_kernels import router as _router
 
 CHOICES = ("auto", "pallas", "reference", "interpret")
 MOE_IMPLS = ("auto", "mosaic", "triton")
+KDA_IMPLS = ("chain", "verify")
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,10 @@ class KernelCalls:
       the wiring).
     moe_impl: "auto" (Mosaic GPU for bf16/f16 at T <= 64 whenever its tiles divide the dims: 1.0-1.2x faster than
       Triton on H200, bench/results/kernels-h200-2026-11-30-run4.json; Triton otherwise), "mosaic" or "triton".
-    kda_fused_decode: decode (T = 1) runs one fused KDA kernel (conv + delta rule + state update in place) instead
+    kda_impl: decode/verify KDA as "chain" (pallas_kernels/kda_chain.py: conv, norms, gates, delta rule and the
+      output RMSNorm + gate in one kernel per layer; decode advances the state in the same kernel) or "verify"
+      (kda_verify + kda_commit kernels, the output epilogue in XLA).
+    kda_fused_decode: with kda_impl="verify", decode (T = 1) runs one fused KDA kernel (conv + delta rule + state update in place) instead
       of verify + commit. Off by default: its output uses S^T(e q) + u (k.q) for S'^T q, equal in exact arithmetic
       but not bitwise equal to the verify kernel's row, and plain greedy must match NEXTN's.
     kda_pallas_prefill: chunked prefill runs the Pallas chunked kernel instead of the model's jnp form. Off by
@@ -58,12 +63,15 @@ class KernelCalls:
 
     interpret: bool = False
     moe_impl: str = "auto"
+    kda_impl: str = "chain"
     kda_fused_decode: bool = False
     kda_pallas_prefill: bool = False
 
     def __post_init__(self):
         if self.moe_impl not in MOE_IMPLS:
             raise ValueError(f"moe_impl={self.moe_impl!r} not in {MOE_IMPLS}")
+        if self.kda_impl not in KDA_IMPLS:
+            raise ValueError(f"kda_impl={self.kda_impl!r} not in {KDA_IMPLS}")
 
     # ---- choices -------------------------------------------------------------------------------------------
 
@@ -183,6 +191,14 @@ class KernelCalls:
         except ValueError:
             return None
         return cfg
+
+    def kda_chain(self, proj, b_raw, A_log, dt_bias, conv_w, o_norm, conv_window, rec_state, *, lower_bound: float,
+                  eps: float, advance: bool):
+        """The KDA chain of one layer (see pallas_kernels/kda_chain.py): -> KdaChainOut(o [B, T, H*V], commit
+        inputs, rec_state / conv_window when advance)."""
+        cfg = _kda_chain.KdaChainConfig(interpret=True) if self.interpret else None
+        return _kda_chain.kda_chain(proj, b_raw, A_log, dt_bias, conv_w, o_norm, conv_window, rec_state,
+                                    lower_bound=lower_bound, eps=eps, advance=advance, config=cfg)
 
     def kda_prefill(self, q, k, v, g, beta, state):
         config = None

@@ -17,15 +17,18 @@ def test_verify_commit_decode_with_interpreted_kernels_match_jnp():
     toks = jax.random.randint(jax.random.key(1), (1, 14), 0, cfg.vocab_size)
     base = forward(params, toks[:, :8], init_state(cfg, 1, 64, jnp.float32), cfg, mode="prefill").state
     results = {}
-    for kernels in ("reference", "interpret"):
+    choices = {"reference": "reference", "chain": KernelCalls(interpret=True, kda_impl="chain"),
+               "verify": KernelCalls(interpret=True, kda_impl="verify")}
+    for name, kernels in choices.items():
         o = RuntimeOptions(kernels=kernels)
         v = forward(params, toks[:, 8:], base, cfg, mode="verify", opts=o)
         c = commit(v.state, v.pending, jnp.array([4], jnp.int32), o)
         d = forward(params, toks[:, 8:9], base, cfg, mode="decode", opts=o)
-        results[kernels] = (lm_logits(params, v.hidden), c.kda_recurrent, c.kda_conv, lm_logits(params, d.hidden),
-                            d.state.kda_recurrent)
-    for ref, got in zip(results["reference"], results["interpret"]):
-        assert rel_err(got, ref) <= 1e-5
+        results[name] = (lm_logits(params, v.hidden), c.kda_recurrent, c.kda_conv, lm_logits(params, d.hidden),
+                          d.state.kda_recurrent, d.state.kda_conv)
+    for impl in ("chain", "verify"):
+        for ref, got in zip(results["reference"], results[impl]):
+            assert rel_err(got, ref) <= 1e-5, impl
 
 
 def test_prefill_and_fused_decode_with_interpreted_kernels_match_jnp():
@@ -37,8 +40,8 @@ def test_prefill_and_fused_decode_with_interpreted_kernels_match_jnp():
     n = jnp.array([11], jnp.int32)
     out = {}
     for name, o in (("reference", RuntimeOptions(kernels="reference")),
-                    ("interpret", RuntimeOptions(kernels=KernelCalls(interpret=True, kda_fused_decode=True,
-                                                                  kda_pallas_prefill=True)))):
+                    ("interpret", RuntimeOptions(kernels=KernelCalls(interpret=True, kda_impl="verify",
+                                                                  kda_fused_decode=True, kda_pallas_prefill=True)))):
         p = forward(params, toks, init_state(cfg, 1, 64, jnp.float32), cfg, mode="prefill", n_valid=n, opts=o)
         d = forward(params, toks[:, 11:12], p.state, cfg, mode="decode", opts=o)
         out[name] = (lm_logits(params, p.hidden[:, :11]), p.state.kda_recurrent, lm_logits(params, d.hidden),

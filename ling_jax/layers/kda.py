@@ -212,6 +212,20 @@ def _pallas_decode(p, x, conv_window, rec_state, cfg, kernels):
     return o, new_rec, new_conv, proj[:, :, 4]
 
 
+def _pallas_chain(p, x, conv_window, rec_state, cfg, kernels, *, advance: bool):
+    """One kernel for the layer's KDA chain (conv .. output gate); decode (advance) also commits its row.
+    Returns kda_layer's (out, conv_window, rec_state, pending)."""
+    proj = jnp.einsum("btd,scd->btsc", x, dense(p["w_qkvfg"], x.dtype))  # [B, T, 5, C]
+    b_raw = jnp.einsum("btd,hd->bth", x, dense(p["b_proj"], x.dtype))
+    r = kernels.kda_chain(proj, b_raw, p["A_log"], p["dt_bias"], p["conv_w"], p["o_norm"], conv_window, rec_state,
+                          lower_bound=cfg.kda_lower_bound, eps=cfg.rms_norm_eps, advance=advance)
+    out = jnp.einsum("btc,dc->btd", r.o, dense(p["o_proj"], x.dtype))
+    if advance:
+        return out, r.conv_window, r.rec_state, None
+    ci = r.commit
+    return out, conv_window, rec_state, KdaPending(proj[:, :, :3], ci.k, ci.v, ci.g, ci.beta)
+
+
 def kda_layer(p, x, conv_window, rec_state, cfg, *, mode: str, n_valid, chunked: bool, kernels=None):
     """One KDA attention block (without the residual).
 
@@ -221,6 +235,8 @@ def kda_layer(p, x, conv_window, rec_state, cfg, *, mode: str, n_valid, chunked:
     one kernel (B = 1 decode always has n_valid = 1); its kda_pallas_prefill runs the chunked prefill in Pallas.
     Returns (out [B, T, D], conv_window, rec_state, pending or None).
     """
+    if kernels is not None and mode != "prefill" and kernels.kda_impl == "chain":
+        return _pallas_chain(p, x, conv_window, rec_state, cfg, kernels, advance=mode == "decode")
     if kernels is not None and mode == "decode" and kernels.kda_fused_decode:
         o, rec_state, conv_window, out_gate = _pallas_decode(p, x, conv_window, rec_state, cfg, kernels)
         return kda_output(p, o, out_gate, cfg, x.dtype), conv_window, rec_state, None
