@@ -26,8 +26,8 @@ Kernel plan (one launch; grid = the BN-row tiles of all projections, each CTA on
      down the columns, r = rsqrt(ss / K + eps); second pass writes xn back in place (bf16, as the model);
   4. K loop: wgmma(acc[BN, TP], W tile [BN, BK], xn chunk^T [BK, TP]); the ring slot is refilled with step
      k + stages as soon as its wgmma retired;
-  5. epilogue in registers, stored transposed (o_smem [TP, BN]) and TMA'd to out [TR, N_s]: the output is
-     row-major [T, N], no XLA transpose after the kernel.
+  5. epilogue in registers, stored transposed (o_smem [TP, BN]) and TMA'd to out [TR, N_s]: bf16 outputs are
+     row-major [T, N], no XLA transpose after the kernel (f32 ones: see `_store`).
 Why not emit_pipeline: it issues its first loads inside the pipeline call, after everything before it; the
 norm needs all of x before the first wgmma, so with emit_pipeline the weight prefetch could not start before
 griddepcontrol.wait nor overlap the prologue. A hand-written ring (ring_tiles x [BN, BK], one barrier per tile)
@@ -39,7 +39,7 @@ residual kernel would need all N columns of the row in one CTA (a grid-wide redu
 Batch invariance: row t's result uses only row t (column t of every tile), fixed K order, no split-K.
 T < TP rows are zero-filled by TMA (out-of-bounds rows), their columns are never stored.
 Limits: T in 9..15 and 17..23 (not a TMA tile multiple) costs an XLA pad of x and a slice of each output;
-N_s must be <= 64 or a multiple of 64 (the output tile; bf16) / 32 (f32) (the TMA store tiles GMEM);
+bf16 N_s must be <= 64 or a multiple of 64 (the TMA store tiles GMEM), f32 N_s a multiple of 8;
 x resident in SMEM: TP * K * 2 bytes (T = 17, K = 2560: 123 KB) + the ring must fit 227 KB.
 """
 from __future__ import annotations
@@ -247,22 +247,27 @@ def _gemm(ws, ring, ring_bar, xs, tile, plan):
 
 
 def _epilogue(proj, accs):
-  """The model's rounding points on the fp32 accumulator(s) [BN, TP]."""
+  """The model's rounding points on the fp32 accumulator(s) [BN, TP] (every value pinned to the WGMMA
+  layout: Mosaic's layout inference does not find one through the elementwise chain on its own)."""
   f32, bf = jnp.float32, jnp.bfloat16
+  pin = lambda v: plgpu.layout_cast(v, plgpu.Layout.WGMMA)
+  rnd = lambda v, dt: pin(pin(v.astype(dt)).astype(f32))             # round to dt, back to f32
   if proj.kind == "linear":
-    return accs[0].astype(proj.out_dtype)
+    return pin(accs[0].astype(proj.out_dtype))
   if proj.kind == "sigmoid":
-    return jax.nn.sigmoid(accs[0].astype(jnp.dtype(proj.logit)).astype(f32))
-  g, u = accs[0].astype(bf).astype(f32), accs[1].astype(bf).astype(f32)
-  act = (g * jax.nn.sigmoid(g)).astype(bf).astype(f32)               # silu, rounded (swiglu_shared)
+    return pin(jax.nn.sigmoid(rnd(accs[0], jnp.dtype(proj.logit))))
+  g, u = rnd(accs[0], bf), rnd(accs[1], bf)
+  act = rnd(pin(g * pin(jax.nn.sigmoid(g))), bf)                      # silu, rounded (swiglu_shared)
   if proj.limit > 0:
-    act, u = jnp.minimum(act, proj.limit), jnp.clip(u, -proj.limit, proj.limit)
-  return (act * u).astype(bf)
+    act, u = pin(jnp.minimum(act, proj.limit)), pin(jnp.clip(u, -proj.limit, proj.limit))
+  return pin(pin(act * u).astype(bf))
 
 
 def _store(y, out_gmem, res_gmem, tile, plan):
-  """out[:, tile cols] = y^T (+ residual): y [BN, TP] is stored through a transposed [TP, BN] view."""
+  """out[:, tile cols] = y^T (+ residual): a bf16 y [BN, TP] is stored through a transposed [TP, BN] view
+  (stmatrix.trans); f32 has no transposed SMEM store, so f32 outputs are written as out^T [N_s, TP]."""
   bn, tp = plan.cfg.block_n, plan.tp
+  transposed = out_gmem.dtype == jnp.bfloat16
   cols = pl.ds(tile * bn, bn)
 
   def scope(o_smem, bar):
@@ -271,13 +276,16 @@ def _store(y, out_gmem, res_gmem, tile, plan):
       plgpu.barrier_wait(bar.at[0])
       res = o_smem.transpose((1, 0))[...].astype(jnp.float32)
       o_smem.transpose((1, 0))[...] = (res + y.astype(jnp.float32)).astype(o_smem.dtype)
-    else:
+    elif transposed:
       o_smem.transpose((1, 0))[...] = y.astype(o_smem.dtype)
+    else:
+      o_smem[...] = y
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[pl.ds(0, tp), cols])
+    plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[pl.ds(0, tp), cols] if transposed else out_gmem.at[cols])
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-  pl.run_scoped(scope, plgpu.SMEM((tp, bn), out_gmem.dtype), plgpu.Barrier(num_barriers=1))
+  shape = (tp, bn) if transposed else (bn, tp)
+  pl.run_scoped(scope, plgpu.SMEM(shape, out_gmem.dtype), plgpu.Barrier(num_barriers=1))
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -357,7 +365,7 @@ def _check(xs, weights, projs, cfg):
       raise ValueError(f"{p.kind} takes {p.n_weights} bfloat16 weight(s) of one shape, got "
                        f"{[(a.shape, a.dtype) for a in ws]}")
     n, kw = ws[0].shape
-    tile = 64 if p.out_dtype == jnp.bfloat16 else 32
+    tile = 64 if p.out_dtype == jnp.bfloat16 else 8
     if kw != k or n % 8 or (n > tile and n % tile):
       raise ValueError(f"weight [{n}, {kw}]: needs K={k}, N % 8 == 0 and N <= {tile} or N % {tile} == 0 "
                        "(the output TMA tiles GMEM); pass projections separately")
@@ -384,14 +392,17 @@ def _call(xs, norm_ws, residual, weights, projs, eps, cfg):
     args.append(pad(residual))
   for p, w in zip(projs, weights):
     args += list(w) if p.kind == "swiglu" else [w]
-  out_type = [jax.ShapeDtypeStruct((rows, n), p.out_dtype) for p, n in zip(projs, n_rows)]
+  out_type = [jax.ShapeDtypeStruct((rows, n) if p.out_dtype == jnp.bfloat16 else (n, tp), p.out_dtype)
+              for p, n in zip(projs, n_rows)]
   kernel = plgpu.kernel(
       functools.partial(_kernel, plan=plan), out_type=out_type,
       grid=(plan.tiles()[-1][1],), grid_names=("n",),
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       interpret=plgpu.InterpretGPUParams() if cfg.interpret else None)
   outs = kernel(*args)
-  return tuple(o[:t] if rows != t else o for o in outs)
+  # f32 outputs come back as out^T [N_s, TP] (small: router / gate columns); XLA fuses this transpose
+  # into their consumer.
+  return tuple((o[:t] if rows != t else o) if o.dtype == jnp.bfloat16 else o[:, :t].T for o in outs)
 
 
 @functools.partial(jax.jit, static_argnames=("projs", "eps", "config"))
