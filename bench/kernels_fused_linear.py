@@ -22,7 +22,7 @@ from ling_jax.layers.norms import rms_norm
 from pallas_kernels.fused_linear import LinearConfig, Proj, linear_residual, norm_linear
 
 BF, F32, D, EPS, HBM = jnp.bfloat16, jnp.float32, 2560, 1e-6, 4.3e12
-CONFIGS = [("n64k128r64K", LinearConfig()), ("n128k128r64K", LinearConfig(block_n=128))]
+CONFIGS = [("n64k128r64K", LinearConfig()), ("n128k64r64K", LinearConfig(block_n=128, block_k=64))]
 proj = lambda xn, w: jnp.einsum("td,nd->tn", xn, w)
 # name -> (weight shapes, Proj tuple or None for linear_residual, the model's composition)
 CASES = {
