@@ -1,0 +1,433 @@
+"""Norm + projection and projection + residual for few rows: Mosaic GPU (Hopper: TMA + wgmma), swap-AB.
+
+Shape legend: T rows (batch folded in, T <= 24 for Ling's K), TR = T rounded so TMA can tile it (T if
+T <= 8 or T % 8 == 0, else the next multiple of 8), TP = TR rounded up to 8 (wgmma N), K reduction width
+(D, or D1 + D2 for two normed inputs), KB = K / BK steps, N_s rows of projection s, BN x BK weight tile.
+
+Math (the model's functions are the references; tests compare with them):
+  norm_linear:      xn = concat_i rms_norm(x_i, w_i, eps)   (ling_jax.layers.norms: fp32 stats, bf16 rounding of
+                                                              x * r, then bf16 of w * that: two rounding points)
+                    y_s = epilogue_s(W_s @ xn^T)            [N_s, T] fp32 accumulation (wgmma)
+  linear_residual:  out = residual + bf16(x @ W^T)           (the model adds the bf16 projection to the stream)
+Epilogues (`Proj.kind`), each with the model's rounding points:
+  "linear"   y = round(acc, out)                           (einsum output: bf16, or f32 = router logits)
+  "sigmoid"  y = sigmoid(f32(round(acc, logit)))           (KDA beta, MLA gate: bf16 logit; router: f32 logit)
+  "swiglu"   g, u = bf16(acc_g), bf16(acc_u); a = bf16(silu(g)); with L > 0: a = min(a, L), u = clip(u, -L, L);
+             h = bf16(a * u)                               (layers.moe.swiglu_shared; the routed clamp becomes
+                                                            this formula too). Weights: the (gate, up) pair.
+  The router's selection bias is not added here: route() needs s = sigmoid(logits) for the weights and
+  s + bias only to pick; keeping s exact lets the top-k consumer add the bias (one add, no second output).
+
+Kernel plan (one launch; grid = the BN-row tiles of all projections, each CTA one tile of one projection):
+  1. issue the first `stages` weight-tile TMA loads (they depend on no producer), then griddepcontrol.wait
+     (PDL: the previous kernel's x is only read after it) and griddepcontrol.launch_dependents;
+  2. TMA the whole x [TR, K] into SMEM (resident: [KB, TP, BK] bf16, 128 B swizzle), norm weights alongside;
+  3. prologue (norm_linear): per KB chunk load x^T [BK, TP] (transposed view, WGMMA layout), sum of squares
+     down the columns, r = rsqrt(ss / K + eps); second pass writes xn back in place (bf16, as the model);
+  4. K loop: wgmma(acc[BN, TP], W tile [BN, BK], xn chunk^T [BK, TP]); the ring slot is refilled with step
+     k + stages as soon as its wgmma retired;
+  5. epilogue in registers, stored transposed (o_smem [TP, BN]) and TMA'd to out [TR, N_s]: bf16 outputs are
+     row-major [T, N], no XLA transpose after the kernel (f32 ones: see `_store`).
+Why not emit_pipeline: it issues its first loads inside the pipeline call, after everything before it; the
+norm needs all of x before the first wgmma, so with emit_pipeline the weight prefetch could not start before
+griddepcontrol.wait nor overlap the prologue. A hand-written ring (ring_tiles x [BN, BK], one barrier per tile)
+does both.
+Why linear_residual does not also return the normed output: every consumer of the residual stream (the next
+attention projections, the MLP / shared expert + router, the MTP and lm_head) is itself a norm_linear, whose
+prologue normalises on the fly from the L2-resident x (K x TP x 2 bytes per CTA); a normed copy from the
+residual kernel would need all N columns of the row in one CTA (a grid-wide reduction), i.e. one more kernel.
+Batch invariance: row t's result uses only row t (column t of every tile), fixed K order, no split-K.
+T < TP rows are zero-filled by TMA (out-of-bounds rows), their columns are never stored.
+Limits: T in 9..15 and 17..23 (not a TMA tile multiple) costs an XLA pad of x and a slice of each output;
+bf16 N_s must be <= 64 or a multiple of 64 (the TMA store tiles GMEM), f32 N_s a multiple of 8;
+x resident in SMEM: TP * K * 2 bytes (T = 17, K = 2560: 123 KB) + the ring must fit 227 KB.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+SMEM_BYTES = 227 * 1024   # H100/H200 opt-in shared memory per block
+KINDS = ("linear", "sigmoid", "swiglu")
+DTYPES = ("bfloat16", "float32")
+
+
+@dataclasses.dataclass(frozen=True)
+class Proj:
+  """One projection of the fused weight read.
+
+  Attributes:
+    kind: "linear", "sigmoid" or "swiglu" (its weight is the (gate, up) pair).
+    out: output dtype of "linear" ("bfloat16" or "float32"); "sigmoid" outputs f32, "swiglu" bf16.
+    logit: "sigmoid": the dtype its logit is rounded to first (the model's einsum output dtype).
+    limit: "swiglu": the clamp L (0 = off).
+  """
+  kind: str = "linear"
+  out: str = "bfloat16"
+  logit: str = "bfloat16"
+  limit: float = 0.0
+
+  def __post_init__(self):
+    if self.kind not in KINDS:
+      raise ValueError(f"kind={self.kind!r} not in {KINDS}")
+    for name in ("out", "logit"):
+      if getattr(self, name) not in DTYPES:
+        raise ValueError(f"{name}={getattr(self, name)!r} not in {DTYPES}")
+    if self.kind == "swiglu" and self.out != "bfloat16":
+      raise ValueError(f"swiglu outputs bfloat16 (as swiglu_shared), got out={self.out!r}")
+    if self.limit < 0 or (self.limit and self.kind != "swiglu"):
+      raise ValueError(f"limit={self.limit} is a swiglu clamp (>= 0); kind={self.kind!r}")
+
+  @property
+  def n_weights(self) -> int:
+    return 2 if self.kind == "swiglu" else 1
+
+  @property
+  def out_dtype(self):
+    return jnp.float32 if self.kind == "sigmoid" else jnp.dtype(self.out)
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearConfig:
+  """Tiling of the fused projections.
+
+  Attributes:
+    block_n: weight rows per CTA (wgmma M; multiple of 64).
+    block_k: reduction tile per ring step (multiple of 64: 128 B swizzle of bf16).
+    ring_bytes: weight bytes in flight per CTA; stages = ring_bytes // tile bytes (>= 2), so a swiglu
+      projection (two tiles per step) keeps the same bytes in flight with half the steps.
+    pdl: issue griddepcontrol.wait / launch_dependents (programmatic dependent launch; off in interpret).
+    interpret: run in the Mosaic GPU interpreter (CPU tests).
+  """
+  block_n: int = 64
+  block_k: int = 128
+  ring_bytes: int = 64 * 1024
+  pdl: bool = True
+  interpret: bool = False
+
+  def __post_init__(self):
+    for name in ("block_n", "block_k"):
+      v = getattr(self, name)
+      if v <= 0 or v % 64:
+        raise ValueError(f"{name}={v} must be a positive multiple of 64")
+    if self.block_n > 256:
+      raise ValueError(f"block_n={self.block_n} must be <= 256")
+    if self.ring_tiles < 4:
+      raise ValueError(f"ring_bytes={self.ring_bytes} must hold 4 {self.block_n}x{self.block_k} bf16 tiles "
+                       f"(2 stages of a gate/up pair: {8 * self.block_n * self.block_k} bytes)")
+
+  @property
+  def ring_tiles(self) -> int:
+    """SMEM ring slots of one [BN, BK] bf16 weight tile."""
+    return self.ring_bytes // (self.block_n * self.block_k * 2)
+
+  def stages(self, n_weights: int) -> int:
+    """Ring steps in flight for a projection reading n_weights tiles per step."""
+    return self.ring_tiles // n_weights
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """Static facts of one call (shapes resolved)."""
+  rows: int                 # TR: rows of x and of the outputs as the kernel sees them
+  tp: int                   # TP: wgmma N
+  k_parts: tuple            # K of each input (one norm each)
+  n_rows: tuple             # N_s of each projection
+  projs: tuple
+  eps: float
+  norm: bool
+  residual: bool
+  cfg: LinearConfig
+
+  @property
+  def kb(self) -> int:
+    return sum(self.k_parts) // self.cfg.block_k
+
+  def tiles(self):
+    """(first program, last program + 1) of each projection."""
+    out, start = [], 0
+    for n in self.n_rows:
+      out.append((start, start + pl.cdiv(n, self.cfg.block_n)))
+      start = out[-1][1]
+    return out
+
+
+def _swizzled():
+  return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+
+# ----------------------------------------------------------------------------- prologue
+
+
+def _load_x(x_gmems, nw_gmems, xs, nw_smem, x_bar, nw_bar, plan):
+  """TMA every x chunk [TR rows, BK] into xs[kb] (rows TR..TP zero-filled) and the norm weights."""
+  bk, kb0 = plan.cfg.block_k, 0
+  for i, x_gmem in enumerate(x_gmems):
+    kbi = plan.k_parts[i] // bk
+    for kb in range(kbi):
+      plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(0, plan.tp), pl.ds(kb * bk, bk)], xs.at[kb0 + kb],
+                              x_bar.at[kb0 + kb])
+    if plan.norm:
+      plgpu.copy_gmem_to_smem(nw_gmems[i], nw_smem.at[pl.ds(kb0, kbi)], nw_bar.at[i])
+    kb0 += kbi
+
+
+def _normalize(xs, nw_smem, x_bar, nw_bar, plan):
+  """xs[kb] <- bf16(w * bf16(x * rsqrt(mean(x^2) + eps))) per input, computed on x^T chunks [BK, TP]."""
+  bk, tp, kb0 = plan.cfg.block_k, plan.tp, 0
+  chunk_t = lambda kb: xs.at[kb].transpose((1, 0))                  # [BK, TP] view of [TP, BK]
+  for i, k in enumerate(plan.k_parts):
+    kbi = k // bk
+
+    def sum_squares(kb, ss):
+      plgpu.barrier_wait(x_bar.at[kb])
+      v = chunk_t(kb)[...].astype(jnp.float32)
+      return ss + jnp.sum(v * v, axis=0)                              # [TP]
+
+    ss = lax.fori_loop(kb0, kb0 + kbi, sum_squares, jnp.zeros((tp,), jnp.float32))
+    r = lax.broadcast_in_dim(lax.rsqrt(ss / k + plan.eps), (bk, tp), (1,))
+    plgpu.barrier_wait(nw_bar.at[i])
+
+    def scale(kb, carry):
+      v = chunk_t(kb)[...].astype(jnp.float32)
+      w = lax.broadcast_in_dim(nw_smem[kb].astype(jnp.float32), (bk, tp), (0,))
+      normed = (v * r).astype(xs.dtype).astype(jnp.float32)         # normed.astype(x.dtype)
+      chunk_t(kb)[...] = (w * normed).astype(xs.dtype)               # weight * normed (bf16)
+      return carry
+
+    lax.fori_loop(kb0, kb0 + kbi, scale, 0)
+    kb0 += kbi
+
+
+def _wait_x(x_bar, plan):
+  for kb in range(plan.kb):
+    plgpu.barrier_wait(x_bar.at[kb])
+
+
+# ----------------------------------------------------------------------------- GEMM + epilogue
+
+
+def _issue(ws, ring, ring_bar, tile, k, plan):
+  """TMA step k of this tile's weights into ring slot k % stages (one barrier per weight)."""
+  bn, bk, nw = plan.cfg.block_n, plan.cfg.block_k, len(ws)
+  slot = k % plan.cfg.stages(nw)
+  for i, w in enumerate(ws):
+    plgpu.copy_gmem_to_smem(w.at[pl.ds(tile * bn, bn), pl.ds(k * bk, bk)], ring.at[slot * nw + i],
+                            ring_bar.at[slot * nw + i])
+
+
+def _gemm(ws, ring, ring_bar, xs, tile, plan):
+  """acc_i [BN, TP] = W_i[tile rows] @ xn^T over all KB steps (steps < stages were issued already)."""
+  nw, stages = len(ws), plan.cfg.stages(len(ws))
+
+  def scope(*accs):
+    def step(k, carry):
+      slot = k % stages
+      for i in range(nw):
+        plgpu.barrier_wait(ring_bar.at[slot * nw + i])
+      for i in range(nw):
+        plgpu.wgmma(accs[i], ring.at[slot * nw + i], xs.at[k].transpose((1, 0)))
+      plgpu.wgmma_wait(0)                                             # slot free: refill it
+
+      @pl.when(k + stages < plan.kb)
+      def _refill():
+        _issue(ws, ring, ring_bar, tile, k + stages, plan)
+      return carry
+
+    lax.fori_loop(0, plan.kb, step, 0)
+    return tuple(a[...] for a in accs)
+
+  return pl.run_scoped(scope, *[plgpu.ACC((plan.cfg.block_n, plan.tp))] * nw)
+
+
+def _epilogue(proj, accs):
+  """The model's rounding points on the fp32 accumulator(s) [BN, TP] (every value pinned to the WGMMA
+  layout: Mosaic's layout inference does not find one through the elementwise chain on its own)."""
+  f32, bf = jnp.float32, jnp.bfloat16
+  pin = lambda v: plgpu.layout_cast(v, plgpu.Layout.WGMMA)
+  rnd = lambda v, dt: pin(pin(v.astype(dt)).astype(f32))             # round to dt, back to f32
+  if proj.kind == "linear":
+    return pin(accs[0].astype(proj.out_dtype))
+  if proj.kind == "sigmoid":
+    return pin(jax.nn.sigmoid(rnd(accs[0], jnp.dtype(proj.logit))))
+  g, u = rnd(accs[0], bf), rnd(accs[1], bf)
+  act = rnd(pin(g * pin(jax.nn.sigmoid(g))), bf)                      # silu, rounded (swiglu_shared)
+  if proj.limit > 0:
+    act, u = pin(jnp.minimum(act, proj.limit)), pin(jnp.clip(u, -proj.limit, proj.limit))
+  return pin(pin(act * u).astype(bf))
+
+
+def _store(y, out_gmem, res_gmem, tile, plan):
+  """out[:, tile cols] = y^T (+ residual): a bf16 y [BN, TP] is stored through a transposed [TP, BN] view
+  (stmatrix.trans); f32 has no transposed SMEM store, so f32 outputs are written as out^T [N_s, TP]."""
+  bn, tp = plan.cfg.block_n, plan.tp
+  transposed = out_gmem.dtype == jnp.bfloat16
+  cols = pl.ds(tile * bn, bn)
+
+  def scope(o_smem, bar):
+    if res_gmem is not None:                                          # out = residual + bf16(x W^T)
+      plgpu.copy_gmem_to_smem(res_gmem.at[pl.ds(0, tp), cols], o_smem, bar.at[0])
+      plgpu.barrier_wait(bar.at[0])
+      res = o_smem.transpose((1, 0))[...].astype(jnp.float32)
+      o_smem.transpose((1, 0))[...] = (res + y.astype(jnp.float32)).astype(o_smem.dtype)
+    elif transposed:
+      o_smem.transpose((1, 0))[...] = y.astype(o_smem.dtype)
+    else:
+      o_smem[...] = y
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[pl.ds(0, tp), cols] if transposed else out_gmem.at[cols])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  shape = (tp, bn) if transposed else (bn, tp)
+  pl.run_scoped(scope, plgpu.SMEM(shape, out_gmem.dtype), plgpu.Barrier(num_barriers=1))
+
+
+# ----------------------------------------------------------------------------- kernel
+
+
+def _kernel(*refs, plan):
+  n_in = len(plan.k_parts)
+  x_gmems, refs = refs[:n_in], refs[n_in:]
+  nw_gmems, refs = (refs[:n_in], refs[n_in:]) if plan.norm else ((), refs)
+  res_gmem, refs = (refs[0], refs[1:]) if plan.residual else (None, refs)
+  n_w = sum(p.n_weights for p in plan.projs)
+  w_flat, outs = refs[:n_w], refs[n_w:]
+  ws, at = [], 0
+  for p in plan.projs:
+    ws.append(w_flat[at:at + p.n_weights])
+    at += p.n_weights
+  j = lax.axis_index("n")
+  cfg = plan.cfg
+
+  def scope(ring, ring_bar, xs, x_bar, nw_smem, nw_bar):
+    for s, (lo, hi) in enumerate(plan.tiles()):                       # 1. producer-independent loads
+      @pl.when((j >= lo) & (j < hi))
+      def _prefetch(s=s, lo=lo):
+        for k in range(min(cfg.stages(len(ws[s])), plan.kb)):
+          _issue(ws[s], ring, ring_bar, j - lo, k, plan)
+    if cfg.pdl and not cfg.interpret:                                 # PDL: x is the producer's output
+      plgpu.griddepcontrol_wait()
+      plgpu.griddepcontrol_launch_dependents()
+    _load_x(x_gmems, nw_gmems, xs, nw_smem, x_bar, nw_bar, plan)      # 2.
+    if plan.norm:                                                     # 3.
+      _normalize(xs, nw_smem, x_bar, nw_bar, plan)
+    else:
+      _wait_x(x_bar, plan)
+    plgpu.commit_smem()                                               # generic -> async proxy (wgmma)
+    for s, (lo, hi) in enumerate(plan.tiles()):                       # 4. + 5.
+      @pl.when((j >= lo) & (j < hi))
+      def _tile(s=s, lo=lo):
+        accs = _gemm(ws[s], ring, ring_bar, xs, j - lo, plan)
+        _store(_epilogue(plan.projs[s], accs), outs[s], res_gmem, j - lo, plan)
+
+  bn, bk = cfg.block_n, cfg.block_k
+  pl.run_scoped(
+      scope,
+      plgpu.SMEM((cfg.ring_tiles, bn, bk), jnp.bfloat16, transforms=_swizzled()),
+      plgpu.Barrier(num_barriers=cfg.ring_tiles),
+      plgpu.SMEM((plan.kb, plan.tp, bk), jnp.bfloat16, transforms=_swizzled()),
+      plgpu.Barrier(num_barriers=plan.kb),
+      plgpu.SMEM((plan.kb if plan.norm else 1, bk), jnp.bfloat16),
+      plgpu.Barrier(num_barriers=n_in))
+
+
+# ----------------------------------------------------------------------------- wrappers
+
+
+def _smem_bytes(plan):
+  """Ring + resident x + norm weights + the output tile (f32 at most)."""
+  cfg, k = plan.cfg, sum(plan.k_parts)
+  ring = cfg.ring_tiles * cfg.block_n * cfg.block_k * 2
+  return ring + plan.tp * k * 2 + (k * 2 if plan.norm else 0) + plan.tp * cfg.block_n * 4
+
+
+def _check(xs, weights, projs, cfg):
+  """Shapes and dtypes; returns (TR, TP, N_s per projection)."""
+  t = xs[0].shape[0]
+  for x in xs:
+    if x.ndim != 2 or x.shape[0] != t or x.dtype != jnp.bfloat16:
+      raise ValueError(f"inputs must be [T, K_i] bfloat16 with one T, got {[(a.shape, a.dtype) for a in xs]}")
+    if x.shape[1] % cfg.block_k:
+      raise ValueError(f"K={x.shape[1]} must be a multiple of block_k={cfg.block_k}")
+  k = sum(x.shape[1] for x in xs)
+  if len(weights) != len(projs):
+    raise ValueError(f"{len(weights)} weights for {len(projs)} projections")
+  n_rows = []
+  for p, w in zip(projs, weights):
+    ws = w if p.kind == "swiglu" else (w,)
+    if len(ws) != p.n_weights or any(a.shape != ws[0].shape or a.dtype != jnp.bfloat16 for a in ws):
+      raise ValueError(f"{p.kind} takes {p.n_weights} bfloat16 weight(s) of one shape, got "
+                       f"{[(a.shape, a.dtype) for a in ws]}")
+    n, kw = ws[0].shape
+    tile = 64 if p.out_dtype == jnp.bfloat16 else 8
+    if kw != k or n % 8 or (n > tile and n % tile):
+      raise ValueError(f"weight [{n}, {kw}]: needs K={k}, N % 8 == 0 and N <= {tile} or N % {tile} == 0 "
+                       "(the output TMA tiles GMEM); pass projections separately")
+    n_rows.append(n)
+  if t < 1 or t > 256:
+    raise ValueError(f"T={t} rows must be in 1..256 (wgmma N)")
+  rows = t if (t <= 8 or t % 8 == 0) else -(-t // 8) * 8
+  return rows, max(8, -(-rows // 8) * 8), tuple(n_rows)
+
+
+def _call(xs, norm_ws, residual, weights, projs, eps, cfg):
+  rows, tp, n_rows = _check(xs, weights, projs, cfg)
+  t = xs[0].shape[0]
+  plan = _Plan(rows, tp, tuple(x.shape[1] for x in xs), n_rows, tuple(projs), float(eps),
+               norm_ws is not None, residual is not None, cfg)
+  if _smem_bytes(plan) > SMEM_BYTES:
+    raise ValueError(f"SMEM {_smem_bytes(plan)} B > {SMEM_BYTES}: x [{tp}, {sum(plan.k_parts)}] is resident; "
+                     "lower ring_bytes or T")
+  pad = lambda a: jnp.pad(a, ((0, rows - t), (0, 0))) if rows != t else a
+  args = [pad(x) for x in xs]
+  if norm_ws is not None:
+    args += [w.reshape(-1, cfg.block_k) for w in norm_ws]            # [KB_i, BK]: TMA boxes <= 256
+  if residual is not None:
+    args.append(pad(residual))
+  for p, w in zip(projs, weights):
+    args += list(w) if p.kind == "swiglu" else [w]
+  out_type = [jax.ShapeDtypeStruct((rows, n) if p.out_dtype == jnp.bfloat16 else (n, tp), p.out_dtype)
+              for p, n in zip(projs, n_rows)]
+  kernel = plgpu.kernel(
+      functools.partial(_kernel, plan=plan), out_type=out_type,
+      grid=(plan.tiles()[-1][1],), grid_names=("n",),
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      interpret=plgpu.InterpretGPUParams() if cfg.interpret else None)
+  outs = kernel(*args)
+  # f32 outputs come back as out^T [N_s, TP] (small: router / gate columns); XLA fuses this transpose
+  # into their consumer.
+  return tuple((o[:t] if rows != t else o) if o.dtype == jnp.bfloat16 else o[:, :t].T for o in outs)
+
+
+@functools.partial(jax.jit, static_argnames=("projs", "eps", "config"))
+def norm_linear(x, norm_w, weights, *, projs, eps, config=None):
+  """y_s = epilogue_s(rms_norm(x) @ W_s^T) for every projection s, one weight read, one launch.
+
+  x: [T, D] bf16, or a tuple of inputs ([T, D_i], ...) normed separately and concatenated along K
+    (MTP: (embed, hidden) with (enorm, hnorm) against eh_proj [D, D_1 + D_2]).
+  norm_w: [D] (or a tuple, one per input), any float dtype the model stores (cast to bf16 as rms_norm's
+    `weight * normed` computes in the activation dtype).
+  weights: one entry per projection: [N_s, K] bf16, or (gate [F, K], up [F, K]) for "swiglu".
+  projs: tuple of Proj (static). Returns a tuple of [T, N_s] (or [T, F]) arrays.
+  """
+  cfg = config or LinearConfig()
+  xs = x if isinstance(x, (tuple, list)) else (x,)
+  nws = norm_w if isinstance(norm_w, (tuple, list)) else (norm_w,)
+  if len(nws) != len(xs) or any(w.shape != (a.shape[1],) for w, a in zip(nws, xs)):
+    raise ValueError(f"one norm weight [K_i] per input: {[w.shape for w in nws]} vs {[a.shape for a in xs]}")
+  return _call(tuple(xs), tuple(w.astype(jnp.bfloat16) for w in nws), None, weights, projs, eps, cfg)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def linear_residual(x, w, residual, *, config=None):
+  """residual + bf16(x @ w^T): x [T, K] bf16, w [N, K] bf16, residual [T, N] bf16 -> [T, N] bf16."""
+  cfg = config or LinearConfig()
+  if residual.shape != (x.shape[0], w.shape[0]) or residual.dtype != jnp.bfloat16:
+    raise ValueError(f"residual {residual.shape} {residual.dtype} must be [T, N] = {(x.shape[0], w.shape[0])} bf16")
+  return _call((x,), None, residual, (w,), (Proj(),), 0.0, cfg)[0]

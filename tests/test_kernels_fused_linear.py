@@ -1,0 +1,158 @@
+"""Fused norm + projection and projection + residual (pallas_kernels/fused_linear.py): the Mosaic GPU
+interpreter on CPU vs the model's own functions (ling_jax.layers.norms.rms_norm, jnp.einsum as the layers
+write it, layers.moe.swiglu_shared, router_logits), batch invariance, and the CUDA lowering at Ling shapes.
+
+bf16 only: the wgmma path takes bf16 operands (f32 would run as tf32), so there is no 1e-5 case; the
+kernel's bf16 rounding points (x * r rounded, then w * that; the einsum output rounded before sigmoid /
+SwiGLU; the projection rounded before the residual add) are checked by comparing with the model's
+composition to <= 1e-2, most cases bitwise, and by showing that skipping a rounding point is visible.
+Shapes: D = 256 (two K steps of 128), projections of 128, 32 and 64 rows; T in {1, 5, 6, 17}.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AbstractDevice, AbstractMesh
+
+from ling_jax.layers.moe import router_logits, swiglu_shared
+from ling_jax.layers.norms import rms_norm
+from pallas_kernels.fused_linear import LinearConfig, Proj, linear_residual, norm_linear
+
+BF, F32 = jnp.bfloat16, jnp.float32
+D, EPS = 256, 1e-6
+CFG = LinearConfig(block_n=64, block_k=128, ring_bytes=4 * 64 * 128 * 2, interpret=True)
+PROJS = (Proj(), Proj("sigmoid"), Proj("swiglu", limit=0.5), Proj("sigmoid", logit="float32"))
+
+
+def rel_err(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def make(seed, t, d=D):
+  k = jax.random.split(jax.random.key(seed), 8)
+  w = lambda kk, n: (jax.random.normal(kk, (n, d), F32) * d ** -0.5).astype(BF)
+  x = (3 * jax.random.normal(k[0], (t, d), F32)).astype(BF)
+  nw = (1 + 0.2 * jax.random.normal(k[1], (d,), F32)).astype(BF)
+  return x, nw, (w(k[2], 128), w(k[3], 32), (w(k[4], 64), w(k[5], 64)), w(k[6], 64))
+
+
+def model_outputs(x, nw, weights):
+  """The layers' composition: rms_norm, then each projection as the model writes it."""
+  xn = rms_norm(x, nw, EPS)
+  proj = lambda w: jnp.einsum("td,nd->tn", xn, w)
+  (gate, up), router = weights[2], weights[3]
+  return (proj(weights[0]),                                            # KDA q|k|v|f|g, MLA q, kv_a
+          jax.nn.sigmoid(proj(weights[1]).astype(F32)),                # KDA beta, MLA gate
+          swiglu_shared(proj(gate), proj(up), 0.5),                    # dense / shared expert
+          jax.nn.sigmoid(router_logits(xn, router, fp32_weight=False)))  # router scores
+
+
+@pytest.mark.parametrize("t", [1, 6, 17])
+def test_norm_linear_matches_model(t):
+  x, nw, weights = make(t, t)
+  outs = norm_linear(x, nw, weights, projs=PROJS, eps=EPS, config=CFG)
+  refs = model_outputs(x, nw, weights)
+  for o, r in zip(outs, refs):
+    assert o.shape == r.shape and o.dtype == r.dtype, (o.shape, o.dtype, r.shape, r.dtype)
+    assert rel_err(o, r) <= 1e-2
+  # Same rounding points as the model: the bf16 outputs agree bitwise in the interpreter.
+  for o, r in zip(outs[:3], refs[:3]):
+    np.testing.assert_array_equal(np.asarray(o, F32), np.asarray(r, F32))
+  # ... and the normed-x rounding is visible: an fp32 normed x gives a different projection.
+  xf = x.astype(F32)
+  unrounded = jnp.einsum("td,nd->tn", (xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + EPS)
+                                       * nw.astype(F32)).astype(BF), weights[0])
+  assert not np.array_equal(np.asarray(unrounded, F32), np.asarray(outs[0], F32))
+  # The clamp bites at L = 0.5.
+  assert rel_err(swiglu_shared(*(jnp.einsum("td,nd->tn", rms_norm(x, nw, EPS), w) for w in weights[2]), 0.0),
+                 refs[2]) > 0.1
+
+
+def test_batch_invariance():
+  """Row r of a T=6 call equals the T=1 call on row r, bitwise (both run wgmma N = 8). T=17 runs N = 24:
+  its bf16 outputs are bitwise equal too; the f32 router scores may differ by an ulp here because the
+  interpreter's wgmma is a CPU dot whose summation blocking depends on N (the GPU bench checks bitwise)."""
+  x, nw, weights = make(3, 17)
+  many6 = norm_linear(x[:6], nw, weights, projs=PROJS, eps=EPS, config=CFG)
+  many17 = norm_linear(x, nw, weights, projs=PROJS, eps=EPS, config=CFG)
+  for r in (0, 4):
+    one = norm_linear(x[r:r + 1], nw, weights, projs=PROJS, eps=EPS, config=CFG)
+    for a, b, c in zip(many6, many17, one):
+      np.testing.assert_array_equal(np.asarray(a[r:r + 1], F32), np.asarray(c, F32))
+      if b.dtype == BF:
+        np.testing.assert_array_equal(np.asarray(b[r:r + 1], F32), np.asarray(c, F32))
+      else:
+        np.testing.assert_allclose(np.asarray(b[r:r + 1]), np.asarray(c), rtol=1e-6, atol=0)
+
+
+def test_two_normed_inputs_mtp():
+  """MTP: eh_proj(concat[enorm(e), hnorm(h)]) with both norms in the prologue."""
+  e, ne, _ = make(5, 5)
+  h, nh, _ = make(6, 5)
+  w = (jax.random.normal(jax.random.key(7), (128, 2 * D), F32) * (2 * D) ** -0.5).astype(BF)
+  (out,) = norm_linear((e, h), (ne, nh), (w,), projs=(Proj(),), eps=EPS, config=CFG)
+  ref = jnp.einsum("btc,dc->btd", jnp.concatenate([rms_norm(e, ne, EPS), rms_norm(h, nh, EPS)], -1)[None], w)[0]
+  assert rel_err(out, ref) <= 1e-2
+  np.testing.assert_array_equal(np.asarray(out, F32), np.asarray(ref, F32))
+
+
+def test_linear_residual_matches_model():
+  """x + einsum(o, W): the projection is rounded to bf16 before the add, as the layers return it."""
+  k = jax.random.split(jax.random.key(8), 3)
+  o = jax.random.normal(k[0], (6, 256), F32).astype(BF)
+  w = (jax.random.normal(k[1], (192, 256), F32) * 256 ** -0.5).astype(BF)
+  res = (4 * jax.random.normal(k[2], (6, 192), F32)).astype(BF)
+  out = linear_residual(o, w, res, config=CFG)
+  ref = res + jnp.einsum("btc,dc->btd", o[None], w)[0]
+  assert out.dtype == BF and rel_err(out, ref) <= 1e-2
+  np.testing.assert_array_equal(np.asarray(out, F32), np.asarray(ref, F32))
+  fused_f32 = (res.astype(F32) + jnp.einsum("tc,dc->td", o, w, preferred_element_type=F32)).astype(BF)
+  assert not np.array_equal(np.asarray(fused_f32, F32), np.asarray(out, F32))
+
+
+def test_config_and_input_errors():
+  with pytest.raises(ValueError, match="block_n=96"):
+    LinearConfig(block_n=96)
+  with pytest.raises(ValueError, match="ring_bytes=1024"):
+    LinearConfig(ring_bytes=1024)
+  with pytest.raises(ValueError, match="kind='gelu'"):
+    Proj("gelu")
+  with pytest.raises(ValueError, match="limit=1.0"):
+    Proj("sigmoid", limit=1.0)
+  x, nw, weights = make(0, 2)
+  with pytest.raises(ValueError, match="bfloat16"):
+    norm_linear(x.astype(F32), nw, weights, projs=PROJS, eps=EPS, config=CFG)
+  with pytest.raises(ValueError, match="weight \\[96, 256\\]"):
+    norm_linear(x, nw, (weights[0][:96],), projs=(Proj(),), eps=EPS, config=CFG)
+  with pytest.raises(ValueError, match="SMEM"):
+    norm_linear(jnp.zeros((24, 8192), BF), jnp.ones((8192,), BF), (jnp.zeros((64, 8192), BF),),
+                projs=(Proj(),), eps=EPS)
+
+
+S = jax.ShapeDtypeStruct
+H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
+    device_kind="NVIDIA H200", num_cores=132, platform="cuda"))
+
+
+def lower_cuda(f, *args):
+  with jax.sharding.use_abstract_mesh(H200):
+    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("t", [1, 6, 17])
+def test_lowers_for_cuda_at_ling_shapes(t):
+  """D = 2560: KDA q|k|v|f|g [20480] + b [32] (N = 20512), shared gate/up [768] + router [512], o_proj."""
+  d = 2560
+  kda = lambda x, nw, w, b: norm_linear(x, nw, (w, b), projs=(Proj(), Proj()), eps=EPS)
+  text = lower_cuda(kda, S((t, d), BF), S((d,), BF), S((20480, d), BF), S((32, d), BF))
+  assert text.count("custom_call @mosaic_gpu") == 1 and "wgmma" in text
+  shared = lambda x, nw, g, u, r: norm_linear(
+      x, nw, ((g, u), r), projs=(Proj("swiglu", limit=5.0), Proj("sigmoid", logit="float32")), eps=EPS)
+  lower_cuda(shared, S((t, d), BF), S((d,), BF), S((768, d), BF), S((768, d), BF), S((512, d), BF))
+  if t == 17:  # x [24, 4096] resident (196 KB) + the ring exceeds SMEM: a clear error, T <= 16 lowers
+    with pytest.raises(ValueError, match="SMEM"):
+      lower_cuda(linear_residual, S((t, 4096), BF), S((d, 4096), BF), S((t, d), BF))
+    t = 16
+  text = lower_cuda(linear_residual, S((t, 4096), BF), S((d, 4096), BF), S((t, d), BF))
+  assert text.count("custom_call @mosaic_gpu") == 1
