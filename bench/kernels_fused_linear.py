@@ -115,7 +115,7 @@ def main():
                          **{"fraction_of_4.3TB/s": nbytes / HBM / (tk * 1e-6)}, baseline="XLA rms_norm + einsum",
                          baseline_time_us=t_xla, rel_err=err, batch_invariant=inv, config=str(cfg), nsets=nsets))
         print(rows[-1], flush=True)
-  path = bk.write_result(args.out, "kernels-fused-linear", rows)
+  path = bk.write_result(args.out, "kernels-fused-linear", rows, bk.hbm_ceiling())
   print(f"\nwrote {path}\n{'name':52s} {'us':>8s} {'xla_us':>8s} {'MB':>7s} {'frac':>5s}")
   for r in rows:
     if "time_us" in r and r.get("baseline_time_us"):

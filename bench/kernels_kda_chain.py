@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.bench_kernels import copy_bw, rel, write_result
+from bench.bench_kernels import hbm_ceiling, rel, write_result
 from bench.kernels_kda import nbytes, profile, stats
 from ling_jax.config import ModelConfig
 from ling_jax.kernel_calls import KernelCalls
@@ -108,7 +108,8 @@ def main():
   a = ap.parse_args()
   cfg = (ModelConfig(hidden_size=96, num_attention_heads=2, head_dim=32, qk_rope_head_dim=16) if a.small
          else ModelConfig())
-  n_sets, bw = (2, 4.3e12) if a.small else (24, copy_bw())
+  ceiling = hbm_ceiling()
+  n_sets, bw = (2, 4.3e12) if a.small else (24, ceiling.bytes_per_s)
   print(f"HBM copy bandwidth {bw / 1e12:.2f} TB/s (floors below)", flush=True)
   rows, failed = [], []
   for t in (int(x) for x in a.ts.split(",")):
@@ -141,7 +142,7 @@ def main():
             f"kernels {f(row.get('kernels_per_call')):>5s}  floor {row['floor_us']:.2f} us "
             f"({row['state_passes']}|S| + rows + o_proj)  err {max(row['rel_err']):.1e}", flush=True)
       rows.append(row)
-  print("wrote", write_result(a.out, "kernels-kda-chain", rows), flush=True)
+  print("wrote", write_result(a.out, "kernels-kda-chain", rows, ceiling), flush=True)
   if failed:
     sys.exit("CHECK FAILED:\n" + "\n".join(failed))
 

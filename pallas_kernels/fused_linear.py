@@ -165,14 +165,31 @@ def _swizzled():
 # ----------------------------------------------------------------------------- prologue
 
 
+def _x_group(kb: int) -> int:
+  """x chunks per barrier: Mosaic allows at most 32 barriers in a group, so K / BK > 32 (o_proj's 4096, the
+  dense down's 6144) shares each barrier between G chunks (G the smallest divisor of kb with kb / G <= 32)."""
+  return next(g for g in range(1, kb + 1) if kb % g == 0 and kb // g <= 32)
+
+
+def _wait_chunk(x_bar, kb, g):
+  """Wait for x chunk kb: on the first chunk of its barrier's group (a barrier is waited once per phase)."""
+  if g == 1:
+    plgpu.barrier_wait(x_bar.at[kb])
+    return
+
+  @pl.when(kb % g == 0)
+  def _():
+    plgpu.barrier_wait(x_bar.at[kb // g])
+
+
 def _load_x(x_gmems, nw_gmems, xs, nw_smem, x_bar, nw_bar, plan):
   """TMA every x chunk [TR rows, BK] into xs[kb] (rows TR..TP zero-filled) and the norm weights."""
-  bk, kb0 = plan.cfg.block_k, 0
+  bk, kb0, g = plan.cfg.block_k, 0, _x_group(plan.kb)
   for i, x_gmem in enumerate(x_gmems):
     kbi = plan.k_parts[i] // bk
     for kb in range(kbi):
       plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(0, plan.tp), pl.ds(kb * bk, bk)], xs.at[kb0 + kb],
-                              x_bar.at[kb0 + kb])
+                              x_bar.at[(kb0 + kb) // g])
     if plan.norm:
       plgpu.copy_gmem_to_smem(nw_gmems[i], nw_smem.at[pl.ds(kb0, kbi)], nw_bar.at[i])
     kb0 += kbi
@@ -186,7 +203,7 @@ def _normalize(xs, nw_smem, x_bar, nw_bar, plan):
     kbi = k // bk
 
     def sum_squares(kb, ss):
-      plgpu.barrier_wait(x_bar.at[kb])
+      _wait_chunk(x_bar, kb, _x_group(plan.kb))
       v = chunk_t(kb)[...].astype(jnp.float32)
       return ss + jnp.sum(v * v, axis=0)                              # [TP]
 
@@ -206,8 +223,9 @@ def _normalize(xs, nw_smem, x_bar, nw_bar, plan):
 
 
 def _wait_x(x_bar, plan):
-  for kb in range(plan.kb):
-    plgpu.barrier_wait(x_bar.at[kb])
+  g = _x_group(plan.kb)
+  for b in range(plan.kb // g):
+    plgpu.barrier_wait(x_bar.at[b])
 
 
 # ----------------------------------------------------------------------------- GEMM + epilogue
@@ -332,7 +350,7 @@ def _kernel(*refs, plan):
       plgpu.SMEM((cfg.ring_tiles, bn, bk), jnp.bfloat16, transforms=_swizzled()),
       plgpu.Barrier(num_barriers=cfg.ring_tiles),
       plgpu.SMEM((plan.kb, plan.tp, bk), jnp.bfloat16, transforms=_swizzled()),
-      plgpu.Barrier(num_barriers=plan.kb),
+      plgpu.Barrier(num_arrivals=_x_group(plan.kb), num_barriers=plan.kb // _x_group(plan.kb)),
       plgpu.SMEM((plan.kb if plan.norm else 1, bk), jnp.bfloat16),
       plgpu.Barrier(num_barriers=n_in))
 
