@@ -43,6 +43,7 @@ from compile.runner import constrain, sharded_params
 from compile.sharding import ShardingRules, kernel_calls_for, param_specs, state_shardings
 from compile.stages import Program, slice_config
 from ling_jax.config import get_preset
+from ling_jax.kernel_calls import kernel_calls
 from ling_jax.model import RuntimeOptions
 from ling_jax.weights import array_spec
 
@@ -322,6 +323,7 @@ def main():
     ap.add_argument("--dump-hlo", action="store_true", help="write each step's optimised HLO (gzip) to --out")
     ap.add_argument("--kernels", default="auto", help="RuntimeOptions.kernels (auto: Pallas on GPU, run per "
                     "device under shard_map over TP)")
+    ap.add_argument("--kda-impl", default="chain", choices=("chain", "verify"), help="KernelCalls.kda_impl")
     ap.add_argument("--baseline-kernels", default=None, help="also time the steps with these kernels (e.g. "
                     "reference: the XLA-only model) in the same run, as the baseline")
     ap.add_argument("--routing-from", default=None, help="a slice run's step JSON: reuse its mean distinct experts "
@@ -348,10 +350,11 @@ def main():
     runs = [("plain", 0, a.kernels)] + [("nextn", int(k), a.kernels) for k in a.steps.split(",")]
     if a.baseline_kernels:
         runs += [(m, k, a.baseline_kernels) for m, k, _ in runs]
-    prefix = "step" + ("-" + os.path.basename(os.path.normpath(a.model)) if a.model else "")
+    prefix = "step" + ("-" + os.path.basename(os.path.normpath(a.model)) if a.model else "") + f"-kda{a.kda_impl}"
     for mode, K, kernels in runs:
         baseline = kernels != a.kernels
-        opts = kernel_calls_for(RuntimeOptions(kernels=kernels), mesh, rules)
+        calls = kernel_calls(kernels, kda_impl=a.kda_impl) if kernels != "reference" else None
+        opts = kernel_calls_for(RuntimeOptions(kernels=calls), mesh, rules)
         prog = Program(cfg, mode=mode, steps=max(K, 1), max_len=max_len, opts=opts)
         fn = prog.fn()
         step = jax.jit(lambda p, s, _f=fn: constrain(_f(p, s), mesh, rules), donate_argnums=(1,))

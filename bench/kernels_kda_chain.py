@@ -63,12 +63,12 @@ def step_fns(p, cfg, chain_cfg):
     o, ci = calls.kda_verify(pr[:, :, 0], pr[:, :, 1], pr[:, :, 2], pr[:, :, 3], s["b_raw"], p["A_log"],
                              p["dt_bias"], *p["conv_w"], win, st, lower_bound=lb)
     out = M.kda_output(p, o, pr[:, :, 4], cfg, BF)
-    return (out,) + M.kda_commit(win, st, M.KdaPending(pr[:, :, :3], *ci), s["n"], pallas=calls)
+    return (out,) + M.kda_commit(win, st, M.KdaPending(pr[:, :, :3], *ci), s["n"], kernels=calls)
 
   def chain_commit(s, win, st):
     r = chain(s, win, st)
     return (o_proj(r.o),) + M.kda_commit(win, st, M.KdaPending(s["proj"][:, :, :3], *r.commit), s["n"],
-                                         pallas=calls)
+                                         kernels=calls)
 
   def folded(s, win, st):
     r = chain(s, win, st, pending=s["pending"], n_prev=s["n"])

@@ -57,6 +57,10 @@ class KernelCalls:
     kda_fused_decode: with kda_impl="verify", decode (T = 1) runs one fused KDA kernel (conv + delta rule + state update in place) instead
       of verify + commit. Off by default: its output uses S^T(e q) + u (k.q) for S'^T q, equal in exact arithmetic
       but not bitwise equal to the verify kernel's row, and plain greedy must match NEXTN's.
+    mla_live_prefix: decode/verify MLA attention through pallas_kernels/mla_attention.py (reads the live prefix
+      only). Off by default: on H200 it beats XLA's attention over every slot at a live length of 1024 (28 vs
+      34 us at T = 1, 25 vs 46 us at T = 6) but loses at 8192 with T >= 6 (53 vs 46 us at T = 6, 114 vs 56 us at
+      T = 17; bench/results/kernels-head-mla-h200-2026-12-01.json): its blocks are re-read per 128-column slice.
     kda_pallas_prefill: chunked prefill runs the Pallas chunked kernel instead of the model's jnp form. Off by
       default: on H200 it took 5.6 ms at T=2048 against XLA's 3.3 ms (bench/results/kernels-h200-*-run4).
     """
@@ -66,6 +70,7 @@ class KernelCalls:
     kda_impl: str = "chain"
     kda_fused_decode: bool = False
     kda_pallas_prefill: bool = False
+    mla_live_prefix: bool = False
 
     def __post_init__(self):
         if self.moe_impl not in MOE_IMPLS:
@@ -176,7 +181,7 @@ class KernelCalls:
         """Absorbed MLA context over the live prefix (Mosaic GPU), or None where the kernel does not take the
         shapes (fp32, slots not a multiple of its block, small latent widths): the caller runs the jnp form.
         cache [B, S, F] or the stacked [L, B, S, F] read at `layer` in place."""
-        cfg = self._mla_config(q_lat, q_rope, cache)
+        cfg = self._mla_config(q_lat, q_rope, cache) if self.mla_live_prefix else None
         if cfg is None:
             return None
         return _mla_attention.mla_attention(q_lat, q_rope, cache, positions, scale=scale, config=cfg, layer=layer)
