@@ -323,7 +323,7 @@ def main():
     ap.add_argument("--dump-hlo", action="store_true", help="write each step's optimised HLO (gzip) to --out")
     ap.add_argument("--kernels", default="auto", help="RuntimeOptions.kernels (auto: Pallas on GPU, run per "
                     "device under shard_map over TP)")
-    ap.add_argument("--kda-impl", default="chain", choices=("chain", "verify"), help="KernelCalls.kda_impl")
+    ap.add_argument("--kda-impl", default="verify", choices=("chain", "verify"), help="KernelCalls.kda_impl")
     ap.add_argument("--baseline-kernels", default=None, help="also time the steps with these kernels (e.g. "
                     "reference: the XLA-only model) in the same run, as the baseline")
     ap.add_argument("--routing-from", default=None, help="a slice run's step JSON: reuse its mean distinct experts "

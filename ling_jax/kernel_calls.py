@@ -51,9 +51,12 @@ class KernelCalls:
       the wiring).
     moe_impl: "auto" (Mosaic GPU for bf16/f16 at T <= 64 whenever its tiles divide the dims: 1.0-1.2x faster than
       Triton on H200, bench/results/kernels-h200-2026-11-30-run4.json; Triton otherwise), "mosaic" or "triton".
-    kda_impl: decode/verify KDA as "chain" (pallas_kernels/kda_chain.py: conv, norms, gates, delta rule and the
-      output RMSNorm + gate in one kernel per layer; decode advances the state in the same kernel) or "verify"
-      (kda_verify + kda_commit kernels, the output epilogue in XLA).
+    kda_impl: decode/verify KDA as "verify" (kda_verify + kda_commit kernels, the output epilogue in XLA; the
+      default) or "chain" (pallas_kernels/kda_chain.py: conv, norms, gates, delta rule and the output RMSNorm +
+      gate in one kernel per layer; decode advances the state in the same kernel). Measured on H200
+      (2026-12-01): one layer at T = 1 (decode) 12.2 us chain-advance vs 21.1 us verify + epilogue + commit,
+      but at T = 6 110.5 us vs 26.9 us (one program per head spills registers; 32 programs on 132 SMs); the
+      12-layer slice's NEXTN5 step 5487 us with chain vs 4759 us with verify. Verify stays the default.
     kda_fused_decode: with kda_impl="verify", decode (T = 1) runs one fused KDA kernel (conv + delta rule + state update in place) instead
       of verify + commit. Off by default: its output uses S^T(e q) + u (k.q) for S'^T q, equal in exact arithmetic
       but not bitwise equal to the verify kernel's row, and plain greedy must match NEXTN's.
@@ -67,7 +70,7 @@ class KernelCalls:
 
     interpret: bool = False
     moe_impl: str = "auto"
-    kda_impl: str = "chain"
+    kda_impl: str = "verify"
     kda_fused_decode: bool = False
     kda_pallas_prefill: bool = False
     mla_live_prefix: bool = False
