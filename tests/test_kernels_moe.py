@@ -70,7 +70,8 @@ def test_moe_kernel_matches_reference(t, e, i, dtype, ids_mode, shared, limit, t
 
 
 def test_moe_reference_matches_dense_loop():
-  """The reference against a per-token, per-expert numpy loop (float64)."""
+  """The reference against a per-token, per-expert numpy loop (float64); the routed clamp as SGLang deploys it:
+  min(silu(g), L) * clip(u, -L, L)."""
   x, ids, w, wg, wu, wd, sh = make(5, 3, 256, 16, 64, jnp.float32)
   L = 0.3
   xs, ws = np.asarray(x, np.float64), [np.asarray(a, np.float64) for a in (wg, wu, wd)]
@@ -80,7 +81,7 @@ def test_moe_reference_matches_dense_loop():
     for a in range(A):
       e = int(ids[t, a])
       g, u = ws[0][e] @ xs[t], ws[1][e] @ xs[t]
-      out[t] += float(w[t, a]) * (ws[2][e] @ (silu(np.minimum(g, L)) * np.clip(u, -L, L)))
+      out[t] += float(w[t, a]) * (ws[2][e] @ (np.minimum(silu(g), L) * np.clip(u, -L, L)))  # limit after SiLU
     sg, su, sd = (np.asarray(s, np.float64) for s in sh)
     out[t] += sd @ (np.minimum(silu(sg @ xs[t]), L) * np.clip(su @ xs[t], -L, L))
   ref = moe_reference(x, ids, w, wg, wu, wd, limit=L, shared=sh, shared_limit=L)
@@ -109,15 +110,24 @@ def test_route_reference():
     np.testing.assert_allclose(np.asarray(w[r]), ww / ww.sum() * 2.5, rtol=1e-5)
 
 
-def test_dispatch_backend_switch(monkeypatch):
+def test_dispatch_backend_switch_and_reference_is_the_models_math(monkeypatch):
+  """The backend switch, and the dispatcher's reference path against the MODEL's own jnp functions
+  (ling_jax.layers.moe: routed_experts + dense_mlp), clamps biting: the kernels' reference computes the model."""
+  from ling_jax.layers.moe import dense_mlp, routed_experts
   monkeypatch.delenv("LING_JAX_KERNELS", raising=False)
   assert dispatch.resolve() is dispatch.Backend.REFERENCE          # CPU
   monkeypatch.setenv("LING_JAX_KERNELS", "pallas")
   assert dispatch.resolve() is dispatch.Backend.PALLAS
   assert dispatch.resolve("reference") is dispatch.Backend.REFERENCE
-  x, ids, w, wg, wu, wd, sh = make(9, 2, 256, 16, 64, jnp.float32, shared=False)
-  out = dispatch.moe(x, ids, w, wg, wu, wd, backend=dispatch.Backend.REFERENCE)
-  np.testing.assert_array_equal(out, moe_reference(x, ids, w, wg, wu, wd))
+  x, ids, w, wg, wu, wd, sh = make(9, 3, 256, 16, 64, jnp.float32)
+  L, Ls = 0.3, 0.4
+  out = dispatch.moe(x, ids, w, wg, wu, wd, limit=L, shared=sh, shared_limit=Ls,
+                     backend=dispatch.Backend.REFERENCE)
+  model = routed_experts(x, ids, w, wg, wu, wd, L) + dense_mlp(
+      {"gate_proj": sh[0], "up_proj": sh[1], "down_proj": sh[2]}, x, Ls)
+  assert rel_err(out, model) <= 1e-6
+  unclamped = routed_experts(x, ids, w, wg, wu, wd, 0.0)
+  assert rel_err(out, unclamped) > 1e-2
 
 
 # ----------------------------------------------------------------------------- align, paths
