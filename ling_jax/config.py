@@ -164,6 +164,9 @@ class ModelConfig:
 
     # ---- parameter counts ---------------------------------------------------------------------------------
     def param_counts(self) -> dict[str, int]:
+        """Parameters by part, and the float32 share. For ling3-flash the total (127,486,405,600) and the F32 share
+        (165,472) equal the Hugging Face Hub's safetensors metadata of inclusionAI/Ling-3.0-flash; ling3-tiny's
+        total_without_mtp (7,893,392,800) that of inclusionAI/Ling-3.0-tiny (tests/test_weights.py pins both)."""
         from ling_jax.weights import param_spec  # local: weights imports config
 
         counts = {"embedding": 0, "lm_head": 0, "target_layers": 0, "mtp": 0, "norm": 0, "float32": 0}
@@ -344,7 +347,7 @@ def get_preset(name: str) -> ModelConfig:
 
 # Keys config.json may leave out: BailingMoeV3Config's default is ours (tie_word_embeddings false), the tokenizer
 # names the stop tokens, or the key is our own switch. Every other field sets a shape or the math and must be there:
-# HF's class defaults are Ling-3.0-tiny's and ours Ling-3.0-flash's, so filling one in would build another model.
+# HF's class defaults describe another size than ours (Ling-3.0-flash), so filling one in builds another model.
 OPTIONAL_KEYS = ("tie_word_embeddings", "eos_token_id", "pad_token_id", "apply_swiglu_clamps")
 _DERIVED = ("name", "routed_swiglu_limits", "shared_swiglu_limits")  # not HF keys (the clamps: CLAMP_KEYS)
 REQUIRED_KEYS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name not in OPTIONAL_KEYS + _DERIVED)
@@ -383,7 +386,7 @@ def from_hf_dict(d: dict[str, Any], name: str = "hf") -> ModelConfig:
     defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
     kw: dict[str, Any] = {}
     for key in REQUIRED_KEYS + OPTIONAL_KEYS:
-        if key in d:
+        if key in d and not (key in OPTIONAL_KEYS and d[key] is None):
             kw[key] = _typed(key, d[key], defaults[key])
         elif key in REQUIRED_KEYS:
             raise ValueError(f"missing required key {key!r}")

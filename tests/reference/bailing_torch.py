@@ -68,6 +68,9 @@ class BailingConfigRef:
     def from_dict(cls, d: dict[str, Any]) -> "BailingConfigRef":
         names = {f.name for f in dataclasses.fields(cls)}
         kw = {k: v for k, v in d.items() if k in names}
+        for key, v in (d.get("rope_parameters") or {}).items():  # transformers >= 5 may keep rope_theta only here
+            if key in ("rope_theta", "partial_rotary_factor"):
+                kw.setdefault(key, v)
         for key in ("expert_swiglu_limit_list", "share_expert_swiglu_limit_list"):
             if kw.get(key) is not None:
                 kw[key] = tuple(float(x or 0.0) for x in kw[key])
