@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -349,8 +350,8 @@ def get_preset(name: str) -> ModelConfig:
 # names the stop tokens, or the key is our own switch. Every other field sets a shape or the math and must be there:
 # HF's class defaults describe another size than ours (Ling-3.0-flash), so filling one in builds another model.
 OPTIONAL_KEYS = ("tie_word_embeddings", "eos_token_id", "pad_token_id", "apply_swiglu_clamps")
-_DERIVED = ("name", "routed_swiglu_limits", "shared_swiglu_limits")  # not HF keys (the clamps: CLAMP_KEYS)
-REQUIRED_KEYS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name not in OPTIONAL_KEYS + _DERIVED)
+_NOT_HF_KEYS = ("name", "routed_swiglu_limits", "shared_swiglu_limits")  # the clamps come from CLAMP_KEYS
+REQUIRED_KEYS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name not in OPTIONAL_KEYS + _NOT_HF_KEYS)
 
 # Keys the math assumes and the one value ling_jax implements (what Ling-3.0 ships; an absent key means that value).
 IMPLEMENTED_VALUES: dict[str, Any] = {
@@ -482,7 +483,7 @@ def to_hf_dict(cfg: ModelConfig) -> dict[str, Any]:
         **IMPLEMENTED_VALUES,
     }
     for f in dataclasses.fields(cfg):
-        if f.name not in _DERIVED:
+        if f.name not in _NOT_HF_KEYS:
             d[f.name] = getattr(cfg, f.name)
     for key, field_name in CLAMP_KEYS.items():
         if getattr(cfg, field_name):  # the lists only when the model has them
@@ -527,12 +528,17 @@ def main(argv=None):
     p.add_argument("--config", default=None, help="an HF config.json or checkpoint dir")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
-    cfg = from_hf_config(a.config) if a.config else get_preset(a.preset or "ling3-flash")
+    try:
+        cfg = from_hf_config(a.config) if a.config else get_preset(a.preset or "ling3-flash")
+    except (CheckpointError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if a.json:
         print(json.dumps({"config": to_hf_dict(cfg), "params": cfg.param_counts()}, indent=1))
     else:
         print(summary(cfg))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -11,9 +11,10 @@ global device count; process 0 serves HTTP and the others follow it in lockstep,
         --dist-init-addr 10.0.0.1:5000 --nnodes 2 --node-rank 0     # and --node-rank 1 on the second host
 
 --model-path is a preset (random weights) or an HF checkpoint dir (config.json + safetensors, and optionally
-tokenizer.json / tokenizer_config.json); --random-weights initialises randomly even for a dir. The server
-listens at once; /health answers 503 until the weights are loaded, the programs compiled and a greedy and a
-sampled warm-up request have run.
+tokenizer.json / tokenizer_config.json); --random-weights initialises randomly even for a dir. A checkpoint that
+does not match its config.json, or a file that cannot be read, is one line `error: ...` and exit status 2 before the
+server listens (--check-weights: also inf/nan values). Then the server listens at once; /health answers 503 until
+the weights are loaded, the programs compiled and a greedy and a sampled warm-up request have run.
 """
 
 from __future__ import annotations
