@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench import bench_kernels as bk
-from ling_jax.layers.moe import router_logits, swiglu_shared
+from ling_jax.layers.moe import router_logits, swiglu
 from ling_jax.layers.norms import rms_norm
 from pallas_kernels.fused_linear import LinearConfig, Proj, linear_residual, norm_linear
 
@@ -33,12 +33,12 @@ CASES = {
                                                           jax.nn.sigmoid(proj(xn, g).astype(F32))))(
                          rms_norm(x, nw, EPS))),
     "dense gate|up swiglu": ([(6144, D), (6144, D)], (Proj("swiglu", limit=7.0),),
-                             lambda x, nw, g, u: (lambda xn: (swiglu_shared(proj(xn, g), proj(xn, u), 7.0),))(
+                             lambda x, nw, g, u: (lambda xn: (swiglu(proj(xn, g), proj(xn, u), 7.0),))(
                                  rms_norm(x, nw, EPS))),
     "shared gate|up + router": ([(768, D), (768, D), (512, D)],
                                 (Proj("swiglu", limit=7.0), Proj("sigmoid", logit="float32")),
                                 lambda x, nw, g, u, r: (lambda xn: (
-                                    swiglu_shared(proj(xn, g), proj(xn, u), 7.0),
+                                    swiglu(proj(xn, g), proj(xn, u), 7.0),
                                     jax.nn.sigmoid(router_logits(xn, r, fp32_weight=False))))(
                                     rms_norm(x, nw, EPS))),
     "o_proj + residual 4096->2560": ([(D, 4096)], None,

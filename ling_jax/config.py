@@ -1,8 +1,11 @@
 """Model configuration: one frozen dataclass, named presets, and the HF config.json reader.
 
 Field names follow the Hugging Face config keys of BailingMoeV3 (`model_type: bailing_hybrid`) so that
-`from_hf_config` is a plain mapping. Derived facts (which layer is MLA, which is MoE, clamp limits per layer,
-parameter counts) are properties, computed from the fields, never stored twice.
+`from_hf_config` is a plain mapping (the clamp lists come from SGLang's keys, see CLAMP_KEYS). config.json must
+carry every key that sets a shape or the math (REQUIRED_KEYS); a missing key, a value of the wrong type, or a value
+of a key the math assumes that we do not implement (IMPLEMENTED_VALUES) is an error naming the key. Derived facts
+(which layer is MLA, which is MoE, clamp limits per layer, parameter counts) are properties, computed from the
+fields, never stored twice.
 
     python -m ling_jax.config --preset ling3-flash
 """
@@ -13,10 +16,18 @@ import argparse
 import dataclasses
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from ling_jax.errors import CheckpointError
+
 HF_MODEL_TYPES = ("bailing_hybrid",)
+
+
+_POSITIVE = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "head_dim", "vocab_size",
+             "layer_group_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "n_group", "topk_group",
+             "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "short_conv_kernel_size")
 
 
 @dataclass(frozen=True)
@@ -60,12 +71,21 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     eos_token_id: int = 156895
     pad_token_id: int = 156892
-    # SwiGLU clamps, one limit per layer (target layers then MTP layers); 0.0 = off.
+    # SwiGLU clamps, one limit per layer (target layers then MTP layers); 0.0 = off. config.json keys
+    # expert_swiglu_limit_list / share_expert_swiglu_limit_list (see CLAMP_KEYS). Both kinds compute
+    # min(silu(gate), L) * clip(up, -L, L) (SGLang's deployment). apply_swiglu_clamps=False drops them, which is what
+    # HF's remote code computes (it ignores the lists); on by default, the model was trained with them.
     routed_swiglu_limits: tuple[float, ...] = ()
     shared_swiglu_limits: tuple[float, ...] = ()
     apply_swiglu_clamps: bool = True
 
     def __post_init__(self):
+        for key in _POSITIVE:
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key}={getattr(self, key)} must be >= 1")
+        for key in ("first_k_dense_replace", "num_nextn_predict_layers", "num_shared_experts"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"{key}={getattr(self, key)} must be >= 0")
         n = self.num_total_layers
         for key in ("routed_swiglu_limits", "shared_swiglu_limits"):
             limits = getattr(self, key)
@@ -145,6 +165,9 @@ class ModelConfig:
 
     # ---- parameter counts ---------------------------------------------------------------------------------
     def param_counts(self) -> dict[str, int]:
+        """Parameters by part, and the float32 share. For ling3-flash the total (127,486,405,600) and the F32 share
+        (165,472) equal the Hugging Face Hub's safetensors metadata of inclusionAI/Ling-3.0-flash; ling3-tiny's
+        total_without_mtp (7,893,392,800) that of inclusionAI/Ling-3.0-tiny (tests/test_weights.py pins both)."""
         from ling_jax.weights import param_spec  # local: weights imports config
 
         counts = {"embedding": 0, "lm_head": 0, "target_layers": 0, "mtp": 0, "norm": 0, "float32": 0}
@@ -176,7 +199,7 @@ class ModelConfig:
 
 
 def _flash_clamps(n_layers: int, n_mtp: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """SGLang's clamp schedule for Ling-3.0-flash: routed 4.0 on 35..41; shared 5.0 on 34..39, 7.0 on 40..41."""
+    """Ling-3.0-flash's limits (its config.json lists): routed 4.0 on 35..41; shared 5.0 on 34..39, 7.0 on 40..41."""
     routed = [4.0 if 35 <= i <= 41 else 0.0 for i in range(n_layers + n_mtp)]
     shared = [5.0 if 34 <= i <= 39 else 7.0 if 40 <= i <= 41 else 0.0 for i in range(n_layers + n_mtp)]
     return tuple(routed), tuple(shared)
@@ -323,65 +346,148 @@ def get_preset(name: str) -> ModelConfig:
 
 # ---- HF config.json ---------------------------------------------------------------------------------------
 
-_HF_KEYS = {f.name for f in dataclasses.fields(ModelConfig)} - {"name"}
+# Keys config.json may leave out: BailingMoeV3Config's default is ours (tie_word_embeddings false), the tokenizer
+# names the stop tokens, or the key is our own switch. Every other field sets a shape or the math and must be there:
+# HF's class defaults describe another size than ours (Ling-3.0-flash), so filling one in builds another model.
+OPTIONAL_KEYS = ("tie_word_embeddings", "eos_token_id", "pad_token_id", "apply_swiglu_clamps")
+_NOT_HF_KEYS = ("name", "routed_swiglu_limits", "shared_swiglu_limits")  # the clamps come from CLAMP_KEYS
+REQUIRED_KEYS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name not in OPTIONAL_KEYS + _NOT_HF_KEYS)
+
+# Keys the math assumes and the one value ling_jax implements (what Ling-3.0 ships; an absent key means that value).
+IMPLEMENTED_VALUES: dict[str, Any] = {
+    "kda_safe_gate": True,  # KDA forget gate kda_lower_bound * sigmoid(...); false is fla's unbounded gate
+    "no_kda_lora": True,  # full-rank KDA f_proj / g_proj; false means low-rank f_a/f_b and g_a/g_b pairs
+    "rope_interleave": True,  # RoPE rotates interleaved pairs (2i, 2i+1)
+    "use_qkv_bias": False,  # no bias on q_a_proj / kv_a_proj_with_mqa / attention.dense
+    "gated_attention_proj_granularity_type": "head_wise",  # MLA output gate: one sigmoid per head
+    "hidden_act": "silu",
+}
+
+# Per-layer SwiGLU clamp limits: the checkpoint's key -> our field. HF's modeling code ignores these keys; SGLang
+# applies them (without them users report garbage tokens and HumanEval 88.4 -> 71.3), and so do we unless
+# apply_swiglu_clamps is false. Our old key names are rejected, never read as something else.
+CLAMP_KEYS = {"expert_swiglu_limit_list": "routed_swiglu_limits",
+              "share_expert_swiglu_limit_list": "shared_swiglu_limits"}
 
 
 def from_hf_dict(d: dict[str, Any], name: str = "hf") -> ModelConfig:
-    """Map a BailingMoeV3 HF config dict to a ModelConfig; unknown model types are an error."""
+    """Map a BailingMoeV3 HF config dict to a ModelConfig. ValueError naming the key for: an unknown model_type,
+    a missing required key, a value of the wrong type, a value we do not implement."""
     model_type = d.get("model_type")
     if model_type not in HF_MODEL_TYPES:
         raise ValueError(f"unsupported model_type {model_type!r} (expected one of {HF_MODEL_TYPES})")
+    for key, want in IMPLEMENTED_VALUES.items():
+        if key in d and (d[key] != want or type(d[key]) is not type(want)):
+            raise ValueError(f"{key}={d[key]!r} is not implemented (ling_jax implements {key}={want!r}, "
+                             f"what Ling-3.0 ships)")
+    for key, field_name in CLAMP_KEYS.items():
+        if field_name in d:
+            raise ValueError(f"{field_name} is not a BailingMoeV3 key: write the limits as {key}")
+    d = {**d, **_rope_keys(d)}
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    kw: dict[str, Any] = {}
+    for key in REQUIRED_KEYS + OPTIONAL_KEYS:
+        if key in d and not (key in OPTIONAL_KEYS and d[key] is None):
+            kw[key] = _typed(key, d[key], defaults[key])
+        elif key in REQUIRED_KEYS:
+            raise ValueError(f"missing required key {key!r}")
+    n_layers, n_mtp = kw["num_hidden_layers"], kw["num_nextn_predict_layers"]
+    for key, field_name in CLAMP_KEYS.items():
+        kw[field_name] = _clamp_limits(key, d.get(key), n_layers, n_mtp)
+    return ModelConfig(name=name, **kw)
+
+
+def _typed(key: str, v: Any, default: Any) -> Any:
+    """config.json value -> the field's type; a value of another type is an error naming the key."""
+    if key in ("eos_token_id", "pad_token_id") and isinstance(v, list) and v:
+        v = v[0]  # HF allows a list of stop ids; the tokenizer supplies the rest
+    is_int = isinstance(v, int) and not isinstance(v, bool)
+    if key == "q_lora_rank":
+        ok = v is None or is_int
+    elif isinstance(default, bool):
+        ok = isinstance(v, bool)
+    elif isinstance(default, int):
+        ok = is_int
+    else:  # float fields take JSON integers too ("kda_lower_bound": -5)
+        ok = is_int or isinstance(v, float)
+        v = float(v) if ok else v
+    if not ok:
+        want = "an integer or null" if key == "q_lora_rank" else type(default).__name__
+        raise ValueError(f"{key}: expected {want}, found {v!r}")
+    return v
+
+
+def _rope_keys(d: dict[str, Any]) -> dict[str, Any]:
+    """rope_theta / partial_rotary_factor from the top level or (transformers >= 5) rope_parameters; no scaling."""
     if d.get("rope_scaling") not in (None, {}):
         raise ValueError(f"rope_scaling={d['rope_scaling']!r} is not supported (Ling-3.0 uses none)")
-    kw: dict[str, Any] = {}
-    for key in _HF_KEYS:
-        if key in d and d[key] is not None:
-            kw[key] = d[key]
-        elif key == "q_lora_rank" and key in d:
-            kw[key] = None
-    for key in ("routed_swiglu_limits", "shared_swiglu_limits"):
-        if key in kw:
-            kw[key] = tuple(float(x) for x in kw[key])
-    for key in ("eos_token_id", "pad_token_id"):
-        if isinstance(kw.get(key), list):
-            kw[key] = int(kw[key][0])
-    if "head_dim" not in d and "num_attention_heads" in d:
-        kw["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
-    cfg = ModelConfig(name=name, **kw)
-    # A real Ling-3.0-flash checkpoint carries no clamp keys: apply SGLang's schedule when the shape matches.
-    if not cfg.routed_swiglu_limits and (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_experts) == (42, 2560, 512):
-        routed, shared = _flash_clamps(cfg.num_hidden_layers, cfg.num_nextn_predict_layers)
-        cfg = cfg.replace(routed_swiglu_limits=routed, shared_swiglu_limits=shared)
-    return cfg
+    rp = d.get("rope_parameters") or {}
+    if not isinstance(rp, dict) or rp.get("rope_type", "default") != "default":
+        raise ValueError(f"rope_parameters={rp!r} is not supported (expected rope_type 'default', no scaling)")
+    out = {}
+    for key in ("rope_theta", "partial_rotary_factor"):
+        top, inner = d.get(key), rp.get(key)
+        if top is not None and inner is not None and top != inner:
+            raise ValueError(f"{key}={top!r} disagrees with rope_parameters.{key}={inner!r}")
+        if top is None and inner is not None:
+            out[key] = inner
+    return out
+
+
+def _clamp_limits(key: str, limits: Any, n_layers: int, n_mtp: int) -> tuple[float, ...]:
+    """SGLang's reading of a limit list: entry i is layer i's limit, 0 or null = no clamp, and a layer past the
+    end of the list is not clamped. The list covers the target layers and may cover the MTP layers too; any
+    other length is an error, not a guess. Returns one limit per layer (target then MTP), () when null."""
+    if limits is None:
+        return ()
+    if not isinstance(limits, list) or len(limits) not in (n_layers, n_layers + n_mtp):
+        found = f"{len(limits)} entries" if isinstance(limits, list) else repr(limits)
+        raise ValueError(f"{key}: expected a list of {n_layers} (num_hidden_layers) or {n_layers + n_mtp} "
+                         f"(+ num_nextn_predict_layers) limits, found {found}")
+    out = []
+    for i, x in enumerate(limits):
+        x = 0.0 if x is None else x
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or x < 0:
+            raise ValueError(f"{key}[{i}]: expected a limit >= 0 (0 = off), found {x!r}")
+        out.append(float(x))
+    return tuple(out + [0.0] * (n_layers + n_mtp - len(out)))
 
 
 def from_hf_config(path: str) -> ModelConfig:
-    """Read `config.json` (a file or a checkpoint directory holding one)."""
+    """Read `config.json` (a file or a checkpoint directory holding one); any problem is a CheckpointError
+    naming the file."""
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
-    if not os.path.exists(file):
-        raise FileNotFoundError(f"no config.json at {file}")
-    with open(file) as f:
-        d = json.load(f)
-    return from_hf_dict(d, name=os.path.basename(os.path.dirname(os.path.abspath(file))))
+    if not os.path.isfile(file):
+        raise CheckpointError(f"{file}: no such file (a checkpoint directory holds its config.json)")
+    try:
+        with open(file) as f:
+            d = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{file}: corrupt config.json: expected JSON, found {e}") from None
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{file}: corrupt config.json: expected a JSON object, found {type(d).__name__}")
+    try:
+        return from_hf_dict(d, name=os.path.basename(os.path.dirname(os.path.abspath(file))))
+    except ValueError as e:
+        raise CheckpointError(f"{file}: {e}") from None
 
 
 def to_hf_dict(cfg: ModelConfig) -> dict[str, Any]:
-    """The config.json we write for our own checkpoints (HF keys plus our clamp lists)."""
+    """The config.json we write for our own checkpoints: HF keys (the clamp lists under SGLang's names, one entry
+    per layer including MTP) plus our apply_swiglu_clamps switch."""
     d: dict[str, Any] = {
         "model_type": "bailing_hybrid",
         "architectures": ["BailingMoeV3ForCausalLM"],
         "rope_scaling": None,
         "qk_head_dim": cfg.qk_head_dim,
+        **IMPLEMENTED_VALUES,
     }
     for f in dataclasses.fields(cfg):
-        if f.name == "name":
-            continue
-        v = getattr(cfg, f.name)
-        if isinstance(v, tuple):
-            if v:  # clamp lists only when the model has them
-                d[f.name] = list(v)
-            continue
-        d[f.name] = v
+        if f.name not in _NOT_HF_KEYS:
+            d[f.name] = getattr(cfg, f.name)
+    for key, field_name in CLAMP_KEYS.items():
+        if getattr(cfg, field_name):  # the lists only when the model has them
+            d[key] = list(getattr(cfg, field_name))
     return d
 
 
@@ -422,12 +528,17 @@ def main(argv=None):
     p.add_argument("--config", default=None, help="an HF config.json or checkpoint dir")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
-    cfg = from_hf_config(a.config) if a.config else get_preset(a.preset or "ling3-flash")
+    try:
+        cfg = from_hf_config(a.config) if a.config else get_preset(a.preset or "ling3-flash")
+    except (CheckpointError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if a.json:
         print(json.dumps({"config": to_hf_dict(cfg), "params": cfg.param_counts()}, indent=1))
     else:
         print(summary(cfg))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

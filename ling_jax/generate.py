@@ -4,6 +4,9 @@
     python -m ling_jax.generate --model models/ling-demo --prompt "def fib(n):" \
         --speculative-algorithm NEXTN --speculative-num-steps 5 --speculative-eagle-topk 1 \
         --speculative-num-draft-tokens 6
+
+A checkpoint problem (config.json, a safetensors file, tokenizer.json) is reported as one line `error: ...` naming
+the file or tensor, expected vs found, with exit status 2.
 """
 
 from __future__ import annotations
@@ -18,12 +21,13 @@ import jax
 import jax.numpy as jnp
 
 from ling_jax.config import load_config
+from ling_jax.errors import CheckpointError
 from ling_jax.model import Numerics, RuntimeOptions
 from ling_jax.spec import deterministic_rows
 from ling_jax.runner import Generator
 from ling_jax.spec import SpecConfig
 from ling_jax.tokenizer import load_tokenizer
-from ling_jax.weights import load_params
+from ling_jax.weights import load_params, validate_checkpoint
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
@@ -51,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-eagle-topk", type=int, default=1)
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--check-weights", action="store_true",
+                   help="before loading, read every tensor of the checkpoint once and reject inf/nan (names the "
+                        "tensor; off by default: it reads the whole checkpoint an extra time)")
     return p
 
 
@@ -60,6 +67,10 @@ def main(argv=None) -> int:
         spec = SpecConfig(a.speculative_algorithm, a.speculative_num_steps, a.speculative_eagle_topk,
                           a.speculative_num_draft_tokens)
         cfg = load_config(a.model)
+        if a.check_weights and not os.path.isdir(a.model):
+            raise ValueError(f"--check-weights checks a checkpoint directory; {a.model} is a preset (random weights)")
+        if os.path.isdir(a.model):  # names, shapes, dtypes (and with --check-weights the values) before any compile
+            validate_checkpoint(cfg, a.model, check_finite=a.check_weights)
         tok = load_tokenizer(a.model) if os.path.isdir(a.model) else None
         if a.prompt is not None:
             if tok is None:
@@ -67,11 +78,15 @@ def main(argv=None) -> int:
             prompt = tok.encode(a.prompt)
         else:
             prompt = [int(x) for x in a.prompt_ids.split(",") if x.strip()]
-    except (ValueError, KeyError, FileNotFoundError) as e:
+    except (ValueError, KeyError, FileNotFoundError) as e:  # CheckpointError is a ValueError: one line, exit 2
         print(f"error: {e}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    params = load_params(cfg, a.model, dtype=DTYPES[a.dtype], seed=a.seed, quantization=a.quantization)
+    try:
+        params = load_params(cfg, a.model, dtype=DTYPES[a.dtype], seed=a.seed, quantization=a.quantization)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     jax.block_until_ready(params)
     load_s = time.perf_counter() - t0
     max_len = a.context_length or max(256, len(prompt) + a.max_new_tokens + 4 * spec.draft_tokens)

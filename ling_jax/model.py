@@ -122,7 +122,7 @@ def ffn(p, x, cfg: ModelConfig, i: int, opts: RuntimeOptions, return_load: bool 
         return moe_layer(p, x, cfg, routed_limit=cfg.routed_limit(i), shared_limit=cfg.shared_limit(i),
                          router_fp32=opts.numerics.router_fp32, return_load=return_load, kernels=opts.calls,
                          live_rows=live_rows)
-    y = dense_mlp(p, x, cfg.shared_limit(i))
+    y = dense_mlp(p, x)  # the clamp lists limit MoE layers' experts only (SGLang); a dense MLP is never clamped
     return (y, None) if return_load else y
 
 

@@ -10,6 +10,8 @@ import json
 import os
 from dataclasses import dataclass
 
+from ling_jax.errors import CheckpointError
+
 
 @dataclass
 class Tokenizer:
@@ -38,17 +40,18 @@ class Tokenizer:
 
 
 def load_tokenizer(model_dir: str) -> Tokenizer | None:
+    """tokenizer.json (+ tokenizer_config.json, config.json's eos) of a checkpoint dir; None when it has no
+    tokenizer.json. A file that cannot be read is a CheckpointError naming it."""
     path = os.path.join(model_dir, "tokenizer.json")
     if not os.path.exists(path):
         return None
     from tokenizers import Tokenizer as HFTokenizer
 
-    tok = HFTokenizer.from_file(path)
-    conf = {}
-    conf_path = os.path.join(model_dir, "tokenizer_config.json")
-    if os.path.exists(conf_path):
-        with open(conf_path) as f:
-            conf = json.load(f)
+    try:
+        tok = HFTokenizer.from_file(path)
+    except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception for any malformed file
+        raise CheckpointError(f"{path}: corrupt tokenizer.json: expected a `tokenizers` JSON file, found {e}") from None
+    conf = _read_json(os.path.join(model_dir, "tokenizer_config.json"))
 
     def tid(name):
         v = conf.get(name)
@@ -57,13 +60,24 @@ def load_tokenizer(model_dir: str) -> Tokenizer | None:
         return tok.token_to_id(v) if isinstance(v, str) else None
 
     eos = [tid("eos_token")]
-    cfg_path = os.path.join(model_dir, "config.json")
-    if os.path.exists(cfg_path):
-        with open(cfg_path) as f:
-            e = json.load(f).get("eos_token_id")
-        eos += e if isinstance(e, list) else [e]
-    eos_ids = tuple(sorted({int(x) for x in eos if x is not None}))
+    e = _read_json(os.path.join(model_dir, "config.json")).get("eos_token_id")
+    eos += e if isinstance(e, list) else [e]
+    eos_ids = tuple(sorted({int(x) for x in eos if isinstance(x, int)}))
     return Tokenizer(tok, eos_ids, tid("bos_token"), conf.get("chat_template"))
+
+
+def _read_json(path: str) -> dict:
+    """A JSON object file, {} when absent."""
+    if not os.path.exists(path):
+        return {}
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: corrupt {os.path.basename(path)}: expected JSON, found {e}") from None
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{path}: corrupt {os.path.basename(path)}: expected a JSON object")
+    return d
 
 
 class IncrementalDetokenizer:

@@ -20,7 +20,8 @@ import numpy as np
 
 from ling_jax import quant
 from ling_jax.config import ModelConfig, to_hf_dict
-from ling_jax.safetensors_io import DTYPES, CheckpointError, open_checkpoint, save_file
+from ling_jax.errors import CheckpointError
+from ling_jax.safetensors_io import DTYPES, open_checkpoint, save_file
 
 F32_INITS = ("a_log", "dt_bias", "expert_bias")  # arrays kept in float32 whatever the model dtype
 
@@ -258,17 +259,39 @@ def init_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.bfloat16, shardings: 
 # ---- HF checkpoints -------------------------------------------------------------------------------------------
 
 
-def _checkpoint_dtype(model_dir: str) -> np.dtype:
-    with open(os.path.join(model_dir, "config.json")) as f:
-        name = json.load(f).get("torch_dtype", "bfloat16")
-    table = {"bfloat16": "BF16", "float32": "F32", "float16": "F16"}
-    if name not in table:
-        raise CheckpointError(f"{model_dir}/config.json: unsupported torch_dtype {name!r}")
-    return DTYPES[table[name]]
+_DTYPE_NAMES = {"bfloat16": "BF16", "float32": "F32", "float16": "F16"}
 
 
-def validate_checkpoint(cfg: ModelConfig, model_dir: str) -> dict:
-    """Check names, shapes and dtypes of every tensor against the spec before reading any data."""
+def _checkpoint_dtype(model_dir: str, where: dict) -> np.dtype:
+    """The weight dtype config.json declares: `dtype` (transformers >= 4.56) or `torch_dtype` (older); neither:
+    the dtype of the stored word embedding. Every "model" tensor must be stored in it."""
+    file = os.path.join(model_dir, "config.json")
+    try:
+        with open(file) as f:
+            d = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{file}: cannot read the checkpoint dtype: {e}") from None
+    declared = {k: d[k] for k in ("dtype", "torch_dtype") if d.get(k) is not None}
+    if len(set(declared.values())) > 1:
+        raise CheckpointError(f"{file}: dtype={declared['dtype']!r} disagrees with torch_dtype="
+                              f"{declared['torch_dtype']!r}")
+    if not declared:
+        return where["model.word_embeddings.weight"].header["model.word_embeddings.weight"][0]
+    key, name = next(iter(declared.items()))
+    if name not in _DTYPE_NAMES:
+        raise CheckpointError(f"{file}: {key}={name!r} is not supported (expected one of {sorted(_DTYPE_NAMES)})")
+    return DTYPES[_DTYPE_NAMES[name]]
+
+
+def validate_checkpoint(cfg: ModelConfig, model_dir: str, check_finite: bool = False) -> dict:
+    """Check names, shapes and dtypes of every tensor against the spec before reading any data; with
+    check_finite, also read every tensor once and reject one holding inf or nan (names it). Returns
+    {tensor name: the SafetensorsFile holding it}.
+
+    dtypes: each weight is stored in the checkpoint dtype, or as block fp8 with its scales where config.json's
+    quantization_config says so (checked by quant.stored_fp8). A_log, dt_bias and expert_bias are float32 in the
+    reference; `model.to(torch.bfloat16).save_pretrained(...)` stores them in the checkpoint dtype instead, so that
+    is accepted too and the loader upcasts them to float32 (their values are then the rounded ones)."""
     where = open_checkpoint(model_dir)
     spec = param_spec(cfg)
     fp8 = _stored_fp8(cfg, model_dir, where)
@@ -279,15 +302,45 @@ def validate_checkpoint(cfg: ModelConfig, model_dir: str) -> dict:
             f"{model_dir}: checkpoint does not match {cfg.name}: "
             f"missing {len(missing)} tensor(s) {missing[:5]}, unexpected {len(extra)} tensor(s) {extra[:5]}"
         )
-    wdt = _checkpoint_dtype(model_dir)
+    wdt = _checkpoint_dtype(model_dir, where)
     for name, e in spec.items():
         dt, shape, _ = where[name].header[name]
-        want_dt = np.dtype(np.float32) if e.dtype == "float32" else wdt
         if tuple(shape) != tuple(e.shape):
             raise CheckpointError(f"{where[name].path}: tensor {name}: expected shape {e.shape}, found {tuple(shape)}")
-        if dt != want_dt and name not in fp8:  # fp8 tensors and their scales: checked by quant.stored_fp8
-            raise CheckpointError(f"{where[name].path}: tensor {name}: expected dtype {want_dt}, found {dt}")
+        if name in fp8:
+            continue
+        allowed = (np.dtype(np.float32), wdt) if e.dtype == "float32" else (wdt,)
+        if dt not in allowed:
+            want = " or ".join(dict.fromkeys(str(a) for a in allowed))
+            raise CheckpointError(f"{where[name].path}: tensor {name}: expected dtype {want}, found {dt}")
+    if check_finite:
+        for name in spec:
+            _check_finite(where[name], name)
     return where
+
+
+# IEEE layout: a value is inf or nan iff all its exponent bits are set (e4m3fn: S.1111.111 is its only NaN).
+_EXPONENT_BITS = {np.dtype(np.float32): (np.uint32, 0x7F800000), DTYPES["BF16"]: (np.uint16, 0x7F80),
+                  DTYPES["F16"]: (np.uint16, 0x7C00)}
+
+
+def _check_finite(sf, name: str, chunk: int = 1 << 24) -> None:
+    """Raise naming the tensor if it holds inf or nan: an exponent-bits test over the raw memmap, in chunks."""
+    t = sf.tensor(name)
+    if t.dtype not in _EXPONENT_BITS:
+        return  # fp8 weights: their scales (F32) are checked; e4m3fn stores no inf
+    uint, mask = _EXPONENT_BITS[t.dtype]
+    bits = t.reshape(-1).view(uint)
+    bad, first = 0, None
+    for start in range(0, bits.size, chunk):
+        hits = np.flatnonzero((bits[start : start + chunk] & mask) == mask)
+        if hits.size and first is None:
+            first = start + int(hits[0])
+        bad += hits.size
+    if bad:
+        at = tuple(int(i) for i in np.unravel_index(first, t.shape))
+        raise CheckpointError(f"{sf.path}: tensor {name}: expected finite values, found {bad} inf/nan "
+                              f"(first at index {at}: {t[at]})")
 
 
 def _stored_fp8(cfg: ModelConfig, model_dir: str, where: dict) -> set[str]:
@@ -316,8 +369,10 @@ def _reader(where: dict, a: ArrayInfo, shape: tuple[int, ...], dt, suffix: str =
 def load_hf_checkpoint(cfg: ModelConfig, model_dir: str, dtype=jnp.bfloat16, shardings: Callable | None = None,
                        progress: Callable | None = None, quantization: str | None = None) -> dict:
     """Load an HF checkpoint dir into the params pytree. Each device reads only its own slice of each tensor
-    (jax.make_array_from_callback over numpy memmaps). Weights the checkpoint stores as block fp8 load as
-    quant.Fp8Weight; quantization="fp8" also quantises the bf16 ones quant.fp8_policy picks, array by array."""
+    (jax.make_array_from_callback over numpy memmaps). Weights are cast to `dtype`; A_log, dt_bias and expert_bias
+    become float32 whatever they are stored in (a bf16 save stores them in bf16: upcast, see validate_checkpoint).
+    Weights the checkpoint stores as block fp8 load as quant.Fp8Weight; quantization="fp8" also quantises the
+    bf16 ones quant.fp8_policy picks, array by array."""
     if quantization not in (None, *quant.QUANTIZATIONS):
         raise ValueError(f"quantization={quantization!r} not in {(None, *quant.QUANTIZATIONS)}")
     where = validate_checkpoint(cfg, model_dir)
@@ -380,7 +435,10 @@ def save_hf_checkpoint(cfg: ModelConfig, params: dict, out_dir: str, max_shard_b
                 if len(parts) == 1 and quant.can_be_fp8(name, a.hf_shape):
                     not_converted.add(quant.module_name(name))
     d = to_hf_dict(cfg)
-    d["torch_dtype"] = {"bfloat16": "bfloat16", "float32": "float32", "float16": "float16"}[str(model_dtype)]
+    if str(model_dtype) not in _DTYPE_NAMES:
+        raise ValueError(f"weights are {model_dtype}: a checkpoint stores one of {sorted(_DTYPE_NAMES)}")
+    # transformers >= 4.56 reads `dtype`, older versions `torch_dtype`: write both (numpy's names are torch's)
+    d["dtype"] = d["torch_dtype"] = str(model_dtype)
     if n_fp8:
         d["quantization_config"] = quant.quantization_config(not_converted)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
@@ -428,8 +486,9 @@ def restore_orbax(cfg: ModelConfig, path: str, dtype=jnp.bfloat16, shardings: Ca
 
 def load_params(cfg: ModelConfig, model: str, *, dtype=jnp.bfloat16, seed: int = 0, shardings=None, progress=None,
                 quantization: str | None = None):
-    """A preset name -> random init (seeded); a directory -> its HF checkpoint. quantization="fp8": the weights
-    quant.fp8_policy picks as block fp8 (a checkpoint's fp8 tensors load as fp8 either way)."""
+    """A preset name -> random init (seeded); a directory -> its HF checkpoint (CheckpointError when it does not
+    match cfg or cannot be read). quantization="fp8": the weights quant.fp8_policy picks as block fp8 (a
+    checkpoint's fp8 tensors load as fp8 either way)."""
     if os.path.isdir(model):
         return load_hf_checkpoint(cfg, model, dtype, shardings, progress, quantization)
     params = init_params(cfg, seed, dtype, shardings)

@@ -13,7 +13,7 @@ Epilogues (`Proj.kind`), each with the model's rounding points:
   "linear"   y = round(acc, out)                           (einsum output: bf16, or f32 = router logits)
   "sigmoid"  y = sigmoid(f32(round(acc, logit)))           (KDA beta, MLA gate: bf16 logit; router: f32 logit)
   "swiglu"   g, u = bf16(acc_g), bf16(acc_u); a = bf16(silu(g)); with L > 0: a = min(a, L), u = clip(u, -L, L);
-             h = bf16(a * u)                               (layers.moe.swiglu_shared; the routed clamp becomes
+             h = bf16(a * u)                               (layers.moe.swiglu; the routed clamp becomes
                                                             this formula too). Weights: the (gate, up) pair.
   The router's selection bias is not added here: route() needs s = sigmoid(logits) for the weights and
   s + bias only to pick; keeping s exact lets the top-k consumer add the bias (one add, no second output).
@@ -80,7 +80,7 @@ class Proj:
       if getattr(self, name) not in DTYPES:
         raise ValueError(f"{name}={getattr(self, name)!r} not in {DTYPES}")
     if self.kind == "swiglu" and self.out != "bfloat16":
-      raise ValueError(f"swiglu outputs bfloat16 (as swiglu_shared), got out={self.out!r}")
+      raise ValueError(f"swiglu outputs bfloat16 (as swiglu), got out={self.out!r}")
     if self.limit < 0 or (self.limit and self.kind != "swiglu"):
       raise ValueError(f"limit={self.limit} is a swiglu clamp (>= 0); kind={self.kind!r}")
 
@@ -275,7 +275,7 @@ def _epilogue(proj, accs):
   if proj.kind == "sigmoid":
     return pin(jax.nn.sigmoid(rnd(accs[0], jnp.dtype(proj.logit))))
   g, u = rnd(accs[0], bf), rnd(accs[1], bf)
-  act = rnd(pin(g * pin(jax.nn.sigmoid(g))), bf)                      # silu, rounded (swiglu_shared)
+  act = rnd(pin(g * pin(jax.nn.sigmoid(g))), bf)                      # silu, rounded (swiglu)
   if proj.limit > 0:
     act, u = pin(jnp.minimum(act, proj.limit)), pin(jnp.clip(u, -proj.limit, proj.limit))
   return pin(pin(act * u).astype(bf))

@@ -7,8 +7,8 @@ T' = T padded to a power of 2, BD / BDC output tiles over D.
 
 Math (per token t, chosen experts e_a with weights w_a, clamp L > 0 only when on):
   g = x @ w_gate[e].T ; u = x @ w_up[e].T                  (fp32 accumulate)
-  h = silu(min(g, L)) * clip(u, -L, L)                      (routed)
-  h = min(silu(g), Ls) * clip(u, -Ls, Ls)                   (shared)
+  h = min(silu(g), L) * clip(u, -L, L)     (routed, limit L; the shared expert: its own limit Ls)
+      (the limit after the SiLU, as SGLang deploys Ling-3.0; = ling_jax.layers.moe.swiglu)
   out[t] = sum_a w_a * (h_a @ w_down[e_a].T) + shared(x_t)  (fp32, returned in x.dtype)
 
 Kernel plan (no host sync, no limit on E):
@@ -109,20 +109,18 @@ class MoeConfig:
 # ----------------------------------------------------------------------------- reference
 
 
-def _swiglu(g, u, limit, shared):
-  """g, u fp32 -> h fp32 with the routed (clamp g before silu) or shared clamp."""
+def _swiglu(g, u, limit):
+  """g, u fp32 -> h = min(silu(g), L) * clip(u, -L, L) fp32 (no clamp when limit <= 0); routed and shared alike."""
   if limit > 0:
-    if shared:
-      return jnp.minimum(jax.nn.silu(g), limit) * jnp.clip(u, -limit, limit)
-    return jax.nn.silu(jnp.minimum(g, limit)) * jnp.clip(u, -limit, limit)
+    return jnp.minimum(jax.nn.silu(g), limit) * jnp.clip(u, -limit, limit)
   return jax.nn.silu(g) * u
 
 
-def _dense_expert(x, wg, wu, wd, limit, shared):
+def _dense_expert(x, wg, wu, wd, limit):
   """x [T, D], wg/wu [I, D], wd [D, I] -> [T, D] fp32."""
   g = jnp.einsum("td,id->ti", x, wg, preferred_element_type=jnp.float32)
   u = jnp.einsum("td,id->ti", x, wu, preferred_element_type=jnp.float32)
-  h = _swiglu(g, u, limit, shared).astype(x.dtype)
+  h = _swiglu(g, u, limit).astype(x.dtype)
   return jnp.einsum("ti,di->td", h, wd, preferred_element_type=jnp.float32)
 
 
@@ -138,11 +136,11 @@ def moe_reference(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, limit=0.0,
   wg, wu, wd = w_gate[topk_ids], w_up[topk_ids], w_down[topk_ids]      # [T, A, I, D] ...
   g = jnp.einsum("td,taid->tai", x, wg, preferred_element_type=jnp.float32)
   u = jnp.einsum("td,taid->tai", x, wu, preferred_element_type=jnp.float32)
-  h = _swiglu(g, u, limit, False).astype(x.dtype)                      # [T, A, I]
+  h = _swiglu(g, u, limit).astype(x.dtype)                             # [T, A, I]
   y = jnp.einsum("tai,tadi->tad", h, wd, preferred_element_type=jnp.float32)
   out = jnp.einsum("tad,ta->td", y, topk_weights.astype(jnp.float32))
   if shared is not None:
-    out = out + _dense_expert(x, *shared, shared_limit, True)
+    out = out + _dense_expert(x, *shared, shared_limit)
   return out.astype(x.dtype)
 
 
@@ -279,7 +277,7 @@ def _dot_t(a, b):
   return plt.dot(a, b, trans_b=True, precision=prec)
 
 
-def _up_body(x_ref, tok_ref, wg, wu, h_ref, start, length, col0, *, cfg, d, limit, shared):
+def _up_body(x_ref, tok_ref, wg, wu, h_ref, start, length, col0, *, cfg, d, limit):
   """h[start:start+length, col0:col0+BI] = SwiGLU(x[tok] @ wg.T, x[tok] @ wu.T).
 
   wg, wu: callables kb -> [BI, BK] weight tiles of this segment's expert.
@@ -301,7 +299,7 @@ def _up_body(x_ref, tok_ref, wg, wu, h_ref, start, length, col0, *, cfg, d, limi
 
     zero = jnp.zeros((bm, cfg.block_i), jnp.float32)
     g, u = lax.fori_loop(0, d // bk, k_step, (zero, zero))
-    h = _swiglu(g, u, limit, shared).astype(h_ref.dtype)
+    h = _swiglu(g, u, limit).astype(h_ref.dtype)
     plt.store(h_ref.at[pl.ds(r0, bm), pl.ds(col0, cfg.block_i)], h,
               mask=jnp.broadcast_to(mask, h.shape))
     return carry
@@ -325,14 +323,14 @@ def _up_kernel(seg_ref, tok_ref, x_ref, wg_ref, wu_ref, *rest, cfg, d, limit, sh
   def _routed():
     body(lambda kb: wg_ref[e, cols, pl.ds(kb * bk, bk)],
          lambda kb: wu_ref[e, cols, pl.ds(kb * bk, bk)],
-         h_ref, start, length, col0, limit=limit, shared=False)
+         h_ref, start, length, col0, limit=limit)
 
   if has_shared:
     @pl.when(s == n_routed_slots)
     def _shared():
       body(lambda kb: swg_ref[cols, pl.ds(kb * bk, bk)],
            lambda kb: swu_ref[cols, pl.ds(kb * bk, bk)],
-           h_ref, start, length, col0, limit=shared_limit, shared=True)
+           h_ref, start, length, col0, limit=shared_limit)
 
 
 def _down_rows(h_ref, wd, r0, mask, *, bn, bk, i):
@@ -496,7 +494,7 @@ def moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, limit=0.0, shared=No
   if shared is not None and shared[0].shape[0] != i:
     # Shared width differs: run it as its own dense call (weight 1) and add.
     routed = moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, limit=limit, config=cfg)
-    sh = _dense_expert(x, *shared, shared_limit, True)
+    sh = _dense_expert(x, *shared, shared_limit)
     return (routed.astype(jnp.float32) + sh).astype(x.dtype)
 
   p = t * a

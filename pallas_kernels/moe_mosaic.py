@@ -6,7 +6,7 @@ the shared expert), BI/BK up tiles, BD/BKD down tiles, KS the fixed split of I i
 
 Math (same as `pallas_kernels.moe.moe_reference`; clamp L > 0 only when on):
   g = W_gate[e] @ x^T ; u = W_up[e] @ x^T                          [I, N] fp32 (wgmma)
-  h = silu(min(g, L)) * clip(u, -L, L)   (routed)                    h = min(silu(g), Ls) * clip(u, ±Ls) (shared)
+  h = min(silu(g), L) * clip(u, -L, L)   (routed, limit L; the shared slot: its own limit Ls; the limit after the SiLU)
   h'[s] = bf16(wc[s] * h)         wc[s, t] = routing weight of token t on slot s's expert (0: not picked)
   out^T = sum_s W_down[e_s] @ h'[s]                                  [D, N] fp32, one accumulator
 
@@ -207,7 +207,7 @@ def _up_slot(wg_gmem, wu_gmem, x_gmem, wc_gmem, h_gmem, s, ib, *, cfg, d, limit,
 
   g, u = pl.run_scoped(acc_scope, plgpu.ACC((bi, n)), plgpu.ACC((bi, n)))
   wc = _load_row(wc_gmem.at[s])                                       # [N]
-  h = _swiglu(g, u, limit, shared) * lax.broadcast_in_dim(wc, (bi, n), (1,))
+  h = _swiglu(g, u, limit) * lax.broadcast_in_dim(wc, (bi, n), (1,))
 
   def store(h_smem):
     h_smem[...] = h.astype(h_smem.dtype)
@@ -231,12 +231,12 @@ def _up_kernel(meta, x_gmem, wc_gmem, *rest, cfg, d, p, limit, shared_limit, has
   @pl.when(s < meta[0])
   def _routed():
     e = meta[1 + s]
-    up(wg_gmem.at[e], wu_gmem.at[e], limit=limit, shared=False)
+    up(wg_gmem.at[e], wu_gmem.at[e], limit=limit)
 
   if has_shared:
     @pl.when(s == p)
     def _shared():
-      up(swg, swu, limit=shared_limit, shared=True)
+      up(swg, swu, limit=shared_limit)
 
 
 def _down_kernel(meta, h_gmem, *rest, cfg, d, i, p, has_shared, fp8):
@@ -312,7 +312,7 @@ def moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, limit=0.0, shared=No
   if shared is not None and shared[0].shape[0] != i:
     # Shared width differs: run it as its own dense XLA expert (weight 1) and add.
     routed = moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, limit=limit, config=cfg)
-    sh = _dense_expert(x, *shared, shared_limit, True)
+    sh = _dense_expert(x, *shared, shared_limit)
     return (routed.astype(jnp.float32) + sh).astype(x.dtype)
 
   meta, wc = _align(topk_ids, topk_weights, cfg.n_tokens, shared is not None)  # [1+P], [S, N]

@@ -11,9 +11,10 @@ global device count; process 0 serves HTTP and the others follow it in lockstep,
         --dist-init-addr 10.0.0.1:5000 --nnodes 2 --node-rank 0     # and --node-rank 1 on the second host
 
 --model-path is a preset (random weights) or an HF checkpoint dir (config.json + safetensors, and optionally
-tokenizer.json / tokenizer_config.json); --random-weights initialises randomly even for a dir. The server
-listens at once; /health answers 503 until the weights are loaded, the programs compiled and a greedy and a
-sampled warm-up request have run.
+tokenizer.json / tokenizer_config.json); --random-weights initialises randomly even for a dir. A checkpoint that
+does not match its config.json, or a file that cannot be read, is one line `error: ...` and exit status 2 before the
+server listens (--check-weights: also inf/nan values). Then the server listens at once; /health answers 503 until
+the weights are loaded, the programs compiled and a greedy and a sampled warm-up request have run.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--random-weights", action="store_true", help="random init even when --model-path is a dir")
+    p.add_argument("--check-weights", action="store_true",
+                   help="before serving, read every tensor of the checkpoint once and reject inf/nan "
+                        "(names the tensor)")
     p.add_argument("--seed", type=int, default=0, help="random-init seed and the server's sampling-seed source")
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     p.add_argument("--quantization", choices=["fp8"], default=None,
@@ -75,6 +79,19 @@ def init_multi_host(a: argparse.Namespace) -> None:
     init_distributed(a.dist_init_addr, a.nnodes, a.node_rank)
     logging.info("jax.distributed: process %d of %d, %d global devices (%d local)", jax.process_index(),
                  jax.process_count(), jax.device_count(), jax.local_device_count())
+
+
+def check_checkpoint(a: argparse.Namespace, cfg) -> None:
+    """Before the server listens: the checkpoint's names, shapes and dtypes (and with --check-weights its values),
+    so that a bad checkpoint is one line and exit status 2 (ling_jax.errors.CheckpointError), not a failed load."""
+    from_files = os.path.isdir(a.model_path) and not a.random_weights
+    if a.check_weights and not from_files:
+        raise ValueError("--check-weights checks a checkpoint directory's files; there are none with a preset or "
+                         "--random-weights")
+    if from_files:
+        from ling_jax.weights import validate_checkpoint
+
+        validate_checkpoint(cfg, a.model_path, check_finite=a.check_weights)
 
 
 def tensor_parallel(cfg, tp_size: int, multi_host: bool = False):
@@ -180,12 +197,13 @@ def main(argv=None) -> int:
         if spec.enabled and not cfg.mtp_layers:
             raise ValueError(f"{a.model_path} has no MTP layer: --speculative-algorithm NEXTN needs one")
         tokenizer = load_tokenizer(a.model_path) if os.path.isdir(a.model_path) else None
+        check_checkpoint(a, cfg)
         context_length = a.context_length or cfg.max_position_embeddings
         if context_length < 2 * spec.draft_tokens + 5:  # the warm-up's 4-token prompt, 1 new token, 2 steps' rows
             raise ValueError(f"--context-length {context_length} is too small (at least {2 * spec.draft_tokens + 5})")
         init_multi_host(a)
         mesh, shardings = tensor_parallel(cfg, a.tp_size, multi_host=a.nnodes > 1)
-    except (ValueError, KeyError, FileNotFoundError) as e:
+    except (ValueError, KeyError, FileNotFoundError) as e:  # CheckpointError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2
     if a.node_rank > 0:

@@ -1,6 +1,6 @@
 """Fused norm + projection and projection + residual (pallas_kernels/fused_linear.py): the Mosaic GPU
 interpreter on CPU vs the model's own functions (ling_jax.layers.norms.rms_norm, jnp.einsum as the layers
-write it, layers.moe.swiglu_shared, router_logits), batch invariance, and the CUDA lowering at Ling shapes.
+write it, layers.moe.swiglu, router_logits), batch invariance, and the CUDA lowering at Ling shapes.
 
 bf16 only: the wgmma path takes bf16 operands (f32 would run as tf32), so there is no 1e-5 case; the
 kernel's bf16 rounding points (x * r rounded, then w * that; the einsum output rounded before sigmoid /
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh
 
-from ling_jax.layers.moe import router_logits, swiglu_shared
+from ling_jax.layers.moe import router_logits, swiglu
 from ling_jax.layers.norms import rms_norm
 from pallas_kernels.fused_linear import LinearConfig, Proj, linear_residual, norm_linear
 
@@ -44,7 +44,7 @@ def model_outputs(x, nw, weights):
   (gate, up), router = weights[2], weights[3]
   return (proj(weights[0]),                                            # KDA q|k|v|f|g, MLA q, kv_a
           jax.nn.sigmoid(proj(weights[1]).astype(F32)),                # KDA beta, MLA gate
-          swiglu_shared(proj(gate), proj(up), 0.5),                    # dense / shared expert
+          swiglu(proj(gate), proj(up), 0.5),                    # dense / shared expert
           jax.nn.sigmoid(router_logits(xn, router, fp32_weight=False)))  # router scores
 
 
@@ -65,7 +65,7 @@ def test_norm_linear_matches_model(t):
                                        * nw.astype(F32)).astype(BF), weights[0])
   assert not np.array_equal(np.asarray(unrounded, F32), np.asarray(outs[0], F32))
   # The clamp bites at L = 0.5.
-  assert rel_err(swiglu_shared(*(jnp.einsum("td,nd->tn", rms_norm(x, nw, EPS), w) for w in weights[2]), 0.0),
+  assert rel_err(swiglu(*(jnp.einsum("td,nd->tn", rms_norm(x, nw, EPS), w) for w in weights[2]), 0.0),
                  refs[2]) > 0.1
 
 

@@ -113,6 +113,16 @@ def test_conv_window_commit():
     np.testing.assert_array_equal(np.asarray(got[bi]), cat[-(W - 1):])
 
 
+def test_kda_reference_against_numpy_loop():
+  """The jnp reference (verify, then commit 2 of 3 positions) against the float64 numpy loop."""
+  args = make(4, 1, 3, 2, 16, jnp.float32)
+  o, ci = kda_verify_reference(*args)
+  o_np, states = numpy_kda(args)
+  assert rel_err(o, o_np) <= 1e-5
+  s = kda_commit_reference(args[-1], ci, jnp.array([2], jnp.int32))
+  assert rel_err(s, states[2]) <= 1e-5 and rel_err(states[2], states[3]) > 1e-3  # 2 steps, not 3
+
+
 def test_kda_chunk_stable_on_repeated_keys():
   """Worst case for the chunk form's triangular inverse: identical keys, beta ~ 1, and either no
   decay (the inverse's Neumann terms grow like binomials) or the strongest decay (e^(-5 T))."""
@@ -131,17 +141,26 @@ def test_kda_chunk_stable_on_repeated_keys():
 
 
 def test_kda_configs_lower_for_cuda():
-  """Non-default configs (8 warps, chunk with ieee dots, wide V tiles) lower at full shapes."""
-  from tests.test_kernels_lowering import H200, S
+  """Non-default configs (8 warps, chunk with ieee dots, wide V tiles) lower at full shapes to Triton calls with
+  the outputs' shapes and dtypes, and each config gives its own kernels (the config reaches the lowering)."""
+  from tests.test_kernels_lowering import H200, S, lower_cuda
   h, dk, t = 32, 128, 6
   hd = h * dk
   args = ((S((1, t, hd), jnp.bfloat16),) * 4 + (S((1, t, h), jnp.bfloat16), S((h,), jnp.float32),
           S((hd,), jnp.float32)) + (S((hd, 1, W), jnp.bfloat16),) * 3
           + (S((1, W - 1, 3 * hd), jnp.bfloat16), S((1, h, dk, dk), jnp.float32)))
   ci = tuple(S((1, t, h, dk), jnp.float32) for _ in range(3)) + (S((1, t, h), jnp.float32),)
+  texts = []
   for cfg in (KdaConfig(block_v=16, num_warps=8), KdaConfig(algorithm="chunk", block_v=64,
               precision="ieee"), KdaConfig(algorithm="chunk", block_v=128, num_warps=8)):
+    verify = lambda *a, cfg=cfg: kda_verify(*a, config=cfg)
+    commit = lambda s, c, n, cfg=cfg: kda_commit(s, c, n, config=cfg)
     with jax.sharding.use_abstract_mesh(H200):
-      jax.jit(lambda *a: kda_verify(*a, config=cfg)).trace(*args).lower(lowering_platforms=("cuda",))
-      jax.jit(lambda s, c, n: kda_commit(s, c, n, config=cfg)).trace(
-          args[-1], KdaCommitInputs(*ci), S((1,), jnp.int32)).lower(lowering_platforms=("cuda",))
+      o, out_ci = jax.eval_shape(verify, *args)
+      new_state = jax.eval_shape(commit, args[-1], KdaCommitInputs(*ci), S((1,), jnp.int32))
+    assert (o.shape, o.dtype) == ((1, t, h, dk), jnp.float32)
+    assert [(a.shape, a.dtype) for a in out_ci] == [(c.shape, c.dtype) for c in ci]
+    assert (new_state.shape, new_state.dtype) == ((1, h, dk, dk), jnp.float32)
+    texts.append(lower_cuda(verify, *args))
+    lower_cuda(commit, args[-1], KdaCommitInputs(*ci), S((1,), jnp.int32))
+  assert len(set(texts)) == len(texts)

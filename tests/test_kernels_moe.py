@@ -1,4 +1,4 @@
-"""MoE kernel (Pallas Triton, interpret mode on CPU) vs moe_reference; router; dispatcher.
+"""MoE kernel (Pallas Triton, interpret mode on CPU) vs moe_reference; router; the reference vs the model.
 
 Shapes are small real shapes: D = 256, I = 64..128, E = 4..64, A = 8, T in {1, 3, 5, 6, 17}.
 Tolerance ||out - ref|| / ||ref||: fp32 1e-5, bf16 operands 1e-2.
@@ -69,7 +69,8 @@ def test_moe_kernel_matches_reference(t, e, i, dtype, ids_mode, shared, limit, t
 
 
 def test_moe_reference_matches_dense_loop():
-  """The reference against a per-token, per-expert numpy loop (float64)."""
+  """The reference against a per-token, per-expert numpy loop (float64); the routed clamp as SGLang deploys it:
+  min(silu(g), L) * clip(u, -L, L)."""
   x, ids, w, wg, wu, wd, sh = make(5, 3, 256, 16, 64, jnp.float32)
   L = 0.3
   xs, ws = np.asarray(x, np.float64), [np.asarray(a, np.float64) for a in (wg, wu, wd)]
@@ -79,7 +80,7 @@ def test_moe_reference_matches_dense_loop():
     for a in range(A):
       e = int(ids[t, a])
       g, u = ws[0][e] @ xs[t], ws[1][e] @ xs[t]
-      out[t] += float(w[t, a]) * (ws[2][e] @ (silu(np.minimum(g, L)) * np.clip(u, -L, L)))
+      out[t] += float(w[t, a]) * (ws[2][e] @ (np.minimum(silu(g), L) * np.clip(u, -L, L)))  # limit after SiLU
     sg, su, sd = (np.asarray(s, np.float64) for s in sh)
     out[t] += sd @ (np.minimum(silu(sg @ xs[t]), L) * np.clip(su @ xs[t], -L, L))
   ref = moe_reference(x, ids, w, wg, wu, wd, limit=L, shared=sh, shared_limit=L)
@@ -106,6 +107,23 @@ def test_route_reference():
     assert set(np.asarray(ids[r]).tolist()) == set(want.tolist())
     ww = s[r, np.asarray(ids[r])]
     np.testing.assert_allclose(np.asarray(w[r]), ww / ww.sum() * 2.5, rtol=1e-5)
+
+
+def test_reference_is_the_models_math():
+  """The kernels' reference against the MODEL's own jnp functions (ling_jax.layers.moe: routed_experts +
+  dense_mlp), clamps biting; and the one kernel-choosing object routes CPU to the jnp model."""
+  from ling_jax.kernel_calls import kernel_calls
+  from ling_jax.layers.moe import dense_mlp, routed_experts
+  assert kernel_calls("auto") is None and kernel_calls("reference") is None   # CPU: the model's jnp
+  assert kernel_calls("interpret").interpret and not kernel_calls("pallas").interpret
+  x, ids, w, wg, wu, wd, sh = make(9, 3, 256, 16, 64, jnp.float32)
+  L, Ls = 0.3, 0.4
+  out = moe_reference(x, ids, w, wg, wu, wd, limit=L, shared=sh, shared_limit=Ls)
+  model = routed_experts(x, ids, w, wg, wu, wd, L) + dense_mlp(
+      {"gate_proj": sh[0], "up_proj": sh[1], "down_proj": sh[2]}, x, Ls)
+  assert rel_err(out, model) <= 1e-6
+  unclamped = routed_experts(x, ids, w, wg, wu, wd, 0.0)
+  assert rel_err(out, unclamped) > 1e-2
 
 
 # ----------------------------------------------------------------------------- align, paths

@@ -197,8 +197,8 @@ def test_short_conv_matches_decode_steps():
 
 def test_layer_pattern():
     flash = ref.BailingConfigRef.from_dict(tiny_config(num_hidden_layers=42, layer_group_size=6,
-                                                       first_k_dense_replace=2, routed_swiglu_limits=None,
-                                                       shared_swiglu_limits=None))
+                                                       first_k_dense_replace=2, expert_swiglu_limit_list=None,
+                                                       share_expert_swiglu_limit_list=None))
     assert [i for i in range(43) if flash.is_mla(i)] == [5, 11, 17, 23, 29, 35, 41, 42]
     assert [i for i in range(43) if not flash.is_moe(i)] == [0, 1]
     tiny = ref.BailingConfigRef.from_dict(tiny_config())
@@ -208,26 +208,28 @@ def test_layer_pattern():
 
 
 def test_swiglu_clamps_follow_config_switch():
+    """The clamp as SGLang deploys it (limit after the SiLU), with limits read the SGLang way from the lists."""
     gen = torch.Generator().manual_seed(0)
     x = 3 * torch.randn(5, 16, generator=gen)
     outs = {}
-    for kind in ("routed", "shared", "none"):
-        m = ref.SwiGLU(16, 8, torch.float32, limit=0.5, kind=kind)
+    for limit in (0.5, 0.0):
+        m = ref.SwiGLU(16, 8, torch.float32, limit=limit)
         with torch.no_grad():
             for p in m.parameters():
                 p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
-        outs[kind] = m(x)
+        outs[limit] = m(x)
     gate = ref.linear(x, m.gate_proj.weight)
     up = ref.linear(x, m.up_proj.weight)
     silu = torch.nn.functional.silu
-    torch.testing.assert_close(outs["routed"], ref.linear(silu(gate.clamp(max=0.5)) * up.clamp(-0.5, 0.5),
-                                                          m.down_proj.weight))
-    torch.testing.assert_close(outs["shared"], ref.linear(silu(gate).clamp(max=0.5) * up.clamp(-0.5, 0.5),
-                                                          m.down_proj.weight))
-    assert not torch.allclose(outs["routed"], outs["none"]) and not torch.allclose(outs["shared"], outs["none"])
+    torch.testing.assert_close(outs[0.5], ref.linear(silu(gate).clamp(max=0.5) * up.clamp(-0.5, 0.5),
+                                                     m.down_proj.weight))
+    old = ref.linear(silu(gate.clamp(max=0.5)) * up.clamp(-0.5, 0.5), m.down_proj.weight)  # clamp before the SiLU
+    assert not torch.allclose(outs[0.5], old) and not torch.allclose(outs[0.5], outs[0.0])
     on = ref.BailingConfigRef.from_dict(tiny_config())
     off = ref.BailingConfigRef.from_dict(tiny_config(apply_swiglu_clamps=False))
     assert (on.routed_limit(3), on.shared_limit(4), off.routed_limit(3), off.shared_limit(4)) == (1.0, 2.0, 0, 0)
+    short = ref.BailingConfigRef.from_dict(tiny_config(expert_swiglu_limit_list=[0, 0, 0, 3.0]))
+    assert (short.routed_limit(3), short.routed_limit(4)) == (3.0, 0.0)  # past the end of the list: no clamp
 
 
 @pytest.mark.parametrize("dtype,shards,tie", [(torch.float32, 1, False), (torch.bfloat16, 3, False),

@@ -3,7 +3,7 @@
 Shape legend: B batch, T new positions, S cache slots, H heads, P = qk_nope dim, R = rope dim,
 Vh = v head dim, Lr = kv_lora_rank. Cache row = [latent (Lr) | rotated k_rope (R)] = 576 values at full size.
 
-    q = q_proj(x) -> [T, H, P | R]             c = kv_a_proj(x) -> [Lr | R]; latent = RMSNorm(c[:Lr])
+    q = q_proj(x) -> [T, H, P | R]             c = kv_a_proj(x) -> [Lr | R]; latent = RMSNorm(c[:Lr]) (eps 1e-6)
     k_h = [W_uk,h latent | rope(k_rope)]        v_h = W_uv,h latent        (kv_b_proj = [W_uk | W_uv] per head)
     out = dense(concat_h softmax(q_h.k_h / sqrt(P + R)) v_h * sigmoid(g_proj x)_h)
 
@@ -23,6 +23,10 @@ from ling_jax.layers.norms import rms_norm
 from ling_jax.layers.rope import apply_rope_interleaved, rope_angles
 from ling_jax.quant import dense
 
+# q_a_layernorm / kv_a_layernorm: HF's BailingMoeV3RMSNorm(dim) keeps its default eps 1e-6 there, whatever
+# config.rms_norm_eps says (the other norms of the model take rms_norm_eps).
+LATENT_NORM_EPS = 1e-6
+
 
 def _split_kv_b(p, cfg, dtype):
     """kv_b_proj [H*(P+Vh), Lr] -> W_uk [H, P, Lr], W_uv [H, Vh, Lr] (fp8 weights dequantised to dtype)."""
@@ -38,7 +42,8 @@ def mla_queries(p, x, positions, cfg):
     if cfg.q_lora_rank is None:
         q = jnp.einsum("btd,fd->btf", x, dense(p["q_proj"], x.dtype))
     else:
-        q_a = rms_norm(jnp.einsum("btd,fd->btf", x, dense(p["q_a_proj"], x.dtype)), p["q_a_layernorm"], cfg.rms_norm_eps)
+        q_a = rms_norm(jnp.einsum("btd,fd->btf", x, dense(p["q_a_proj"], x.dtype)), p["q_a_layernorm"],
+                       LATENT_NORM_EPS)
         q = jnp.einsum("btr,fr->btf", q_a, dense(p["q_b_proj"], x.dtype))
     q = q.reshape(B, T, H, cfg.qk_head_dim)
     cos, sin = rope_angles(positions, cfg.qk_rope_head_dim, cfg.rope_theta)  # [B, T, R/2]
@@ -49,7 +54,7 @@ def mla_queries(p, x, positions, cfg):
 def mla_cache_rows(p, x, positions, cfg):
     """x [B, T, D] -> cache rows [B, T, Lr + R]: normalised latent and rotated shared rope key."""
     c = jnp.einsum("btd,fd->btf", x, dense(p["kv_a_proj_with_mqa"], x.dtype))
-    latent = rms_norm(c[..., : cfg.kv_lora_rank], p["kv_a_layernorm"], cfg.rms_norm_eps)
+    latent = rms_norm(c[..., : cfg.kv_lora_rank], p["kv_a_layernorm"], LATENT_NORM_EPS)
     cos, sin = rope_angles(positions, cfg.qk_rope_head_dim, cfg.rope_theta)
     k_rope = apply_rope_interleaved(c[..., cfg.kv_lora_rank :], cos, sin)
     return jnp.concatenate([latent, k_rope], axis=-1)

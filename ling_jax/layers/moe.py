@@ -7,7 +7,10 @@ G groups.
     keep the topk_group groups with the largest sum of their top-2 sb; ids = top-A of sb inside them
     w = s[ids] / (sum s[ids] + 1e-20) * routed_scaling_factor
     y = sum_a w_a Expert_{ids_a}(x) + Shared(x)
-Clamps (limit L > 0): routed h = silu(min(gate, L)) * clip(up, -L, L); shared h = min(silu(gate), L) * clip(up, -L, L).
+Clamp (limit L > 0, routed and shared experts alike): h = min(silu(gate), L) * clip(up, -L, L), the limit AFTER
+the SiLU, as SGLang deploys Ling-3.0 (`_swiglu_silu_clamp_mul`). The limits are per layer (config.json
+expert_swiglu_limit_list / share_expert_swiglu_limit_list); HF's remote code ignores them (= apply_swiglu_clamps
+false), but the model was trained with them: on by default.
 """
 
 from __future__ import annotations
@@ -23,16 +26,9 @@ def _rounded(a, dtype):
     return a.astype(dtype).astype(jnp.float32)
 
 
-def swiglu_routed(gate, up, limit: float):
-    """gate, up in the activation dtype -> h in that dtype."""
-    dt = gate.dtype
-    gate, up = gate.astype(jnp.float32), up.astype(jnp.float32)
-    if limit > 0:
-        gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
-    return (_rounded(jax.nn.silu(gate), dt) * up).astype(dt)
-
-
-def swiglu_shared(gate, up, limit: float):
+def swiglu(gate, up, limit: float):
+    """gate, up in the activation dtype -> h = min(silu(gate), L) * clip(up, -L, L) in that dtype (no clamp when
+    limit <= 0). silu(gate) is rounded to the activation dtype first, as the reference's act_fn output is."""
     dt = gate.dtype
     act, up = _rounded(jax.nn.silu(gate.astype(jnp.float32)), dt), up.astype(jnp.float32)
     if limit > 0:
@@ -45,7 +41,7 @@ def dense_mlp(p, x, limit: float = 0.0):
     (fp8 weights dequantised to x.dtype)."""
     g = jnp.einsum("...d,fd->...f", x, dense(p["gate_proj"], x.dtype))
     u = jnp.einsum("...d,fd->...f", x, dense(p["up_proj"], x.dtype))
-    h = swiglu_shared(g, u, limit)
+    h = swiglu(g, u, limit)
     return jnp.einsum("...f,df->...d", h, dense(p["down_proj"], x.dtype))
 
 
@@ -86,13 +82,13 @@ def routed_experts(x, ids, weights, w_gate, w_up, w_down, limit: float):
         pick = lambda w: dense(take(w, ids), x.dtype)  # [T, A, ., .]
         g = jnp.einsum("td,tafd->taf", x, pick(w_gate))
         u = jnp.einsum("td,tafd->taf", x, pick(w_up))
-        h = swiglu_routed(g, u, limit)
+        h = swiglu(g, u, limit)
         y = jnp.einsum("taf,tadf->tad", h, pick(w_down))  # each expert's output in the activation dtype
         return jnp.einsum("tad,ta->td", y.astype(jnp.float32), weights)
     combine = jnp.zeros((T, E), jnp.float32).at[jnp.arange(T)[:, None], ids].add(weights)
     g = jnp.einsum("td,efd->tef", x, dense(w_gate, x.dtype))
     u = jnp.einsum("td,efd->tef", x, dense(w_up, x.dtype))
-    h = swiglu_routed(g, u, limit)
+    h = swiglu(g, u, limit)
     y = jnp.einsum("tef,edf->ted", h, dense(w_down, x.dtype))
     return jnp.einsum("ted,te->td", y.astype(jnp.float32), combine)
 

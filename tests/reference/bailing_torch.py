@@ -58,17 +58,22 @@ class BailingConfigRef:
     kda_lower_bound: float = -5.0
     num_nextn_predict_layers: int = 0
     tie_word_embeddings: bool = False
-    routed_swiglu_limits: tuple[float, ...] | None = None  # one per layer incl. MTP; 0 = no clamp
-    shared_swiglu_limits: tuple[float, ...] | None = None
+    # SwiGLU clamp limits, SGLang's keys and reading: entry i limits layer i (MTP layers continue the count);
+    # 0, null or past the end of the list = no clamp. HF's remote code ignores them (apply_swiglu_clamps=False).
+    expert_swiglu_limit_list: tuple[float, ...] | None = None  # routed experts
+    share_expert_swiglu_limit_list: tuple[float, ...] | None = None  # the shared expert
     apply_swiglu_clamps: bool = True
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "BailingConfigRef":
         names = {f.name for f in dataclasses.fields(cls)}
         kw = {k: v for k, v in d.items() if k in names}
-        for key in ("routed_swiglu_limits", "shared_swiglu_limits"):
+        for key, v in (d.get("rope_parameters") or {}).items():  # transformers >= 5 may keep rope_theta only here
+            if key in ("rope_theta", "partial_rotary_factor"):
+                kw.setdefault(key, v)
+        for key in ("expert_swiglu_limit_list", "share_expert_swiglu_limit_list"):
             if kw.get(key) is not None:
-                kw[key] = tuple(float(x) for x in kw[key])
+                kw[key] = tuple(float(x or 0.0) for x in kw[key])
         return cls(**kw)
 
     def __post_init__(self):
@@ -78,11 +83,6 @@ class BailingConfigRef:
                              f"{self.qk_rope_head_dim}")
         if self.num_experts % self.n_group:
             raise ValueError(f"num_experts {self.num_experts} not divisible by n_group {self.n_group}")
-        n = self.num_hidden_layers + self.num_nextn_predict_layers
-        for key in ("routed_swiglu_limits", "shared_swiglu_limits"):
-            lim = getattr(self, key)
-            if lim is not None and len(lim) != n:
-                raise ValueError(f"{key} has {len(lim)} entries, expected {n} (layers + nextn)")
 
     @property
     def rope_dim(self) -> int:
@@ -104,12 +104,15 @@ class BailingConfigRef:
         return i >= self.first_k_dense_replace
 
     def routed_limit(self, i: int) -> float:
-        lim = self.routed_swiglu_limits
-        return float(lim[i]) if (self.apply_swiglu_clamps and lim is not None) else 0.0
+        return self._limit(self.expert_swiglu_limit_list, i)
 
     def shared_limit(self, i: int) -> float:
-        lim = self.shared_swiglu_limits
-        return float(lim[i]) if (self.apply_swiglu_clamps and lim is not None) else 0.0
+        return self._limit(self.share_expert_swiglu_limit_list, i)
+
+    def _limit(self, limits: tuple[float, ...] | None, i: int) -> float:
+        if not self.apply_swiglu_clamps or limits is None or i >= len(limits):
+            return 0.0
+        return float(limits[i])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -223,7 +226,7 @@ class KDAAttention(nn.Module):
         self.o_proj = nn.Linear(H * D, C, bias=False, dtype=dtype)
         self.A_log = nn.Parameter(torch.empty(H, dtype=torch.float32))
         self.dt_bias = nn.Parameter(torch.empty(H * D, dtype=torch.float32))
-        self.o_norm = RMSNorm(D, 1e-6, dtype)
+        self.o_norm = RMSNorm(D, self.eps, dtype)  # HF: FusedRMSNormGated(eps=config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -239,7 +242,7 @@ class KDAAttention(nn.Module):
         o = o.to(x.dtype).float()  # the recurrent kernel returns v.dtype
         # gated RMSNorm, fp32: RMSNorm_D(o) * o_norm.weight * sigmoid(g_proj(x))
         gate = torch.sigmoid(linear(x, self.g_proj.weight).float()).view(B, T, H, D)
-        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-6) * self.o_norm.weight.float() * gate
+        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps) * self.o_norm.weight.float() * gate
         return linear(o.to(x.dtype).reshape(B, T, H * D), self.o_proj.weight)
 
 
@@ -255,6 +258,7 @@ class MLAAttention(nn.Module):
             self.q_proj = nn.Linear(C, H * Dq, bias=False, dtype=dtype)
         else:
             self.q_a_proj = nn.Linear(C, cfg.q_lora_rank, bias=False, dtype=dtype)
+            # the latent norms keep HF's BailingMoeV3RMSNorm default eps 1e-6, whatever rms_norm_eps says
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6, dtype)
             self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * Dq, bias=False, dtype=dtype)
         self.kv_a_proj_with_mqa = nn.Linear(C, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False, dtype=dtype)
@@ -304,21 +308,20 @@ class MLAAttention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """down(act(gate(x), up(x))); `limit` > 0 selects the clamp `kind` ("routed" or "shared")."""
+    """down(act(gate(x), up(x))); `limit` > 0 clamps as SGLang deploys Ling-3.0 (`_swiglu_silu_clamp_mul`, routed
+    and shared experts alike): min(silu(gate), L) * clip(up, -L, L), the limit after the SiLU."""
 
-    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, limit: float = 0.0, kind: str = "none"):
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, limit: float = 0.0):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, inter, bias=False, dtype=dtype)
         self.up_proj = nn.Linear(hidden, inter, bias=False, dtype=dtype)
         self.down_proj = nn.Linear(inter, hidden, bias=False, dtype=dtype)
-        self.limit, self.kind = limit, kind
+        self.limit = limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = linear(x, self.gate_proj.weight), linear(x, self.up_proj.weight)
         L = self.limit
-        if L > 0 and self.kind == "routed":  # silu(min(gate, L)) * clip(up, ±L)
-            h = F.silu(gate.clamp(max=L)) * up.clamp(-L, L)
-        elif L > 0 and self.kind == "shared":  # min(silu(gate), L) * clip(up, ±L)
+        if L > 0:  # min(silu(gate), L) * clip(up, ±L)
             h = F.silu(gate).clamp(max=L) * up.clamp(-L, L)
         else:
             h = F.silu(gate) * up
@@ -363,12 +366,12 @@ class MoE(nn.Module):
         C = cfg.hidden_size
         self.gate = Router(cfg, dtype)
         self.experts = nn.ModuleList(
-            SwiGLU(C, cfg.moe_intermediate_size, dtype, cfg.routed_limit(layer), "routed")
+            SwiGLU(C, cfg.moe_intermediate_size, dtype, cfg.routed_limit(layer))
             for _ in range(cfg.num_experts))
         self.shared_experts = None
         if cfg.num_shared_experts > 0:
-            self.shared_experts = SwiGLU(C, cfg.moe_shared_expert_intermediate_size, dtype,
-                                         cfg.shared_limit(layer), "shared")
+            self.shared_experts = SwiGLU(C, cfg.moe_shared_expert_intermediate_size * cfg.num_shared_experts,
+                                         dtype, cfg.shared_limit(layer))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
