@@ -113,11 +113,11 @@ def _usage(req: EngineRequest) -> dict:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-def _meta_info(req: EngineRequest, spec_enabled: bool) -> dict:
+def _meta_info(req: EngineRequest, spec_enabled: bool, n_out: int, reason: dict | None) -> dict:
     st = req.stats
     return {
-        "id": req.id, "prompt_tokens": len(req.gen.input_ids), "completion_tokens": len(req.output_ids),
-        "cached_tokens": 0, "finish_reason": req.finish_reason, "e2e_latency": req.e2e_s,
+        "id": req.id, "prompt_tokens": len(req.gen.input_ids), "completion_tokens": n_out,
+        "cached_tokens": 0, "finish_reason": reason, "e2e_latency": req.e2e_s if reason else 0.0,
         "spec_verify_ct": st.verify_steps if spec_enabled else 0,
         "spec_accept_length": st.mean_accept_length if spec_enabled else 1.0,
     }
@@ -204,15 +204,21 @@ async def _generate(request: Request, st: AppState):
             pass
         if (err := _failed(req)) is not None:
             return _error(err)
-        return JSONResponse({"text": req.text, "output_ids": req.output_ids, "meta_info": _meta_info(req, spec)})
+        meta = _meta_info(req, spec, len(req.output_ids), req.finish_reason)
+        return JSONResponse({"text": req.text, "output_ids": req.output_ids, "meta_info": meta})
 
-    async def events():  # SGLang's stream: each event carries the text and ids so far; the last one once
+    async def events():
+        # SGLang's stream: each event carries the text and ids so far, built from the outputs consumed (req's
+        # fields already hold what is queued behind them); the final event once.
+        text, ids = "", []
         async for out in _outputs(request, engine, req):
             if out.finished and (err := _failed(req)) is not None:
                 yield _sse(err.body())
                 break
+            text, ids = text + out.text, ids + out.token_ids
             if out.token_ids or out.text or out.finished:
-                yield _sse({"text": req.text, "output_ids": req.output_ids, "meta_info": _meta_info(req, spec)})
+                meta = _meta_info(req, spec, len(ids), out.finish_reason)
+                yield _sse({"text": text, "output_ids": ids, "meta_info": meta})
         yield _sse(b"[DONE]")
 
     return StreamingResponse(events(), media_type="text/event-stream")
