@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import time
 
@@ -174,6 +175,14 @@ def served_name(a: argparse.Namespace) -> str:
     return a.served_model_name or os.path.basename(os.path.normpath(a.model_path))
 
 
+class _Terminated(Exception):
+    """SIGTERM, raised in the main thread (as SIGINT raises KeyboardInterrupt)."""
+
+
+def _terminated(sig, frame):
+    raise _Terminated
+
+
 def make_server(config, serving):
     """A uvicorn.Server whose exit signal first ends the requests in flight (server.AppState.begin_shutdown):
     uvicorn alone would wait for open streams up to its graceful timeout, then cut them without a last event."""
@@ -244,9 +253,11 @@ def main(argv=None) -> int:
                      on_shutdown=(lambda: loaded and loaded[0].shutdown()) if a.nnodes > 1 else None)
     server = make_server(uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level.lower(),
                                         timeout_graceful_shutdown=5), app.state.serving)
+    # uvicorn re-raises the SIGINT / SIGTERM it handled once the app's shutdown ran: both end here, exit 0
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         server.run()
-    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled, after the app's shutdown ran
+    except (KeyboardInterrupt, _Terminated):
         pass
     if failed:
         print(f"error: {failed[0]}", file=sys.stderr)

@@ -75,6 +75,9 @@ class AppState:
         return await read_json_body(request, self.opts.body_timeout_s)
 
 
+_UNREAD_BODY = ("body_timeout", "body_too_large", "client_disconnected")
+
+
 def _error(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
 
@@ -315,7 +318,10 @@ def create_app(server_args: dict, load: Loader, *, served_model_name: str, opts:
             except APIError as e:
                 if e.status >= 500 and e.code not in ("not_ready", "shutting_down", "queue_full"):
                     log.warning("%s %s: %s", request.method, request.url.path, e.message)
-                return _error(e)
+                resp = _error(e)
+                if e.code in _UNREAD_BODY:  # the rest of the body may still come: not a connection to reuse
+                    resp.headers["connection"] = "close"
+                return resp
 
         return endpoint
 
