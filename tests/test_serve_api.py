@@ -1,12 +1,14 @@
 """The real server (subprocess, loopback) driven by the official `openai` client and raw HTTP: completions and
 chat (stream and not), exact stop-string truncation, SGLang /generate, seeds, concurrency, disconnect-cancel,
-/metrics, and every SGLang endpoint in SGLang's shapes (server/model info, tokenize, abort, flush, health).
+/metrics, every SGLang endpoint in SGLang's shapes (server/model info, tokenize, abort, flush, health), and the
+bench clients (bench_serving's three backends and datasets, eval_gsm8k on a hand-written JSONL).
 Model: test-tiny random weights with a tiny trained BPE tokenizer + chat template.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 import time
@@ -14,11 +16,15 @@ import time
 import httpx
 import pytest
 
+from bench import bench_serving, eval_gsm8k
 from tests.serve_helpers import Server, make_model_dir
 
 openai = pytest.importorskip("openai")
 
 PROMPT = "The quick brown fox"
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+SHAREGPT = os.path.join(DATA, "sharegpt_tiny.json")
+GSM8K = os.path.join(DATA, "gsm8k_tiny.jsonl")
 
 
 @pytest.fixture(scope="module")
@@ -318,3 +324,59 @@ def test_stop_token_text_dropped_and_final_event_once(server):
     finals = [e for e in events if e["meta_info"]["finish_reason"] is not None]
     assert len(finals) == 1 and finals[0] is events[-1] and events[-1]["text"] == g["text"]
     assert all(a["output_ids"] != b["output_ids"] for a, b in zip(events, events[1:])), [(e["output_ids"], e["text"], e["meta_info"]["finish_reason"]) for e in events]
+
+
+# ---- the bench clients against this server (runs last: they add requests) ------------------------------
+
+
+@pytest.mark.parametrize("backend,dataset", [("sglang", "random-ids"), ("sglang-oai", "random"),
+                                             ("sglang-oai-chat", "sharegpt")])
+def test_bench_serving(server, tmp_path, backend, dataset, capsys):
+    out = tmp_path / f"bench-{backend}.json"
+    data = (["--tokenizer-free"] if dataset == "random-ids" else ["--tokenizer", server.model_path,
+                                                                  "--dataset-path", SHAREGPT])
+    rc = bench_serving.main(["--base-url", server.url, "--backend", backend, "--random-input-len", "12",
+                             "--random-output-len", "10", "--random-range-ratio", "0.5", "--num-prompts", "4",
+                             "--max-concurrency", "2", "--seed", "1", "--output-file", str(out), *data,
+                             "--dataset-name", "sharegpt" if dataset == "sharegpt" else "random",
+                             "--sharegpt-output-len", "8"])
+    assert rc == 0
+    table = capsys.readouterr().out
+    for line in ("Serving Benchmark Result", "Successful requests:", "Mean TPOT (ms):", "P99 ITL (ms):",
+                 "Peak output token throughput (tok/s):", "Accept length:"):
+        assert line in table
+    d = json.loads(out.read_text())
+    assert d["completed"] == 4 and d["failed"] == 0
+    lo, hi = (8, 8) if dataset == "sharegpt" else (5, 10)
+    assert len(d["output_lens"]) == 4 and all(lo <= n <= hi for n in d["output_lens"])  # ignore_eos: exact
+    assert d["total_output_tokens"] == sum(d["output_lens"])
+    for k in ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
+              "mean_itl_ms", "p99_itl_ms", "mean_e2e_latency_ms", "output_throughput", "max_output_tokens_per_s"):
+        assert isinstance(d[k], float) and d[k] > 0, k
+    assert d["max_output_tokens_per_s"] <= d["total_output_tokens"]  # tokens in the best 1 s window
+    assert d["accept_length"] >= 1.0
+    assert "bench.bench_serving" in d["command"] and "--backend" in d["command"]
+    assert d["server_info"]["speculative_algorithm"] == "NEXTN" and d["date"]
+    assert (tmp_path / f"bench-{backend}.png").stat().st_size > 1000
+
+
+def test_bench_needs_a_tokenizer_or_says_so(server, capsys):
+    rc = bench_serving.main(["--base-url", server.url, "--backend", "sglang-oai-chat", "--num-prompts", "1"])
+    assert rc == 2 and "--tokenizer" in capsys.readouterr().err  # the server shows no absolute path to find it
+
+
+def test_eval_gsm8k_against_server(server, tmp_path, capsys):
+    out = tmp_path / "gsm8k.json"
+    rc = eval_gsm8k.main(["--base-url", server.url, "--data-path", GSM8K, "--num-shots", "0", "--num-questions",
+                          "6", "--max-new-tokens", "8", "--parallel", "3", "--output-file", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    d = json.loads(out.read_text())
+    assert [it["label"] for it in d["items"]] == [7, 60, 105, 24, 5, 950]
+    preds = [eval_gsm8k.answer_value(it["output"]) for it in d["items"]]
+    assert [it["pred"] for it in d["items"]] == preds
+    assert d["accuracy"] == sum(p == it["label"] for p, it in zip(preds, d["items"])) / 6
+    assert d["invalid"] == preds.count(eval_gsm8k.INVALID) / 6
+    assert 1 <= d["completion_tokens"] <= 48 and d["latency"] > 0
+    assert d["output_throughput"] == pytest.approx(d["completion_tokens"] / d["latency"])
+    assert f"Accuracy: {d['accuracy']:.3f}" in printed and "Output throughput:" in printed
