@@ -283,11 +283,11 @@ class Engine:
         try:
             for ids in it:
                 now = time.perf_counter()
-                if n_out == 0:
+                if not req.log_metrics:  # a /health_generate probe
+                    pass
+                elif n_out == 0:
                     req.ttft_s = now - req.t_arrival
                     self.m.ttft.observe(req.ttft_s)
-                elif not req.log_metrics:
-                    pass
                 else:
                     for _ in ids:
                         self.m.itl.observe((now - t_last) / len(ids))
