@@ -1,13 +1,21 @@
-"""Serving benchmark client with SGLang's bench_serving flags: random prompts, streamed requests, TTFT / TPOT /
-ITL / E2E / throughput / accept length; prints SGLang's table, writes JSON and a PNG (TPOT histogram + timeline).
+"""Serving benchmark client with SGLang's bench_serving flags: random or ShareGPT prompts, streamed requests over
+SGLang's /generate (--backend sglang), /v1/completions (sglang-oai) or /v1/chat/completions (sglang-oai-chat);
+TTFT / TPOT / ITL / E2E / throughput / accept length; prints SGLang's table, writes JSON and a PNG (TPOT histogram
++ timeline).
 
     python -m bench.bench_serving --base-url http://127.0.0.1:30000 --backend sglang --dataset-name random \
-        --random-input-len 1024 --random-output-len 1024 --random-range-ratio 1 --num-prompts 16 \
-        --max-concurrency 1 --tokenizer-free
+        --dataset-path ShareGPT_V3_unfiltered_cleaned_split.json --tokenizer models/ling-demo \
+        --random-input-len 1024 --random-output-len 1024 --random-range-ratio 1 --num-prompts 16 --max-concurrency 1
+
+Datasets (SGLang's): `sharegpt` takes each conversation's first turn as the prompt and the second's token count
+as the output length (--sharegpt-output-len fixes it); `random` takes token ids from those real prompts,
+repeated or cut to the drawn input length, so the text re-encodes to about that length. Without a tokenizer
+(--tokenizer-free, or a server without one) `random` sends random token ids instead. The tokenizer: --tokenizer,
+else the server's /model_info tokenizer_path when that exists here. OPENAI_API_KEY is sent as the Bearer key.
 
 TPOT excludes the first token: (latency - ttft) / (output_len - 1). ITL is the gap between streamed chunks (a
 speculative step delivers several tokens in one chunk). Peak output throughput: most tokens in any 1 s window.
-Accept length: the server's spec counters (/get_server_info) over this run.
+Accept length: the server's spec counters (/server_info) over this run.
 """
 
 from __future__ import annotations
@@ -44,13 +52,18 @@ class Result:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--base-url", default=None)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--backend", choices=["sglang", "openai"], default="sglang")
-    p.add_argument("--model", default=None, help="model name for the openai backend (default: the server's)")
-    p.add_argument("--dataset-name", choices=["random"], default="random")
+    p.add_argument("--backend", choices=list(BACKENDS), default="sglang")
+    p.add_argument("--model", default=None, help="model name for the OpenAI backends (default: the server's)")
+    p.add_argument("--dataset-name", choices=["random", "sharegpt"], default="random")
+    p.add_argument("--dataset-path", default=None, help="ShareGPT-format JSON (the prompts of both datasets)")
+    p.add_argument("--sharegpt-output-len", type=int, default=None, help="fixed output length for sharegpt")
+    p.add_argument("--sharegpt-context-len", type=int, default=None,
+                   help="drop sharegpt requests longer than this (default: the server's context length)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer dir (tokenizer.json); default: the server's")
     p.add_argument("--random-input-len", type=int, default=1024)
     p.add_argument("--random-output-len", type=int, default=1024)
     p.add_argument("--random-range-ratio", type=float, default=0.0,
@@ -62,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-requests", type=int, default=1)
     p.add_argument("--disable-ignore-eos", action="store_true")
     p.add_argument("--extra-request-body", default=None, help="JSON merged into the sampling params / request")
-    p.add_argument("--tokenizer-free", action="store_true", help="send random token ids (no tokenizer needed)")
+    p.add_argument("--tokenizer-free", action="store_true",
+                   help="send random token ids (no tokenizer needed; random dataset, sglang / sglang-oai backends)")
     p.add_argument("--output-file", default=None, help="JSON path (default bench/results/serving-<device>-<date>.json)")
     p.add_argument("--plot-file", default=None, help="PNG path (default: the output file with .png)")
     return p
@@ -70,30 +84,78 @@ def build_parser() -> argparse.ArgumentParser:
 
 # ---- prompts and requests ------------------------------------------------------------------------------------
 
+# backend -> path; "openai" is this client's older name for sglang-oai
+BACKENDS = {"sglang": "/generate", "sglang-oai": "/v1/completions", "openai": "/v1/completions",
+            "sglang-oai-chat": "/v1/chat/completions"}
+
+
+def sharegpt_prompts(path: str) -> list[tuple[str, str]]:
+    """(first turn, second turn) of every ShareGPT conversation with at least two turns, in file order."""
+    with open(path) as f:
+        data = json.load(f)
+    pairs = []
+    for d in data:
+        turns = d.get("conversations", d.get("conversation", []))
+        if len(turns) >= 2:
+            pairs.append((turns[0]["value"], turns[1]["value"]))
+    if not pairs:
+        raise ValueError(f"{path}: no conversation with two turns (ShareGPT format: "
+                         f'[{{"conversations": [{{"from": "human", "value": ...}}, ...]}}])')
+    return pairs
+
 
 def make_prompts(a, vocab_size: int, tokenizer) -> list[tuple[list[int] | str, int, int]]:
-    """(prompt as ids or text, prompt length, output length) per request, SGLang's random dataset."""
+    """(prompt as ids or text, prompt length, output length) per request, SGLang's datasets."""
     rng = np.random.default_rng(a.seed)
+    if a.dataset_name == "sharegpt":
+        return _sharegpt(a, tokenizer, rng)
     lo_in = max(1, int(a.random_input_len * a.random_range_ratio))
     lo_out = max(1, int(a.random_output_len * a.random_range_ratio))
+    lens = [(int(rng.integers(lo_in, a.random_input_len + 1)), int(rng.integers(lo_out, a.random_output_len + 1)))
+            for _ in range(a.num_prompts)]
+    if tokenizer is None:  # no text to sample from: random ids, skipping 0/1 (pad / eos in the presets)
+        return [(rng.integers(2, vocab_size, n_in).tolist(), n_in, n_out) for n_in, n_out in lens]
+    pairs = sharegpt_prompts(a.dataset_path)
+    order = rng.permutation(len(pairs))
+    out, k = [], 0
+    for n_in, n_out in lens:
+        ids = []
+        while not ids:  # skip prompts that encode to nothing
+            ids = tokenizer.encode(pairs[order[k % len(order)]][0])
+            k += 1
+        ids = (ids * -(-n_in // len(ids)))[:n_in]  # real token ids, repeated or cut to the drawn length
+        out.append((tokenizer.decode(ids), n_in, n_out))
+    return out
+
+
+def _sharegpt(a, tokenizer, rng) -> list:
+    pairs = sharegpt_prompts(a.dataset_path)
     out = []
-    for _ in range(a.num_prompts):
-        n_in = int(rng.integers(lo_in, a.random_input_len + 1))
-        n_out = int(rng.integers(lo_out, a.random_output_len + 1))
-        ids = rng.integers(2, vocab_size, n_in).tolist()  # skip 0/1 (pad / eos in the presets)
-        out.append((ids if tokenizer is None else tokenizer.decode(ids), n_in, n_out))
+    for idx in rng.permutation(len(pairs)):
+        if len(out) == a.num_prompts:
+            break
+        prompt, completion = pairs[idx]
+        n_in = len(tokenizer.encode(prompt))
+        n_out = a.sharegpt_output_len or len(tokenizer.encode(completion))
+        if n_in >= 2 and n_out >= 2 and n_in + n_out <= a.sharegpt_context_len:  # SGLang's pruning
+            out.append((prompt, n_in, n_out))
     return out
 
 
 def request_body(a, model: str, prompt, n_out: int, stream: bool = True) -> tuple[str, dict]:
     extra = json.loads(a.extra_request_body) if a.extra_request_body else {}
     sp = {"max_new_tokens": n_out, "temperature": 0.0, "ignore_eos": not a.disable_ignore_eos}
+    path = BACKENDS[a.backend]
     if a.backend == "sglang":
         key = "text" if isinstance(prompt, str) else "input_ids"
-        return "/generate", {key: prompt, "sampling_params": {**sp, **extra}, "stream": stream}
-    body = {"model": model, "prompt": prompt, "max_tokens": n_out, "temperature": 0.0,
-            "ignore_eos": sp["ignore_eos"], "stream": stream, "stream_options": {"include_usage": True}}
-    return "/v1/completions", {**body, **extra}
+        return path, {key: prompt, "sampling_params": {**sp, **extra}, "stream": stream}
+    body = {"model": model, "temperature": 0.0, "ignore_eos": sp["ignore_eos"], "stream": stream,
+            "stream_options": {"include_usage": True}}
+    if a.backend == "sglang-oai-chat":
+        body.update(messages=[{"role": "user", "content": prompt}], max_completion_tokens=n_out)
+    else:
+        body.update(prompt=prompt, max_tokens=n_out)
+    return path, {**body, **extra}
 
 
 async def send(client: httpx.AsyncClient, a, model: str, prompt, n_in: int, n_out: int, t0: float) -> Result:
@@ -124,7 +186,8 @@ async def send(client: httpx.AsyncClient, a, model: str, prompt, n_in: int, n_ou
                     if not d.get("choices"):
                         continue
                     c = d["choices"][0]
-                    n_new = len(c["token_ids"]) if "token_ids" in c else int(bool(c.get("text")))
+                    piece = (c.get("delta") or {}).get("content") if "delta" in c else c.get("text")
+                    n_new = len(c["token_ids"]) if "token_ids" in c else int(bool(piece))
                 if n_new <= 0:
                     continue
                 now = time.perf_counter()
@@ -145,7 +208,8 @@ async def send(client: httpx.AsyncClient, a, model: str, prompt, n_in: int, n_ou
 async def run(a, model: str, prompts) -> tuple[list[Result], float]:
     sem = asyncio.Semaphore(a.max_concurrency or len(prompts))
     limits = httpx.Limits(max_connections=a.max_concurrency or 100)
-    async with httpx.AsyncClient(base_url=a.base_url, timeout=httpx.Timeout(None), limits=limits) as client:
+    async with httpx.AsyncClient(base_url=a.base_url, timeout=httpx.Timeout(None), limits=limits,
+                                 headers=auth_headers()) as client:
         for p, n_in, _ in prompts[: a.warmup_requests]:  # compiles the prompt bucket, as SGLang's warm-up does
             w = await send(client, a, model, p, n_in, min(16, a.random_output_len), time.perf_counter())
             if w.error:
@@ -268,25 +332,59 @@ def _spec_counters(info: dict) -> tuple[int, int, float]:
     return s.get("spec_verify_ct_total", 0), s.get("spec_accept_tokens_total", 0), s.get("avg_spec_accept_length")
 
 
+def auth_headers() -> dict:
+    key = os.environ.get("OPENAI_API_KEY")  # as SGLang's client
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def _get(a, path: str) -> dict:
+    r = httpx.get(a.base_url + path, timeout=30, headers=auth_headers())
+    r.raise_for_status()
+    return r.json()
+
+
+def load_bench_tokenizer(a):
+    """--tokenizer, else the server's tokenizer_path when it is a dir here; None for --tokenizer-free."""
+    from ling_jax.tokenizer import load_tokenizer
+
+    if a.tokenizer_free:
+        return None
+    path = a.tokenizer or _get(a, "/model_info").get("tokenizer_path") or ""
+    tok = load_tokenizer(path) if os.path.isdir(path) else None
+    if tok is None:
+        raise ValueError(f"no tokenizer.json at '{path}': pass --tokenizer DIR (or --tokenizer-free)")
+    return tok
+
+
+def check_args(a, tokenizer):
+    if a.dataset_name == "sharegpt" and tokenizer is None:
+        raise ValueError("--dataset-name sharegpt needs a tokenizer (its prompts are text)")
+    if (a.dataset_name == "sharegpt" or tokenizer is not None) and not a.dataset_path:
+        raise ValueError("--dataset-path (a ShareGPT-format JSON) is needed: the random dataset samples its token "
+                         "ids from real prompts (SGLang downloads ShareGPT; this client does not)")
+    if a.backend == "sglang-oai-chat" and tokenizer is None:
+        raise ValueError("--backend sglang-oai-chat sends text: it needs a tokenizer, not --tokenizer-free")
+
+
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     a.base_url = (a.base_url or f"http://{a.host}:{a.port}").rstrip("/")
-    info = httpx.get(a.base_url + "/get_server_info", timeout=30).json()
+    info = _get(a, "/server_info")
     model = a.model or info.get("served_model_name") or info.get("model_path")
-    tokenizer = None
-    if not a.tokenizer_free:
-        from ling_jax.tokenizer import load_tokenizer
-
-        path = info.get("model_path", "")
-        tokenizer = load_tokenizer(path) if os.path.isdir(path) else None
-        if tokenizer is None:
-            print("error: no tokenizer for the server's model here; use --tokenizer-free", file=sys.stderr)
-            return 2
+    # rows the speculative loop reserves past the last token (2 steps of draft_tokens) do not fit either
+    reserve = 2 * (info.get("speculative_num_draft_tokens") or 1)
+    a.sharegpt_context_len = a.sharegpt_context_len or info.get("context_length", 1 << 30) - reserve
+    try:
+        tokenizer = load_bench_tokenizer(a)
+        check_args(a, tokenizer)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     vocab = info.get("vocab_size") or (tokenizer.tok.get_vocab_size() if tokenizer else 32000)
     prompts = make_prompts(a, vocab, tokenizer)
     v0, t0_acc, _ = _spec_counters(info)
     results, duration = asyncio.run(run(a, model, prompts))
-    info = httpx.get(a.base_url + "/get_server_info", timeout=30).json()
+    info = _get(a, "/server_info")
     v1, t1_acc, avg = _spec_counters(info)
     accept = (t1_acc - t0_acc) / (v1 - v0) if v1 > v0 else avg
     m = summarize(results, duration, accept)

@@ -7,7 +7,13 @@ asyncio queue with `call_soon_threadsafe` — no polling anywhere. Concurrent re
 Text: token ids go through an `IncrementalDetokenizer`; stop strings are searched in the decoded text and cut
 exactly (the text ends right before the stop string, later tokens are dropped). While a stop string could still
 be completing, its possible prefix is held back so a stream never emits text that a non-stream reply would
-not contain. EOS and stop token ids are the Generator's business.
+not contain. The Generator ends a stream at EOS / a stop token id (kept as the last output id); as in SGLang,
+that token's text is not part of the reply.
+
+Aborts: a request ends early when its client disconnects, /abort_request names it, its per-request timeout
+passes, or the server shuts down. The last three answer the waiting client at once from the event loop (the
+worker thread notices the flag at its next step and closes the stream); an abort that carries a
+`status_code` is an error for the client, one without (SGLang's /abort_request) a normal, shortened reply.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import secrets
 import threading
 import time
 import uuid
@@ -24,7 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ling_jax.runner import GenerationStats, Generator
 from ling_jax.tokenizer import IncrementalDetokenizer, Tokenizer
-from serve.protocol import GenRequest, ModelLimits
+from serve.protocol import APIError, GenRequest, ModelLimits
 
 log = logging.getLogger("serve.engine")
 
@@ -133,7 +140,10 @@ class Request:
     gen: GenRequest
     queue: asyncio.Queue
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    log_metrics: bool = True  # False for /health_generate's probe
     cancelled: threading.Event = field(default_factory=threading.Event)
+    abort_reason: dict | None = None  # why it was cancelled, when not by a client disconnect
+    timer: asyncio.TimerHandle | None = None
     stats: GenerationStats = field(default_factory=GenerationStats)
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
@@ -143,10 +153,23 @@ class Request:
     e2e_s: float = 0.0
 
 
+def device_seed(seed: int) -> int:
+    """A request's uint64 seed -> the 31-bit seed the programs (and the multi-host header) take; seeds below
+    2**31 map to themselves, larger ones fold their high bits in."""
+    return seed if seed < 2**31 else (seed ^ (seed >> 31) ^ (seed >> 62)) & (2**31 - 1)
+
+
 class Engine:
-    def __init__(self, generator: Generator, limits: ModelLimits, metrics: Metrics, seed: int = 0):
+    """seed: the source of per-request seeds when a request brings none (None: random per start, as SGLang
+    without --random-seed). max_queued: waiting requests beyond which submit answers 503. request_timeout_s:
+    each request's limit from arrival (queue included); past it the client gets a 504."""
+
+    def __init__(self, generator: Generator, limits: ModelLimits, metrics: Metrics, seed: int | None = None, *,
+                 max_queued: int | None = None, request_timeout_s: float | None = None):
         self.gen, self.limits, self.m = generator, limits, metrics
-        self.rng = random.Random(seed)
+        self.rng = random.Random(seed if seed is not None else secrets.randbits(64))
+        self.max_queued, self.request_timeout_s = max_queued, request_timeout_s
+        self.live: dict[str, Request] = {}  # submitted and not yet answered, by id
         self.pending: asyncio.Queue[Request] = asyncio.Queue()
         self.loop: asyncio.AbstractEventLoop | None = None
         self.worker: asyncio.Task | None = None
@@ -167,16 +190,48 @@ class Engine:
         if self.worker is not None:
             self.worker.cancel()
 
-    def submit(self, gen: GenRequest) -> Request:
-        req = Request(gen=gen, queue=asyncio.Queue())
+    def submit(self, gen: GenRequest, log_metrics: bool = True) -> Request:
+        if self.max_queued is not None and self.pending.qsize() >= self.max_queued:
+            raise APIError(503, f"the queue is full ({self.max_queued} requests waiting, --max-queued-requests); "
+                                f"retry later", type="service_unavailable", code="queue_full")
+        rid = gen.extra.get("rid")
+        if rid is not None and rid in self.live:
+            raise APIError(400, f"a request with rid '{rid}' is already running", param="rid", code="duplicate_rid")
+        req = Request(gen=gen, queue=asyncio.Queue(), log_metrics=log_metrics, **({"id": rid} if rid else {}))
+        self.live[req.id] = req
+        if self.request_timeout_s is not None:
+            req.timer = self.loop.call_later(self.request_timeout_s, self.abort, req, {
+                "type": "abort", "message": f"request timed out after {self.request_timeout_s:g} s (--request-timeout)",
+                "status_code": 504})
         self.pending.put_nowait(req)
         self.m.queue.inc()
         return req
 
     def cancel(self, req: Request, why: str = "client disconnected"):
+        """Flag `req` for the worker; nobody waits for an answer (the client is gone)."""
         if req.finish_reason is None and not req.cancelled.is_set():
             log.info("request %s cancelled: %s", req.id, why)
             req.cancelled.set()
+
+    def abort(self, req: Request, reason: dict):
+        """On the event loop: end `req` now with `reason` (the worker closes its stream at the next step)."""
+        if req.finish_reason is not None:
+            return
+        log.info("request %s aborted: %s", req.id, reason["message"])
+        req.abort_reason = reason
+        req.cancelled.set()
+        self._deliver(req, Output([], "", finished=True, finish_reason=reason))
+
+    def abort_rid(self, rid: str | None, abort_all: bool = False, message: str = "aborted by /abort_request",
+                  status_code: int | None = None) -> int:
+        """SGLang's /abort_request (and shutdown, with a status): returns how many requests it ended."""
+        reqs = list(self.live.values()) if abort_all else [r for r in (self.live.get(rid),) if r is not None]
+        reason = {"type": "abort", "message": message}
+        if status_code is not None:
+            reason["status_code"] = status_code
+        for r in reqs:
+            self.abort(r, dict(reason))
+        return len(reqs)
 
     @property
     def avg_accept_length(self) -> float:
@@ -187,7 +242,7 @@ class Engine:
             req = await self.pending.get()
             self.m.queue.dec()
             if req.cancelled.is_set():  # gone while waiting
-                self._finish(req, {"type": "abort", "message": "client disconnected"}, 0)
+                self._finish(req, req.abort_reason or {"type": "abort", "message": "client disconnected"}, 0)
                 continue
             self.m.running.inc()
             self.current = req
@@ -201,45 +256,59 @@ class Engine:
         self.loop.call_soon_threadsafe(self._deliver, req, out)
 
     def _deliver(self, req: Request, out: Output):
-        """On the event loop: the request's fields only ever reflect what its queue has delivered."""
+        """On the event loop: the request's fields only ever reflect what its queue has delivered; nothing is
+        delivered after its finished output (an abort answered early)."""
+        if req.finish_reason is not None:
+            return
         req.output_ids += out.token_ids
         req.text += out.text
         if out.finished:
             req.finish_reason = out.finish_reason
             req.e2e_s = time.perf_counter() - req.t_arrival
+            self.live.pop(req.id, None)
+            if req.timer is not None:
+                req.timer.cancel()
         req.queue.put_nowait(out)
 
     # ---- worker thread -----------------------------------------------------------------------------------------
     def _process(self, req: Request):
         g = req.gen
         eos = () if g.ignore_eos else self.limits.eos_ids
+        stop_ids = tuple(eos) + tuple(g.stop_token_ids)
         text = TextAssembler(self.limits.tokenizer, g.stop)
-        seed = g.seed if g.seed is not None else self.rng.randrange(2**31)
+        seed = device_seed(g.seed) if g.seed is not None else self.rng.randrange(2**31)
         it = self.gen.stream(g.input_ids, max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
-                             seed=seed, stop_token_ids=tuple(eos) + tuple(g.stop_token_ids), stats=req.stats)
+                             seed=seed, stop_token_ids=stop_ids, stats=req.stats)
         n_out, t_last = 0, req.t_arrival
         try:
             for ids in it:
                 now = time.perf_counter()
-                if n_out == 0:
+                if not req.log_metrics:  # a /health_generate probe
+                    pass
+                elif n_out == 0:
                     req.ttft_s = now - req.t_arrival
                     self.m.ttft.observe(req.ttft_s)
                 else:
                     for _ in ids:
                         self.m.itl.observe((now - t_last) / len(ids))
                 t_last = now
-                n, delta = text.add(ids)
+                # The Generator ends a chunk at a stop token; decided here from the ids themselves, since its
+                # stats only say so once the stream is resumed (the first token is yielded before it checks).
+                stop_token = ids[-1] if ids and ids[-1] in stop_ids else None
+                n, delta = text.add(ids[:-1] if stop_token is not None else ids)  # its text is dropped
+                if text.matched is None:
+                    n = len(ids)
                 ids = ids[:n]
                 n_out += n
                 reason = None
                 if text.matched is not None:
                     reason = {"type": "stop", "matched": text.matched}
-                elif req.cancelled.is_set():
-                    reason = {"type": "abort", "message": "client disconnected"}
-                elif req.stats.finish_reason == "stop":
-                    reason = {"type": "stop", "matched": ids[-1] if ids else None}
-                elif req.stats.finish_reason == "length":
+                elif stop_token is not None:
+                    reason = {"type": "stop", "matched": stop_token}
+                elif n_out >= g.max_new_tokens:
                     reason = {"type": "length", "length": g.max_new_tokens}
+                elif req.cancelled.is_set():
+                    reason = req.abort_reason or {"type": "abort", "message": "client disconnected"}
                 if reason is not None:
                     it.close()  # cancels the run-ahead step still in flight
                     return self._finish(req, reason, n_out, ids, delta + text.finish())
@@ -248,14 +317,16 @@ class Engine:
             self._finish(req, {"type": "length", "length": g.max_new_tokens}, n_out, [], text.finish())
         except Exception as e:  # noqa: BLE001 - report it to the client, keep serving
             log.exception("request %s failed", req.id)
-            self._finish(req, {"type": "abort", "message": f"internal error: {e}"}, n_out, [], "")
+            self._finish(req, {"type": "abort", "message": f"internal error: {e}", "status_code": 500}, n_out, [], "")
         finally:
             it.close()  # explicit, not at garbage collection: multi-host followers wait on this decision
 
     def _finish(self, req: Request, reason: dict, n_out: int, ids: list[int] | None = None, delta: str = ""):
         e2e = time.perf_counter() - req.t_arrival
         kind = reason["type"]
-        if kind == "abort":
+        if not req.log_metrics:
+            pass
+        elif kind == "abort":
             self.num_aborted += 1
             self.m.aborted.inc()
         else:
@@ -270,9 +341,10 @@ class Engine:
             if n_out > 1:
                 self.m.tpot.observe((e2e - req.ttft_s) / (n_out - 1))
                 self.last_gen_throughput = (n_out - 1) / max(e2e - req.ttft_s, 1e-9)
-        self.m.finished(kind)
-        self.m.prompt_tokens.inc(len(req.gen.input_ids))
-        self.m.generation_tokens.inc(n_out)
+        if req.log_metrics:
+            self.m.finished(kind)
+            self.m.prompt_tokens.inc(len(req.gen.input_ids))
+            self.m.generation_tokens.inc(n_out)
         if kind == "abort":
             log.info("request %s aborted after %d tokens: %s", req.id, n_out, reason.get("message"))
         self._emit(req, Output(ids or [], delta, finished=True, finish_reason=reason))

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import time
 
@@ -31,7 +32,8 @@ DTYPES = ("bfloat16", "float32")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="ling-jax HTTP server (OpenAI + SGLang-native APIs)")
     p.add_argument("--model-path", required=True, help="preset name (random weights) or HF checkpoint dir")
-    p.add_argument("--served-model-name", default=None, help="the model name the API reports (default: model path)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id the API reports and accepts (default: the model dir's or preset's name)")
     p.add_argument("--tp-size", type=int, default=1,
                    help="tensor parallel size (> 1 through compile.runner.ShardedGenerator over a ('tp',) mesh)")
     p.add_argument("--speculative-algorithm", choices=["NEXTN", "NONE"], default="NONE")
@@ -46,7 +48,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check-weights", action="store_true",
                    help="before serving, read every tensor of the checkpoint once and reject inf/nan "
                         "(names the tensor)")
-    p.add_argument("--seed", type=int, default=0, help="random-init seed and the server's sampling-seed source")
+    p.add_argument("--seed", type=int, default=0, help="seed of --random-weights' initialisation")
+    p.add_argument("--random-seed", type=int, default=None,
+                   help="source of the sampling seeds of requests that bring none (default: random per start)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on every route but /health")
+    p.add_argument("--max-queued-requests", type=int, default=None,
+                   help="waiting requests beyond which new ones get 503 (default: unbounded)")
+    p.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds a request may take from arrival, queue included; then 504 (default: none)")
+    p.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a request body may take to arrive; then 408")
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     p.add_argument("--quantization", choices=["fp8"], default=None,
                    help="fp8: block-fp8 linear weights; a bf16 checkpoint is quantised while it loads")
@@ -168,7 +179,7 @@ def make_loader(a: argparse.Namespace, cfg, spec, tokenizer, mesh, shardings, co
         if not warm:
             return gen, None
         eos = (tokenizer.eos_ids if tokenizer is not None else ()) or (cfg.eos_token_id,)
-        limits = ModelLimits(a.served_model_name or a.model_path, cfg.vocab_size, context_length,
+        limits = ModelLimits(served_name(a), cfg.vocab_size, context_length,
                              2 * gen.rows_per_step, tokenizer, tuple(eos))
         t1 = time.perf_counter()
         with tqdm(total=2, desc="compile + warm-up (greedy, sampled)", unit="program", file=sys.stderr) as bar:
@@ -177,6 +188,32 @@ def make_loader(a: argparse.Namespace, cfg, spec, tokenizer, mesh, shardings, co
         return gen, limits
 
     return load
+
+
+def served_name(a: argparse.Namespace) -> str:
+    """The model id: --served-model-name, else the model dir's last component (a clean name, not a path)."""
+    return a.served_model_name or os.path.basename(os.path.normpath(a.model_path))
+
+
+class _Terminated(Exception):
+    """SIGTERM, raised in the main thread (as SIGINT raises KeyboardInterrupt)."""
+
+
+def _terminated(sig, frame):
+    raise _Terminated
+
+
+def make_server(config, serving):
+    """A uvicorn.Server whose exit signal first ends the requests in flight (server.AppState.begin_shutdown):
+    uvicorn alone would wait for open streams up to its graceful timeout, then cut them without a last event."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            serving.begin_shutdown_threadsafe()
+            super().handle_exit(sig, frame)
+
+    return Server(config)
 
 
 def main(argv=None) -> int:
@@ -188,6 +225,7 @@ def main(argv=None) -> int:
     from ling_jax.config import load_config
     from ling_jax.spec import SpecConfig
     from ling_jax.tokenizer import load_tokenizer
+    from serve.http_io import ServeOptions
     from serve.server import create_app
 
     try:
@@ -201,6 +239,8 @@ def main(argv=None) -> int:
         context_length = a.context_length or cfg.max_position_embeddings
         if context_length < 2 * spec.draft_tokens + 5:  # the warm-up's 4-token prompt, 1 new token, 2 steps' rows
             raise ValueError(f"--context-length {context_length} is too small (at least {2 * spec.draft_tokens + 5})")
+        opts = ServeOptions(api_key=a.api_key, random_seed=a.random_seed, max_queued_requests=a.max_queued_requests,
+                            request_timeout_s=a.request_timeout, body_timeout_s=a.body_timeout)
         init_multi_host(a)
         mesh, shardings = tensor_parallel(cfg, a.tp_size, multi_host=a.nnodes > 1)
     except (ValueError, KeyError, FileNotFoundError) as e:  # CheckpointError is a ValueError
@@ -208,11 +248,12 @@ def main(argv=None) -> int:
         return 2
     if a.node_rank > 0:
         return run_follower(a, cfg, spec, tokenizer, mesh, shardings, context_length)
-    name = a.served_model_name or a.model_path
-    server_args = {k: v for k, v in vars(a).items()}
+    name = served_name(a)
+    server_args = {k: v for k, v in vars(a).items() if k != "api_key"}
     import jax
 
-    server_args.update(served_model_name=name, context_length=context_length, vocab_size=cfg.vocab_size,
+    server_args.update(served_model_name=name, tokenizer_path=a.model_path if tokenizer is not None else None,
+                       context_length=context_length, vocab_size=cfg.vocab_size,
                        jax_version=jax.__version__,
                        device=f"{jax.device_count()}x {jax.devices()[0].device_kind}",
                        has_tokenizer=tokenizer is not None, chat_template=bool(tokenizer and tokenizer.chat_template))
@@ -229,13 +270,15 @@ def main(argv=None) -> int:
     loaded: list = []
     app = create_app(server_args, make_loader(a, cfg, spec, tokenizer, mesh, shardings, context_length,
                                               loaded=loaded),
-                     served_model_name=name, seed=a.seed, on_load_error=on_load_error,
+                     served_model_name=name, opts=opts, on_load_error=on_load_error,
                      on_shutdown=(lambda: loaded and loaded[0].shutdown()) if a.nnodes > 1 else None)
-    server = uvicorn.Server(uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level.lower(),
-                                           timeout_graceful_shutdown=5))
+    server = make_server(uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level.lower(),
+                                        timeout_graceful_shutdown=5), app.state.serving)
+    # uvicorn re-raises the SIGINT / SIGTERM it handled once the app's shutdown ran: both end here, exit 0
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         server.run()
-    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled, after the app's shutdown ran
+    except (KeyboardInterrupt, _Terminated):
         pass
     if failed:
         print(f"error: {failed[0]}", file=sys.stderr)

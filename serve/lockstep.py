@@ -10,8 +10,13 @@ Process 0 (the leader) serves HTTP; the others (followers) hold their shards of 
      themselves) is computed identically on every process from replicated outputs, so it needs no message.
 
 So each process dispatches: prefill, then per chunk one step program and one flag broadcast, in the same
-order. The flag costs one small collective per step, only when --nnodes > 1. If the leader dies the followers
-block in the next broadcast until the distributed runtime's heartbeat timeout ends them.
+order. The flag travels with the step outputs and is read one step late, like them: the leader dispatches
+chunk k's flag and reads chunk k-1's (long complete), so it never waits on a collective and keeps its
+run-ahead (step k+1 is already queued on the device behind step k when chunk k's flag goes out). A follower
+must know chunk k's decision before it dispatches step k+2, so it reads each flag at once; it still has step
+k+1 in flight while it waits. The flag costs one small collective per step, only when --nnodes > 1. If the
+leader dies the followers block in the next broadcast until the distributed runtime's heartbeat timeout
+ends them.
 """
 
 from __future__ import annotations
@@ -45,6 +50,41 @@ def _broadcast(x: np.ndarray, is_leader: bool) -> np.ndarray:
     return np.asarray(multihost_utils.broadcast_one_to_all(x, is_source=is_leader))
 
 
+class FlagChannel:
+    """The per-chunk continue flag as an asynchronous broadcast: `send` dispatches it (the leader's value, zeros
+    elsewhere, summed over the processes) and returns the device array without reading it; `read` waits for it.
+    `broadcast_one_to_all` would read at once, so the leader would wait for the collective, i.e. for the step
+    queued before it."""
+
+    def __init__(self, is_leader: bool):
+        import jax
+        import jax.numpy as jnp
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+        self.is_leader = is_leader
+        self.single = jax.process_count() == 1
+        if self.single:
+            return
+        devices = np.array(jax.devices()).reshape(jax.process_count(), jax.local_device_count())
+        self.mesh = Mesh(devices, ("processes", "local_devices"))
+        self.pspec = PartitionSpec("processes")
+        self.sum = jax.jit(lambda x: jnp.sum(x, axis=0), out_shardings=NamedSharding(self.mesh, PartitionSpec()))
+
+    def send(self, flag: int):
+        x = np.full((1,), flag if self.is_leader else 0, np.int32)
+        if self.single:
+            return x
+        from jax.experimental import multihost_utils
+
+        return self.sum(multihost_utils.host_local_array_to_global_array(x[None], self.mesh, self.pspec))
+
+    @staticmethod
+    def read(sent) -> int:
+        import jax
+
+        return int(np.asarray(sent if isinstance(sent, np.ndarray) else jax.device_get(sent.addressable_data(0)))[0])
+
+
 def encode_header(op: int, prompt_len: int = 0, bucket: int = 0, max_new_tokens: int = 0, seed: int = 0,
                   temperature: float = 0.0, top_p: float = 1.0, stop_token_ids=None) -> np.ndarray:
     h = np.zeros((HEADER,), np.int32)
@@ -74,6 +114,7 @@ class LockstepGenerator:
     def __init__(self, gen: Generator):
         self.gen = gen
         self._busy = threading.Lock()  # held from a stream's announcement to its last flag
+        self._flags = FlagChannel(is_leader=True)
 
     def __getattr__(self, name):
         return getattr(self.gen, name)
@@ -100,14 +141,21 @@ class LockstepGenerator:
             _broadcast(header, True)
             _broadcast(padded, True)
             it = self.gen.stream(prompt, stats=stats, **kw)
+            pending = None  # the last flag sent, read when the next one goes out (one step late)
             try:
                 for chunk in it:
                     yield chunk
-                    _broadcast(np.int32(1), True)  # the consumer asked for more
+                    sent = self._flags.send(1)  # the consumer asked for more
+                    if pending is not None:
+                        self._flags.read(pending)
+                    pending = sent
             except GeneratorExit:
-                _broadcast(np.int32(0), True)
+                pending = self._flags.send(0)
                 it.close()
                 raise
+            finally:
+                if pending is not None:  # nothing outstanding once the stream is over
+                    self._flags.read(pending)
 
     def generate(self, prompt, **kw):
         from ling_jax.runner import GenerationStats
@@ -135,6 +183,7 @@ def follow(gen: Generator) -> int:
     """A follower's whole life: replay the leader's streams until it says shut down. Returns the number of
     streams replayed."""
     n_streams = 0
+    flags = FlagChannel(is_leader=False)
     while True:
         op, kw, n, bucket = decode_header(_broadcast(np.zeros((HEADER,), np.int32), False))
         if op == OP_SHUTDOWN:
@@ -145,7 +194,7 @@ def follow(gen: Generator) -> int:
         prompt = _broadcast(np.zeros((bucket,), np.int32), False)[:n].tolist()
         it = gen.stream(prompt, **kw)
         for _ in it:
-            if not int(_broadcast(np.int32(0), False)):
+            if not flags.read(flags.send(0)):  # chunk k's decision, needed before step k+2 is dispatched
                 it.close()
                 break
         n_streams += 1

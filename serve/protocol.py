@@ -13,7 +13,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB
+MAX_JSON_DEPTH = 64
 MAX_STOP_STRINGS = 16
+MAX_SEED = 2**64  # seeds are uint64 (SGLang / OpenAI clients send any 64-bit value)
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+DEFAULT_MODEL_NAME = "default"  # SGLang's name for "whatever this server serves"
 
 
 class APIError(Exception):
@@ -62,6 +66,7 @@ class GenRequest:
 
 
 def parse_body(raw: bytes) -> dict:
+    """Bytes -> a JSON object whose strings are all valid Unicode, nested at most MAX_JSON_DEPTH deep."""
     if len(raw) > MAX_BODY_BYTES:
         raise APIError(413, f"request body is {len(raw)} bytes; the limit is {MAX_BODY_BYTES}", code="body_too_large")
     try:
@@ -72,9 +77,46 @@ def parse_body(raw: bytes) -> dict:
         body = json.loads(text)
     except json.JSONDecodeError as e:
         raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:  # the decoder's own recursion guard: nesting thousands deep
+        raise APIError(400, f"request body is nested deeper than {MAX_JSON_DEPTH} levels", code="too_deep") from None
+    except ValueError as e:  # an integer longer than Python's int-string limit (4300 digits)
+        raise APIError(400, f"request body has a number that cannot be read: {e}", code="invalid_number") from None
     if not isinstance(body, dict):
         raise APIError(400, f"request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
+    check_json_values(body)
     return body
+
+
+def check_json_values(body: dict):
+    """Walk the parsed body (iteratively): depth at most MAX_JSON_DEPTH, and no string (key or value) holding a
+    lone UTF-16 surrogate ("\\ud800" is valid JSON but not text: the tokenizer and every encoder fail on it)."""
+    stack: list[tuple[Any, str, int]] = [(body, "", 1)]
+    while stack:
+        v, path, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise APIError(400, f"request body is nested deeper than {MAX_JSON_DEPTH} levels at '{path}'",
+                           param=path or None, code="too_deep")
+        if isinstance(v, dict):
+            for k, x in v.items():
+                p = f"{path}.{k}" if path else k
+                _check_text(k, p)
+                if isinstance(x, (dict, list, str)):
+                    stack.append((x, p, depth + 1))
+        elif isinstance(v, list):
+            stack.extend((x, f"{path}[{i}]", depth + 1) for i, x in enumerate(v) if isinstance(x, (dict, list, str)))
+        else:
+            _check_text(v, path)
+
+
+def _check_text(s: str, path: str):
+    if s.isascii():
+        return
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        param = path.encode("utf-8", "backslashreplace").decode()
+        raise APIError(400, f"'{param}' holds a lone UTF-16 surrogate (not valid Unicode text)", param=param,
+                       code="invalid_unicode") from None
 
 
 _MISSING = object()
@@ -101,7 +143,7 @@ def _field(d: dict, name: str, kind: str, default: Any = _MISSING, *, param: str
         raise APIError(400, f"'{param}' must be {'a finite number' if kind == 'number' else 'of type ' + kind}, "
                             f"got {json.dumps(v)[:80]}", param=param, code="invalid_type")
     if check is not None and (msg := check(v)):
-        raise APIError(400, f"'{param}' {msg}, got {v}", param=param, code="invalid_value")
+        raise APIError(400, f"'{param}' {msg}, got {json.dumps(v)[:80]}", param=param, code="invalid_value")
     return v
 
 
@@ -137,9 +179,14 @@ def _need_tokenizer(limits: ModelLimits, what: str, param: str):
 
 def _check_model(body: dict, limits: ModelLimits):
     model = _field(body, "model", "str", None)
-    if model is not None and model != limits.served_model_name:
+    if model is not None and model not in (limits.served_model_name, DEFAULT_MODEL_NAME):
         raise APIError(404, f"the model '{model}' does not exist; this server serves '{limits.served_model_name}'",
                        param="model", code="model_not_found")
+
+
+def _rid(body: dict) -> str | None:
+    """SGLang's request id: the client names its request, and /abort_request can name it back."""
+    return _field(body, "rid", "str", None, check=lambda r: None if 0 < len(r) <= 256 else "must be 1..256 chars")
 
 
 def _sampling(d: dict, limits: ModelLimits, n_prompt: int, max_name: str, default_max: int | None,
@@ -164,7 +211,8 @@ def _sampling(d: dict, limits: ModelLimits, n_prompt: int, max_name: str, defaul
                                  check=lambda x: None if x >= 0 else "must be >= 0")),
         top_p=float(_field(d, "top_p", "number", 1.0, param=prefix + "top_p",
                            check=lambda x: None if 0 < x <= 1 else "must be in (0, 1]")),
-        seed=_field(d, "seed", "int", None, param=prefix + "seed"),
+        seed=_field(d, "seed", "int", None, param=prefix + "seed",
+                    check=lambda x: None if 0 <= x < MAX_SEED else "must be in [0, 2**64)"),
     )
 
 
@@ -195,7 +243,7 @@ def _openai_common(body: dict, limits: ModelLimits, ids: list[int], default_max:
         input_ids=ids, stop=stop, stop_token_ids=tuple(stop_ids), ignore_eos=_field(body, "ignore_eos", "bool", False),
         stream=_field(body, "stream", "bool", False),
         include_usage=bool(_field(opts, "include_usage", "bool", False, param="stream_options.include_usage")),
-        extra={"model": limits.served_model_name},
+        extra={"model": limits.served_model_name, "rid": _rid(body)},
         **_sampling(body, limits, len(ids), key, default_max, prompt_param),
     )
 
@@ -225,7 +273,8 @@ def _message_text(m: Any, i: int) -> tuple[str, str]:
     p = f"messages[{i}]"
     if not isinstance(m, dict):
         raise APIError(400, f"'{p}' must be an object with 'role' and 'content'", param=p, code="invalid_type")
-    role = _field(m, "role", "str", param=p + ".role")
+    role = _field(m, "role", "str", param=p + ".role", check=lambda r: None if r in CHAT_ROLES else
+                  f"must be one of {', '.join(CHAT_ROLES)} (a role is pasted into the chat template)")
     content = m.get("content")
     if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
         parts = []
@@ -286,6 +335,61 @@ def parse_generate(body: dict, limits: ModelLimits) -> GenRequest:
     return GenRequest(
         input_ids=ids, stop=stop, stop_token_ids=tuple(stop_ids),
         ignore_eos=_field(sp, "ignore_eos", "bool", False, param="sampling_params.ignore_eos"),
-        stream=_field(body, "stream", "bool", False),
+        stream=_field(body, "stream", "bool", False), extra={"rid": _rid(body)},
         **_sampling(sp, limits, len(ids), "max_new_tokens", 128, prompt_param, prefix="sampling_params."),
     )
+
+
+# ---- tokenizer and control endpoints -----------------------------------------------------------------------------
+
+
+def _only(body: dict, known: tuple[str, ...], endpoint: str):
+    extra = sorted(set(body) - set(known))
+    if extra:
+        raise APIError(400, f"{endpoint} does not take {', '.join(map(repr, extra))} (it takes {', '.join(known)})",
+                       param=extra[0], code="unsupported")
+
+
+def parse_tokenize(body: dict, limits: ModelLimits) -> tuple[list[list[int]], bool]:
+    """SGLang /tokenize: `prompt` (a string or a list of strings) or chat `messages` -> (token ids per text,
+    whether the prompt was a list)."""
+    _only(body, ("model", "prompt", "messages", "add_special_tokens"), "/tokenize")
+    _check_model(body, limits)
+    add = _field(body, "add_special_tokens", "bool", True)
+    prompt, messages = body.get("prompt"), body.get("messages")
+    if (prompt is None) == (messages is None):
+        raise APIError(400, "give exactly one of 'prompt' and 'messages'", param="prompt", code="missing_field")
+    _need_tokenizer(limits, "/tokenize", "prompt" if prompt is not None else "messages")
+    if messages is not None:
+        msgs = _field(body, "messages", "list")
+        texts = [render_chat(limits, [dict(zip(("role", "content"), _message_text(m, i)))
+                                      for i, m in enumerate(msgs)])]
+        return [limits.tokenizer.encode(texts[0])], False
+    batched = isinstance(prompt, list)
+    texts = prompt if batched else [prompt]
+    if not all(isinstance(t, str) for t in texts):
+        raise APIError(400, "'prompt' must be a string or a list of strings", param="prompt", code="invalid_type")
+    return [limits.tokenizer.encode(t, add_bos=add) for t in texts], batched
+
+
+def parse_detokenize(body: dict, limits: ModelLimits) -> tuple[list[list[int]], bool, bool]:
+    """SGLang /detokenize: `tokens` (ids or a list of id lists) -> (id lists, batched, skip_special_tokens)."""
+    _only(body, ("model", "tokens", "skip_special_tokens"), "/detokenize")
+    _check_model(body, limits)
+    skip = _field(body, "skip_special_tokens", "bool", True)
+    tokens = _field(body, "tokens", "list")
+    batched = bool(tokens) and all(isinstance(t, list) for t in tokens)
+    lists = [_token_ids(t, limits, f"tokens[{i}]") for i, t in enumerate(tokens)] if batched else \
+        [_token_ids(tokens, limits, "tokens")]
+    _need_tokenizer(limits, "/detokenize", "tokens")
+    return lists, batched, skip
+
+
+def parse_abort(body: dict) -> tuple[str | None, bool]:
+    """SGLang /abort_request: {"rid": ...} or {"abort_all": true}."""
+    _only(body, ("rid", "abort_all"), "/abort_request")
+    abort_all = _field(body, "abort_all", "bool", False)
+    rid = _field(body, "rid", "str", None)
+    if not abort_all and not rid:
+        raise APIError(400, "give a non-empty 'rid' or 'abort_all': true", param="rid", code="missing_field")
+    return rid, abort_all

@@ -66,6 +66,7 @@ class Server:
                  wait: bool = True):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.model_path = model_path
         self.log_path = log_path
         env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=CACHE_DIR,
                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",

@@ -1,74 +1,32 @@
-"""bench_serving against the real tokenizer-free server (test-tiny preset): both backends, JSON fields, PNG.
-Also what a server without a tokenizer answers: text endpoints 400, token ids work."""
+"""bench_serving's and eval_gsm8k's parts without a server: the random dataset drawn from real prompts, flags,
+the peak-throughput window, GSM8K answer extraction and the few-shot prompt. Against the real server they run in
+test_serve_api.py (its server has the tokenizer they need)."""
 
 from __future__ import annotations
 
-import json
+import os
 
-import httpx
-import pytest
+from bench import bench_serving, eval_gsm8k
+from ling_jax.tokenizer import load_tokenizer
+from tests.serve_helpers import make_model_dir
 
-from bench import bench_serving
-from tests.serve_helpers import Server
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    d = tmp_path_factory.mktemp("serve-bench")
-    srv = Server("test-tiny", str(d / "server.log"))
-    yield srv
-    srv.stop()
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+SHAREGPT = os.path.join(DATA, "sharegpt_tiny.json")
+GSM8K = os.path.join(DATA, "gsm8k_tiny.jsonl")
 
 
-@pytest.mark.parametrize("path,body,param", [
-    ("/v1/completions", {"prompt": "hello", "max_tokens": 4}, "prompt"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "messages"),
-    ("/generate", {"text": "hello"}, "text"),
-    ("/v1/completions", {"prompt": [5, 6], "stop": "x"}, "stop"),
-])
-def test_text_needs_tokenizer(server, path, body, param):
-    r = httpx.post(server.url + path, json=body, timeout=30)
-    assert r.status_code == 400
-    err = r.json()["error"]
-    assert err["code"] == "no_tokenizer" and err["param"] == param and "token ids" in err["message"]
-
-
-def test_token_ids_work_without_tokenizer(server):
-    g = httpx.post(server.url + "/generate", json={"input_ids": [5, 6, 7], "sampling_params": {
-        "max_new_tokens": 5, "temperature": 0, "ignore_eos": True}}, timeout=60).json()
-    assert len(g["output_ids"]) == 5 and g["text"] == ""
-    c = httpx.post(server.url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 5, "temperature": 0,
-                                                         "ignore_eos": True}, timeout=60).json()
-    assert c["choices"][0]["token_ids"] == g["output_ids"]  # same greedy tokens on both APIs
-    assert c["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
-
-
-@pytest.mark.parametrize("backend", ["sglang", "openai"])
-def test_bench_serving(server, tmp_path, backend, capsys):
-    out = tmp_path / f"bench-{backend}.json"
-    rc = bench_serving.main(["--base-url", server.url, "--backend", backend, "--dataset-name", "random",
-                             "--random-input-len", "12", "--random-output-len", "10", "--random-range-ratio", "0.5",
-                             "--num-prompts", "4", "--max-concurrency", "2", "--seed", "1", "--tokenizer-free",
-                             "--output-file", str(out)])
-    assert rc == 0
-    table = capsys.readouterr().out
-    for line in ("Serving Benchmark Result", "Successful requests:", "Mean TPOT (ms):", "P99 ITL (ms):",
-                 "Peak output token throughput (tok/s):", "Accept length:"):
-        assert line in table
-    d = json.loads(out.read_text())
-    assert d["completed"] == 4 and d["failed"] == 0
-    assert len(d["output_lens"]) == 4 and all(5 <= n <= 10 for n in d["output_lens"])  # ignore_eos: exact lengths
-    assert d["total_output_tokens"] == sum(d["output_lens"])
-    for k in ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
-              "mean_itl_ms", "p99_itl_ms", "mean_e2e_latency_ms", "output_throughput", "max_output_tokens_per_s"):
-        assert isinstance(d[k], float) and d[k] > 0, k
-    assert d["max_output_tokens_per_s"] <= d["total_output_tokens"]  # tokens in the best 1 s window
-    if d["duration"] < 1:
-        assert d["max_output_tokens_per_s"] == d["total_output_tokens"]
-    assert d["accept_length"] >= 1.0
-    assert "bench.bench_serving" in d["command"] and "--backend" in d["command"]
-    assert d["server_info"]["speculative_algorithm"] == "NEXTN" and d["date"]
-    assert (tmp_path / f"bench-{backend}.png").stat().st_size > 1000
+def test_random_dataset_samples_real_prompts(tmp_path):
+    tok = load_tokenizer(make_model_dir(str(tmp_path / "model")))
+    a = bench_serving.build_parser().parse_args(["--tokenizer", "unused", "--dataset-path", SHAREGPT,
+                                                 "--random-input-len", "40", "--random-range-ratio", "0.25",
+                                                 "--num-prompts", "6", "--random-output-len", "4"])
+    assert a.tokenizer == "unused" and not a.tokenizer_free  # --tokenizer is its own flag, not --tokenizer-free
+    prompts = [q for q, _ in bench_serving.sharegpt_prompts(SHAREGPT)]
+    assert len(prompts) == 6  # the one-turn conversation is skipped
+    for text, n_in, n_out in bench_serving.make_prompts(a, 512, tok):
+        assert 10 <= n_in <= 40 and 1 <= n_out <= 4
+        assert any((p * 40).startswith(text) for p in prompts), text  # real text, repeated or cut
+        assert abs(len(tok.encode(text)) - n_in) <= 2, (text, n_in)  # it re-encodes to about its length
 
 
 def test_peak_throughput_window():
@@ -79,3 +37,13 @@ def test_peak_throughput_window():
     assert bench_serving.peak_throughput(rs) == 7.0
     rs[0].chunks[2] = (1.2, 9)
     assert bench_serving.peak_throughput(rs) == 12.0  # 2 + 1 + 9 within [0.5, 1.2]
+
+
+def test_gsm8k_answer_extraction():
+    assert eval_gsm8k.answer_value("so 1,200 - 250 = 950 stamps.\n#### 950") == 950
+    assert eval_gsm8k.answer_value("The answer is 42.") == 42
+    assert eval_gsm8k.answer_value("no digits here") == eval_gsm8k.INVALID
+    items = eval_gsm8k.read_jsonl(GSM8K)
+    assert eval_gsm8k.few_shot_prefix(items, 2) == (f"Question: {items[0]['question']}\nAnswer: {items[0]['answer']}"
+                                                    f"\n\nQuestion: {items[1]['question']}\nAnswer: "
+                                                    f"{items[1]['answer']}\n\n")

@@ -37,7 +37,22 @@ def test_tp_size_checks():
     ["--model-path", "test-tiny", "--context-length", "4"],
     ["--model-path", "test-tiny", "--nnodes", "2", "--node-rank", "2", "--dist-init-addr", "127.0.0.1:1"],
     ["--model-path", "test-tiny", "--nnodes", "2", "--node-rank", "1"],
+    ["--model-path", "test-tiny", "--max-queued-requests", "0"],
+    ["--model-path", "test-tiny", "--request-timeout", "0"],
+    ["--model-path", "test-tiny", "--body-timeout", "-1"],
+    ["--model-path", "test-tiny", "--api-key", ""],
+    ["--model-path", "test-tiny", "--random-seed", str(2**64)],
 ])
 def test_bad_flags_exit_2(argv, capsys):
     assert launch_server.main(argv) == 2
     assert capsys.readouterr().err.startswith("error: ")
+
+
+def test_operations_flags_and_model_id():
+    a = launch_server.build_parser().parse_args([
+        "--model-path", "/data/ckpt/Ling-flash/", "--api-key", "k", "--random-seed", "7", "--max-queued-requests", "4",
+        "--request-timeout", "30", "--body-timeout", "5"])
+    assert (a.api_key, a.random_seed, a.max_queued_requests, a.request_timeout, a.body_timeout) == ("k", 7, 4, 30.0, 5.0)
+    assert launch_server.served_name(a) == "Ling-flash"  # a clean id, not the path
+    a.served_model_name = "ling"
+    assert launch_server.served_name(a) == "ling"
