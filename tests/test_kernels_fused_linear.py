@@ -12,11 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AbstractDevice, AbstractMesh
 
 from ling_jax.layers.moe import router_logits, swiglu
 from ling_jax.layers.norms import rms_norm
 from pallas_kernels.fused_linear import LinearConfig, Proj, linear_residual, norm_linear
+from tests.cuda_lowering import H200, S, lower_cuda
 
 BF, F32 = jnp.bfloat16, jnp.float32
 D, EPS = 256, 1e-6
@@ -128,16 +128,6 @@ def test_config_and_input_errors():
   with pytest.raises(ValueError, match="SMEM"):
     norm_linear(jnp.zeros((24, 8192), BF), jnp.ones((8192,), BF), (jnp.zeros((64, 8192), BF),),
                 projs=(Proj(),), eps=EPS)
-
-
-S = jax.ShapeDtypeStruct
-H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
-    device_kind="NVIDIA H200", num_cores=132, platform="cuda"))
-
-
-def lower_cuda(f, *args):
-  with jax.sharding.use_abstract_mesh(H200):
-    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.mark.parametrize("t", [1, 6, 17])

@@ -171,7 +171,7 @@ def test_bad_inputs_raise():
 @pytest.mark.parametrize("t,mode", [(1, "advance"), (6, "folded"), (17, "verify")])
 def test_chain_lowers_for_cuda(t, mode):
   """Full Ling-3.0-flash shapes (H = 32, K = V = 128): each mode lowers to exactly one Triton kernel."""
-  from tests.test_kernels_lowering import H200, S
+  from tests.cuda_lowering import H200, S
   h, k = 32, 128
   c, bf, f32 = h * k, jnp.bfloat16, jnp.float32
   args = (S((1, t, 5, c), bf), S((1, t, h), bf), S((h,), f32), S((c,), f32), S((3, c, 1, W), bf), S((k,), bf),

@@ -10,10 +10,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AbstractDevice, AbstractMesh
 
 from ling_jax.layers.kda import kda_chunked, kda_gate, kda_recurrent
 from pallas_kernels.kda_prefill import KdaPrefillConfig, kda_prefill, kda_prefill_reference
+from tests.cuda_lowering import H200, S
 
 TOL = 1e-5      # fp32; measured kernel vs recurrent <= ~1e-6 on these cases (see the report)
 
@@ -97,10 +97,6 @@ def test_config_validation():
 
 
 # ----------------------------------------------------------------------------- CUDA lowering
-
-S = jax.ShapeDtypeStruct
-H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
-    device_kind="NVIDIA H200", num_cores=132, platform="cuda"))
 
 
 @pytest.mark.parametrize("t,precision", [(2048, "tf32x3"), (37, "tf32"), (130, "ieee")])

@@ -11,11 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AbstractDevice, AbstractMesh
 
 from ling_jax.model import lm_logits
 from ling_jax.sampling import greedy
 from pallas_kernels.lm_head_argmax import LmHeadConfig, lm_head_argmax
+from tests.cuda_lowering import H200, S, lower_cuda
 
 BF = jnp.bfloat16
 D, V = 256, 1000
@@ -104,16 +104,6 @@ def test_leading_dims_and_errors():
     lm_head_argmax(hidden.astype(jnp.float32), w.astype(jnp.float32), config=CFG)
   with pytest.raises(ValueError, match="V=100 is below block_v=128"):
     lm_head_argmax(hidden, w[:100], config=CFG)
-
-
-S = jax.ShapeDtypeStruct
-H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
-    device_kind="NVIDIA H200", num_cores=132, platform="cuda"))
-
-
-def lower_cuda(f, *args):
-  with jax.sharding.use_abstract_mesh(H200):
-    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.mark.parametrize("t", [1, 6, 17])

@@ -1,25 +1,21 @@
 """Each Pallas kernel lowers for CUDA (H200) on a CPU-only machine at full Ling-3.0-flash shapes
 (ShapeDtypeStruct inputs, nothing allocated). The abstract mesh names the target GPU."""
-import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import AbstractDevice, AbstractMesh
 
 from pallas_kernels.kda_verify import KdaCommitInputs, kda_commit, kda_verify
 from pallas_kernels.moe import moe
+from tests import cuda_lowering
+from tests.cuda_lowering import S
 
-S = jax.ShapeDtypeStruct
 BF, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
 D, E, I, A = 2560, 512, 768, 8
 H, DK, W = 32, 128, 4
 HD = H * DK
-H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
-    device_kind="NVIDIA H200", num_cores=132, platform="cuda"))
 
 
 def lower_cuda(f, *args):
-  with jax.sharding.use_abstract_mesh(H200):
-    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  text = cuda_lowering.lower_cuda(f, *args)
   assert "__gpu$xla.gpu.triton" in text
   return text
 

@@ -16,11 +16,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AbstractDevice, AbstractMesh
 
 from ling_jax.config import get_preset
 from ling_jax.layers.mla import attend_absorbed
 from pallas_kernels.mla_attention import MlaAttentionConfig, mla_attention
+from tests.cuda_lowering import H200
 
 BF, F32 = jnp.bfloat16, jnp.float32
 DEMO = get_preset("ling-demo")
@@ -127,8 +127,6 @@ def test_errors():
 
 
 SD = jax.ShapeDtypeStruct
-H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
-    device_kind="NVIDIA H200", num_cores=132, platform="cuda"))
 
 
 @pytest.mark.parametrize("t", [1, 6, 17])

@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AbstractDevice, AbstractMesh
 
 from ling_jax import quant
 from ling_jax.layers.moe import dense_mlp, routed_experts
@@ -18,6 +17,7 @@ from ling_jax.kernel_calls import KernelCalls
 from pallas_kernels.moe_mosaic import MosaicMoeConfig
 from pallas_kernels.moe_mosaic_fp8 import check_fp8_config, moe_fp8
 from tests.conftest import rel_err
+from tests.cuda_lowering import H200, S
 
 A, D, I, E = 8, 256, 128, 16
 BF = jnp.bfloat16
@@ -82,11 +82,6 @@ def test_fp8_config_and_operand_errors():
     moe_fp8(x.astype(jnp.float32), ids, w, wg, wu, wd, config=CFG)
   with pytest.raises(ValueError, match=r"w_up: expected float8_e4m3fn \(16, 128, 256\) with scales \(16, 1, 2\)"):
     moe_fp8(x, ids, w, wg, quant.Fp8Weight(wu.w8, wu.scale_inv[:, :, :1]), wd, config=CFG)
-
-
-S = jax.ShapeDtypeStruct
-H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
-    device_kind="NVIDIA H200", num_cores=132, platform="cuda"))
 
 
 @pytest.mark.parametrize("t", [1, 6, 17])

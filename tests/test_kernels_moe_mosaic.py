@@ -12,10 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AbstractDevice, AbstractMesh
 
 from pallas_kernels.moe import moe_reference
 from pallas_kernels.moe_mosaic import MosaicMoeConfig, moe
+from tests.cuda_lowering import H200, S, lower_cuda
 
 A, D, I, E = 8, 256, 128, 16
 BF = jnp.bfloat16
@@ -73,8 +73,6 @@ def test_moe_mosaic_matches_reference(t, ids_mode, shared, limit):
     np.testing.assert_array_equal(np.asarray(out[2:3], np.float32), np.asarray(alone, np.float32))
 
 
-
-
 def test_config_and_dtype_errors():
   with pytest.raises(ValueError, match="block_i=96"):
     MosaicMoeConfig(block_i=96)
@@ -87,16 +85,6 @@ def test_config_and_dtype_errors():
     MosaicMoeConfig().check(65, 2560, 768)
   with pytest.raises(ValueError, match="block_kd \\* split_k=384 must divide 128"):
     MosaicMoeConfig(split_k=3).check(1, 256, 128)
-
-
-S = jax.ShapeDtypeStruct
-H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
-    device_kind="NVIDIA H200", num_cores=132, platform="cuda"))
-
-
-def lower_cuda(f, *args):
-  with jax.sharding.use_abstract_mesh(H200):
-    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def test_moe_mosaic_lowers_for_cuda():
