@@ -30,7 +30,7 @@ from compile.sharding import ShardingRules, kernel_calls_for, shardings_for, sta
 from ling_jax.config import ModelConfig
 from ling_jax.decode import PlainState, plain_step
 from ling_jax.model import RuntimeOptions
-from ling_jax.sampling import SamplingParams
+from ling_jax.sampling import SamplingParams, TokenHistory
 from ling_jax.spec import SpecState, spec_step
 from ling_jax.state import state_shapes
 from ling_jax.weights import abstract_params
@@ -73,14 +73,14 @@ class Program:
         B, dt, cfg = self.batch, jnp.dtype(self.dtype), self.cfg
         target = state_shapes(cfg, B, self.max_len, dt)
         key = jax.eval_shape(lambda: jax.random.key(0))
-        sampling = SamplingParams(S((), jnp.float32), S((), jnp.float32))
+        sampling, history = SamplingParams.shapes(cfg.vocab_size), TokenHistory.shapes(B, cfg.vocab_size)
         tok = S((B,), jnp.int32)
         if self.mode == "plain":
-            return PlainState(target=target, bonus=tok, key=key, sampling=sampling)
+            return PlainState(target=target, bonus=tok, key=key, sampling=sampling, history=history)
         return SpecState(target=target, bonus=tok, draft_cache=S((B, self.max_len, cfg.mla_cache_dim), dt),
                          seed=tok, draft_hidden=S((B, cfg.hidden_size), dt),
                          seed_q=None if self.is_greedy else S((B, cfg.vocab_size), jnp.float32),
-                         key=key, sampling=sampling, accept_hist=S((self.steps + 1,), jnp.int32))
+                         key=key, sampling=sampling, accept_hist=S((self.steps + 1,), jnp.int32), history=history)
 
 
 # ---- stage 1: trace ---------------------------------------------------------------------------------------------

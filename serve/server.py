@@ -22,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from serve import logprobs as lp_format
 from serve import protocol
 from serve.engine import Engine, Metrics, Output
 from serve.engine import Request as EngineRequest
@@ -111,6 +112,15 @@ def _meta_info(req: EngineRequest, spec_enabled: bool) -> dict:
     }
 
 
+def _choice_logprobs(chat: bool, gen: GenRequest, tokenizer, ids: list[int], logprobs: list | None,
+                     offset: int = 0) -> dict | None:
+    if gen.top_logprobs is None:
+        return None
+    if chat:
+        return lp_format.chat_logprobs(ids, logprobs or [], tokenizer)
+    return lp_format.completion_logprobs(ids, logprobs or [], tokenizer, offset)
+
+
 def _abort_error(req: EngineRequest) -> APIError:
     return APIError(500, req.finish_reason.get("message", "request aborted"), type="internal_error",
                     code="aborted")
@@ -146,6 +156,7 @@ async def _openai(request: Request, st: AppState, parse: Callable[[dict, ModelLi
         if req.finish_reason["type"] == "abort":
             return _error(_abort_error(req))
         choice = _openai_choice(chat, req.text, req.output_ids, _openai_finish(req.finish_reason), False, tok_free)
+        choice["logprobs"] = _choice_logprobs(chat, gen, engine.limits.tokenizer, req.output_ids, req.logprobs)
         if req.finish_reason.get("type") == "stop":
             choice["matched_stop"] = req.finish_reason.get("matched")
         return JSONResponse({**base, "object": obj, "choices": [choice], "usage": _usage(req)})
@@ -162,6 +173,8 @@ async def _openai(request: Request, st: AppState, parse: Callable[[dict, ModelLi
             if out.token_ids or out.text or out.finished:
                 choice = _openai_choice(chat, out.text, out.token_ids, _openai_finish(out.finish_reason), True,
                                         tok_free)
+                choice["logprobs"] = _choice_logprobs(chat, gen, engine.limits.tokenizer, out.token_ids,
+                                                      out.logprobs, len(req.text) - len(out.text))
                 yield _sse({**chunk, "choices": [choice]})
         if gen.include_usage and req.finish_reason["type"] != "abort":
             yield _sse({**chunk, "choices": [], "usage": _usage(req)})
@@ -179,19 +192,26 @@ async def _generate(request: Request, st: AppState):
     req = engine.submit(gen)
     spec = engine.gen.spec.enabled
 
+    def meta(req: EngineRequest) -> dict:
+        m = _meta_info(req, spec)
+        if gen.top_logprobs is not None:
+            m.update(lp_format.sglang_meta(req.output_ids, req.logprobs, engine.limits.tokenizer,
+                                           gen.extra["return_text_in_logprobs"]))
+        return m
+
     if not gen.stream:
         async for out in _outputs(request, engine, req):
             pass
         if req.finish_reason["type"] == "abort":
             return _error(_abort_error(req))
-        return JSONResponse({"text": req.text, "output_ids": req.output_ids, "meta_info": _meta_info(req, spec)})
+        return JSONResponse({"text": req.text, "output_ids": req.output_ids, "meta_info": meta(req)})
 
     async def events():
         async for out in _outputs(request, engine, req):
             if out.finished and req.finish_reason["type"] == "abort":
                 yield _sse(_abort_error(req).body())
                 break
-            yield _sse({"text": req.text, "output_ids": req.output_ids, "meta_info": _meta_info(req, spec)})
+            yield _sse({"text": req.text, "output_ids": req.output_ids, "meta_info": meta(req)})
         yield _sse(b"[DONE]")
 
     return StreamingResponse(events(), media_type="text/event-stream")
