@@ -33,12 +33,14 @@ def completion_logprobs(ids: list[int], logprobs: list[TokenLogprob], tokenizer:
     for t in tokens:
         offsets.append(offset)
         offset += len(t)
-    return {
-        "tokens": tokens,
-        "token_logprobs": [lp for lp, _ in logprobs],
-        "top_logprobs": [{token_text(tokenizer, j): v for j, v in top} for _, top in logprobs],
-        "text_offset": offsets,
-    }
+    tops = []
+    for _, top in logprobs:  # keyed by text: where two tokens share a text, the likelier one's value stays
+        d: dict[str, float] = {}
+        for j, v in top:
+            d.setdefault(token_text(tokenizer, j), v)
+        tops.append(d)
+    return {"tokens": tokens, "token_logprobs": [lp for lp, _ in logprobs], "top_logprobs": tops,
+            "text_offset": offsets}
 
 
 def chat_logprobs(ids: list[int], logprobs: list[TokenLogprob], tokenizer: Any) -> dict:
