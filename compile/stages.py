@@ -203,7 +203,7 @@ def _op_name(line: str) -> str:
 
 
 # Collectives that belong to no decoder layer: embedding lookup, lm_head / argmax over the vocab shards.
-OUTSIDE_LAYERS = ("_take", "reduce", "argmax", "vd->", "sort", "cumsum", "top_k")
+OUTSIDE_LAYERS = ("_take", "reduce", "argmax", "vd->", "sort", "cumsum", "top_k", "log_softmax", "take_along_axis")
 
 
 @dataclass
@@ -219,9 +219,12 @@ class HloCensus:
         return sum(self.collectives.values())
 
     def in_layers(self) -> int:
-        """Collectives attributed to decoder layers (everything but embedding / vocab reductions)."""
-        return sum(n for k, n in self.collectives_by_source.items()
-                   if not any(o in k.split(" @ ", 1)[1] for o in OUTSIDE_LAYERS))
+        """Collectives attributed to decoder layers (everything but embedding / vocab reductions). XLA's combiner
+        may merge reductions into one collective (sources joined by ':'): it is a layer's if any source is."""
+        def inside(src: str) -> bool:
+            return any(not any(o in part for o in OUTSIDE_LAYERS) for part in src.strip("()").split(":"))
+
+        return sum(n for k, n in self.collectives_by_source.items() if inside(k.split(" @ ", 1)[1]))
 
 
 def hlo_census(compiled) -> HloCensus:
