@@ -38,6 +38,7 @@ from compile.sharding import ShardingRules, kernel_calls_for, param_specs, state
 from compile.stages import Program, slice_config
 from ling_jax.config import get_preset
 from ling_jax.model import RuntimeOptions
+from ling_jax.sampling import SamplingOptions, TokenHistory
 from ling_jax.weights import array_spec
 
 SEED_NEXTN_US = 4970.0  # SGLang NEXTN step on 4xB200: TPOT 1.53 ms x accept 3.25 (DESIGN.md)
@@ -83,7 +84,8 @@ def random_state(prog: Program, mesh, rules, ctx: int):
         st = st.replace(bonus=jax.random.randint(key, (prog.batch,), 2, prog.cfg.vocab_size))
         if hasattr(st, "seed"):
             st = st.replace(seed=jax.random.randint(jax.random.fold_in(key, 1), (prog.batch,), 2, prog.cfg.vocab_size))
-        st = st.replace(sampling=type(st.sampling)(jnp.float32(0.0), jnp.float32(1.0)))  # greedy
+        st = st.replace(sampling=SamplingOptions().device(prog.cfg.vocab_size),  # greedy, neutral transforms
+                        history=TokenHistory.empty(prog.batch, prog.cfg.vocab_size))
         return constrain(st, mesh, rules)  # the layout the step's outputs get: no recompile on the 2nd call
 
     return jax.jit(make)(jax.random.key(7))

@@ -249,15 +249,15 @@ def verify_and_commit(params, state: SpecState, drafts, q, cfg: ModelConfig, *, 
     return Verified(target, n, bonus, committed, hidden, lp, history)
 
 
-def extend(params, state: SpecState, cache, v: Verified, cfg: ModelConfig, *, is_greedy: bool,
-           opts=RuntimeOptions()):
+def extend(params, state: SpecState, cache, committed, target_hidden, n, history: TokenHistory, cfg: ModelConfig,
+           *, is_greedy: bool, opts=RuntimeOptions()):
     """MTP rows L..L+K over (committed tokens, target hidden); the next seed comes from row L+n, transformed with
-    the counts through the new bonus. Rows past L+n hold rejected guesses and are overwritten by the next draft.
-    Returns (seed, seed_q, h, cache)."""
+    `history` (the counts through the new bonus). Rows past L+n hold rejected guesses and are overwritten by the
+    next draft. Returns (seed, seed_q, h, cache)."""
     L = state.target.lengths
-    h_mtp, cache = mtp_forward(params, v.committed, v.hidden, cache, L, cfg, absorbed=True, opts=opts)
-    h = _row(h_mtp, v.n)
-    seed, seed_q = _choose(params, h, v.history, state.sampling, jax.random.fold_in(state.key, 3), is_greedy, opts)
+    h_mtp, cache = mtp_forward(params, committed, target_hidden, cache, L, cfg, absorbed=True, opts=opts)
+    h = _row(h_mtp, n)
+    seed, seed_q = _choose(params, h, history, state.sampling, jax.random.fold_in(state.key, 3), is_greedy, opts)
     return seed, seed_q, h, cache
 
 
@@ -265,7 +265,8 @@ def spec_step_with_drafts(params, state: SpecState, drafts, q, cache, cfg: Model
                           opts=RuntimeOptions()):
     """verify -> commit -> extend for given drafts (the step's second half; tests inject drafts here)."""
     v = verify_and_commit(params, state, drafts, q, cfg, is_greedy=is_greedy, opts=opts)
-    seed, seed_q, h, cache = extend(params, state, cache, v, cfg, is_greedy=is_greedy, opts=opts)
+    seed, seed_q, h, cache = extend(params, state, cache, v.committed, v.hidden, v.n, v.history, cfg,
+                                    is_greedy=is_greedy, opts=opts)
     K = drafts.shape[1]
     hist = state.accept_hist + jnp.zeros((K + 1,), jnp.int32).at[v.n].add(1)
     new = state.replace(target=v.target, bonus=v.bonus, draft_cache=cache, seed=seed, draft_hidden=h, seed_q=seed_q,
