@@ -248,10 +248,11 @@ def row(name, t_s, nbytes, bw, **kw):
     return r
 
 
-def write(out_dir, prefix, rows, extra, device):
+def write(out_dir, prefix, rows, extra, device, command: str | None = None):
     date = datetime.date.today().isoformat()
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
-    d = {"command": "python3 -m bench." + os.path.basename(__file__)[:-3] + " " + " ".join(os.sys.argv[1:]),
+    command = command or "python3 -m bench." + os.path.basename(__file__)[:-3] + " " + " ".join(os.sys.argv[1:])
+    d = {"command": command,
          "device": device, "jax_version": jax.__version__, "date": date, "git_commit": commit, "rows": rows, **extra}
     path = os.path.join(out_dir, f"{prefix}-{device.lower().replace('nvidia ', '').replace(' ', '')}-{date}.json")
     with open(path, "w") as f:

@@ -9,6 +9,7 @@ reads a device value (`jax.transfer_guard("disallow")` holds there), so the devi
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from dataclasses import dataclass, field
@@ -241,6 +242,25 @@ def _record_logprobs(stats: GenerationStats, lp, n: int, top: int):
     for j in range(n):
         stats.token_logprobs.append(float(lp.chosen[0, j]))
         stats.top_logprobs.append([(int(i), float(v)) for i, v in zip(lp.top_ids[0, j, :top], lp.top[0, j, :top])])
+
+
+@contextlib.contextmanager
+def count_compiles():
+    """Collects the names of the XLA executables built inside the block (jax records one event per compile or
+    persistent-cache load, i.e. per in-memory cache miss): serving must build none per request."""
+    from jax._src import dispatch
+
+    names: list[str] = []
+
+    def listener(event, duration, **kw):
+        if event == dispatch.BACKEND_COMPILE_EVENT:
+            names.append(kw.get("fun_name"))
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield names
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def generate_on_device(cfg: ModelConfig, spec: SpecConfig, n_steps: int, *, is_greedy: bool = True,

@@ -1,31 +1,16 @@
 """Chunked prefill: one compiled program serves every prompt length (counted with jax's compile events), a
 multi-chunk prefill continues like a single full forward, and the default context length follows memory."""
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src import dispatch
 
 from ling_jax.memory import bytes_per_slot, default_context_length, fixed_bytes
-from ling_jax.runner import Generator
+from ling_jax.runner import Generator, count_compiles
 from ling_jax.sampling import SamplingOptions
 from ling_jax.spec import SpecConfig
 from tests.test_sampling_fields import full_forward, model
-
-
-@contextlib.contextmanager
-def count_compiles():
-    """Counts XLA executables built inside the block (jax records one event per compile or cache load)."""
-    names = []
-    listener = lambda event, duration, **kw: names.append(kw.get("fun_name")) if event == dispatch.BACKEND_COMPILE_EVENT else None
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield names
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 @pytest.mark.parametrize("steps", [0, 3])

@@ -33,7 +33,7 @@ def small_vocab_model(name: str, seed: int):
 def generator(name: str, seed: int, steps: int):
     cfg, params = small_vocab_model(name, seed)
     spec = SpecConfig("NEXTN", steps) if steps else SpecConfig("NONE")
-    return Generator(cfg, params, spec=spec, max_len=MAX_LEN, dtype=jnp.float32)
+    return Generator(cfg, params, spec=spec, max_len=MAX_LEN, chunked_prefill_size=16, dtype=jnp.float32)
 
 
 @pytest.mark.parametrize("steps", [1, 3, 5])
