@@ -25,13 +25,13 @@ import numpy as np
 
 from ling_jax.runner import Generator
 from ling_jax.sampling import SamplingOptions
+from serve.protocol import MAX_LOGIT_BIAS
 
 log = logging.getLogger("ling_jax.serve")
 
 HEADER = 64  # int32 words: op, n_prompt, bucket, max_new_tokens, seed, temperature, top_p, n_stop, stop ids...
 MAX_STOP_IDS = HEADER - 8
 OP_STREAM, OP_SHUTDOWN = 1, 2
-MAX_LOGIT_BIAS = 1024  # serve.protocol.MAX_LOGIT_BIAS
 SAMPLING_SCALARS = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 SAMPLING_WORDS = len(SAMPLING_SCALARS) + 1 + 2 * MAX_LOGIT_BIAS  # scalars, n_bias, bias ids, bias f32 bits
 

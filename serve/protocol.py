@@ -7,12 +7,13 @@ read a `ModelLimits`; nothing here touches the engine.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ling_jax.sampling import MAX_TOP_LOGPROBS
+from ling_jax.sampling import MAX_TOP_LOGPROBS, SamplingOptions
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB
 MAX_STOP_STRINGS = 16
@@ -69,10 +70,8 @@ class GenRequest:
     extra: dict = field(default_factory=dict)  # endpoint-specific bits (model name, chat or not)
 
     def sampling(self) -> dict:
-        """The sampling fields as ling_jax.sampling.SamplingOptions names them (Generator.stream's kwargs)."""
-        names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty", "logit_bias")
-        return {n: getattr(self, n) for n in names}
+        """The SamplingOptions fields (Generator.stream's sampling kwargs); GenRequest carries each of them."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(SamplingOptions)}
 
 
 # ---- body and field parsing --------------------------------------------------------------------------------------

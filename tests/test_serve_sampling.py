@@ -7,6 +7,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from serve.lockstep import decode_sampling, encode_sampling
+from serve.protocol import MAX_LOGIT_BIAS
 from tests.serve_helpers import Server, make_model_dir
 
 openai = pytest.importorskip("openai")
@@ -80,3 +82,14 @@ def test_openai_fields_reach_the_device(server):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=model, messages=msgs, max_tokens=4, **bad)
         assert e.value.body["param"] == param, e.value.body
+
+
+def test_lockstep_sampling_record_round_trip():
+    """Multi-host followers rebuild the leader's sampling fields from a fixed-size record."""
+    kw = dict(top_k=5, min_p=0.125, repetition_penalty=1.5, presence_penalty=-0.5, frequency_penalty=0.25,
+              logit_bias=((3, -100.0), (7, 2.5)))
+    assert decode_sampling(encode_sampling(**kw)) == kw
+    assert decode_sampling(encode_sampling()) == dict(top_k=-1, min_p=0.0, repetition_penalty=1.0,
+                                                      presence_penalty=0.0, frequency_penalty=0.0, logit_bias=())
+    with pytest.raises(ValueError, match="at most"):
+        encode_sampling(logit_bias=((1, 1.0),) * (MAX_LOGIT_BIAS + 1))
