@@ -46,7 +46,8 @@ def parts(cfg, K, opts):
         return s.replace(target=commit(s.target, pending, n + 1, opts))
 
     def p_extend(params, s, committed, hidden, n):
-        seed, _, h, cache = extend(params, s, s.draft_cache, committed, hidden, n, cfg, is_greedy=True, opts=opts)
+        seed, _, h, cache = extend(params, s, s.draft_cache, committed, hidden, n, s.history, cfg, is_greedy=True,
+                                   opts=opts)
         return s.replace(seed=seed, draft_hidden=h, draft_cache=cache)
 
     return p_draft, p_verify, p_commit, p_extend

@@ -45,6 +45,7 @@ from compile.stages import Program, slice_config
 from ling_jax.config import get_preset
 from ling_jax.kernel_calls import kernel_calls
 from ling_jax.model import RuntimeOptions
+from ling_jax.sampling import SamplingOptions, TokenHistory
 from ling_jax.weights import array_spec
 
 from bench.ceiling import Ceiling  # noqa: E402
@@ -72,7 +73,8 @@ def random_state(prog: Program, mesh, rules, ctx: int):
         st = st.replace(bonus=jax.random.randint(key, (prog.batch,), 2, prog.cfg.vocab_size))
         if hasattr(st, "seed"):
             st = st.replace(seed=jax.random.randint(jax.random.fold_in(key, 1), (prog.batch,), 2, prog.cfg.vocab_size))
-        st = st.replace(sampling=type(st.sampling)(jnp.float32(0.0), jnp.float32(1.0)))  # greedy
+        st = st.replace(sampling=SamplingOptions().device(prog.cfg.vocab_size),  # greedy, neutral transforms
+                        history=TokenHistory.empty(prog.batch, prog.cfg.vocab_size))
         return constrain(st, mesh, rules)  # the layout the step's outputs get: no recompile on the 2nd call
 
     return jax.jit(make)(jax.random.key(7))
@@ -281,10 +283,11 @@ def row(name, t_s, nbytes, bw, **kw):
     return r
 
 
-def write(out_dir, prefix, rows, extra, device):
+def write(out_dir, prefix, rows, extra, device, command: str | None = None):
     date = datetime.date.today().isoformat()
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
-    d = {"command": "python3 -m bench." + os.path.basename(__file__)[:-3] + " " + " ".join(os.sys.argv[1:]),
+    command = command or "python3 -m bench." + os.path.basename(__file__)[:-3] + " " + " ".join(os.sys.argv[1:])
+    d = {"command": command,
          "device": device, "jax_version": jax.__version__, "date": date, "git_commit": commit, "rows": rows, **extra}
     path = os.path.join(out_dir, f"{prefix}-{device.lower().replace('nvidia ', '').replace(' ', '')}-{date}.json")
     with open(path, "w") as f:

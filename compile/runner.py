@@ -34,9 +34,14 @@ class ShardedGenerator(Generator):
         self.opts = kernel_calls_for(self.opts, mesh, rules)  # Pallas calls under shard_map
 
     @functools.lru_cache(maxsize=None)
-    def prefill_fn(self, bucket: int, is_greedy: bool):
-        inner = super().prefill_fn(bucket, is_greedy)
+    def init_fn(self, is_greedy: bool):
+        inner = super().init_fn(is_greedy)
         return jax.jit(lambda *a: constrain(inner(*a), self.mesh, self.rules))
+
+    @functools.lru_cache(maxsize=None)
+    def prefill_fn(self, is_greedy: bool):
+        inner = super().prefill_fn(is_greedy)
+        return jax.jit(lambda *a: constrain(inner(*a), self.mesh, self.rules), donate_argnums=(1,))
 
     @functools.lru_cache(maxsize=None)
     def step_fn(self, is_greedy: bool):

@@ -30,7 +30,7 @@ from compile.sharding import ShardingRules, kernel_calls_for, shardings_for, sta
 from ling_jax.config import ModelConfig
 from ling_jax.decode import PlainState, plain_step
 from ling_jax.model import RuntimeOptions
-from ling_jax.sampling import SamplingParams
+from ling_jax.sampling import SamplingParams, TokenHistory
 from ling_jax.spec import SpecState, spec_step
 from ling_jax.state import state_shapes
 from ling_jax.weights import abstract_params
@@ -73,14 +73,14 @@ class Program:
         B, dt, cfg = self.batch, jnp.dtype(self.dtype), self.cfg
         target = state_shapes(cfg, B, self.max_len, dt)
         key = jax.eval_shape(lambda: jax.random.key(0))
-        sampling = SamplingParams(S((), jnp.float32), S((), jnp.float32))
+        sampling, history = SamplingParams.shapes(cfg.vocab_size), TokenHistory.shapes(B, cfg.vocab_size)
         tok = S((B,), jnp.int32)
         if self.mode == "plain":
-            return PlainState(target=target, bonus=tok, key=key, sampling=sampling)
+            return PlainState(target=target, bonus=tok, key=key, sampling=sampling, history=history)
         return SpecState(target=target, bonus=tok, draft_cache=S((B, self.max_len, cfg.mla_cache_dim), dt),
                          seed=tok, draft_hidden=S((B, cfg.hidden_size), dt),
                          seed_q=None if self.is_greedy else S((B, cfg.vocab_size), jnp.float32),
-                         key=key, sampling=sampling, accept_hist=S((self.steps + 1,), jnp.int32))
+                         key=key, sampling=sampling, accept_hist=S((self.steps + 1,), jnp.int32), history=history)
 
 
 # ---- stage 1: trace ---------------------------------------------------------------------------------------------
@@ -203,7 +203,7 @@ def _op_name(line: str) -> str:
 
 
 # Collectives that belong to no decoder layer: embedding lookup, lm_head / argmax over the vocab shards.
-OUTSIDE_LAYERS = ("_take", "reduce", "argmax", "vd->", "sort", "cumsum", "top_k")
+OUTSIDE_LAYERS = ("_take", "reduce", "argmax", "vd->", "sort", "cumsum", "top_k", "log_softmax", "take_along_axis")
 
 
 @dataclass
@@ -219,9 +219,12 @@ class HloCensus:
         return sum(self.collectives.values())
 
     def in_layers(self) -> int:
-        """Collectives attributed to decoder layers (everything but embedding / vocab reductions)."""
-        return sum(n for k, n in self.collectives_by_source.items()
-                   if not any(o in k.split(" @ ", 1)[1] for o in OUTSIDE_LAYERS))
+        """Collectives attributed to decoder layers (everything but embedding / vocab reductions). XLA's combiner
+        may merge reductions into one collective (sources joined by ':'): it is a layer's if any source is."""
+        def inside(src: str) -> bool:
+            return any(not any(o in part for o in OUTSIDE_LAYERS) for part in src.strip("()").split(":"))
+
+        return sum(n for k, n in self.collectives_by_source.items() if inside(k.split(" @ ", 1)[1]))
 
 
 def hlo_census(compiled) -> HloCensus:

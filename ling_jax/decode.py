@@ -1,7 +1,11 @@
-"""Plain (non-speculative) decoding: prefill, then one target token per step.
+"""Plain (non-speculative) decoding: chunked prefill, then one target token per step.
 
 Same carry discipline as the speculative relay: `bonus` is the last emitted token, not yet fed to the target.
-Shape legend: B batch, P prompt bucket, V vocab.
+Shape legend: B batch, C prefill chunk, V vocab, S cache slots.
+
+Prefill runs in chunks of a fixed size C: one program serves every prompt length (the host calls it
+ceil(P / C) times; positions past the prompt are padding the state ignores). Each chunk also picks a token from
+its last prompt row; only the chunk holding the prompt's last token keeps it.
 """
 
 from __future__ import annotations
@@ -14,8 +18,8 @@ import jax.numpy as jnp
 
 from ling_jax.config import ModelConfig
 from ling_jax.model import RuntimeOptions, commit, forward, lm_logits
-from ling_jax.sampling import SamplingParams, greedy, probs, sample
-from ling_jax.spec import StepOutput, _row
+from ling_jax.sampling import SamplingParams, TokenHistory, adjust_logits, logprobs, pick
+from ling_jax.spec import StepOutput, _row, chunk_rows
 from ling_jax.state import DecodeState, init_state
 
 
@@ -23,33 +27,44 @@ from ling_jax.state import DecodeState, init_state
 @dataclass(frozen=True)
 class PlainState:
     """Attributes:
-    target: DecodeState   committed positions 0..L-1.
-    bonus: int32[B]       token L: emitted, fed by the next step.
+    target: DecodeState     committed positions 0..L-1.
+    bonus: int32[B]         token L: emitted, fed by the next step.
     key: PRNG key
     sampling: SamplingParams
+    history: TokenHistory   prompt tokens and output counts (the penalties).
     """
 
     target: DecodeState
     bonus: jax.Array
     key: jax.Array
     sampling: SamplingParams
+    history: TokenHistory
 
     def replace(self, **kw) -> "PlainState":
         return dataclasses.replace(self, **kw)
 
 
-def _pick(logits, sp, key, is_greedy):
-    return greedy(logits) if is_greedy else sample(key, probs(logits, sp))
+def plain_init(sampling: SamplingParams, key, cfg: ModelConfig, *, batch: int, slots: int, dtype) -> PlainState:
+    """The empty state a prefill starts from (slots = cache rows, a multiple of the prefill chunk)."""
+    return PlainState(init_state(cfg, batch, slots, dtype), jnp.zeros((batch,), jnp.int32), key, sampling,
+                      TokenHistory.empty(batch, cfg.vocab_size))
 
 
-def plain_prefill(params, tokens, n_valid, cfg: ModelConfig, *, max_len: int, is_greedy: bool,
-                  sampling: SamplingParams, key, dtype, opts: RuntimeOptions = RuntimeOptions()):
-    """Target prefill over tokens[:, :n_valid]; the first token comes from row n_valid-1. Returns (state, token)."""
-    B = tokens.shape[0]
-    k_first, key = jax.random.split(key)
-    out = forward(params, tokens, init_state(cfg, B, max_len, dtype), cfg, mode="prefill", n_valid=n_valid, opts=opts)
-    first = _pick(lm_logits(params, _row(out.hidden, n_valid - 1), opts), sampling, k_first, is_greedy)
-    return PlainState(out.state, first, key, sampling), first
+def plain_prefill_chunk(params, state: PlainState, tokens, n_prompt, cfg: ModelConfig, *, is_greedy: bool,
+                        opts: RuntimeOptions = RuntimeOptions()):
+    """Consume prompt positions L..L+C-1 (tokens int32[B, C]; n_prompt int32[B] = the whole prompt's length).
+    Returns (state, first token int32[B], its Logprobs); both are final once the prompt's last chunk ran."""
+    k_first, key = jax.random.split(state.key)
+    n_valid, live, last, ends = chunk_rows(state.target.lengths, n_prompt, tokens.shape[1])
+    out = forward(params, tokens, state.target, cfg, mode="prefill", n_valid=n_valid, opts=opts)
+    history = state.history.add_prompt(tokens, live)
+    adjusted = adjust_logits(lm_logits(params, _row(out.hidden, last), opts), state.sampling, history.prompt,
+                             history.output)
+    first, _ = pick(k_first, adjusted, state.sampling, is_greedy)
+    lp = logprobs(adjusted, first, state.sampling, is_greedy)
+    first = jnp.where(ends, first, state.bonus)
+    history = history.add_output(first[:, None], ends[:, None])
+    return state.replace(target=out.state, bonus=first, key=key, history=history), first, lp
 
 
 def plain_step(params, state: PlainState, cfg: ModelConfig, *, is_greedy: bool, opts=RuntimeOptions()):
@@ -64,5 +79,9 @@ def plain_step(params, state: PlainState, cfg: ModelConfig, *, is_greedy: bool, 
         rows = jnp.repeat(state.bonus[:, None], opts.numerics.target_rows, axis=1)
         out = forward(params, rows, state.target, cfg, mode="verify", n_valid=one, opts=opts)
         target = commit(out.state, out.pending, one, opts)
-    tok = _pick(lm_logits(params, out.hidden[:, 0], opts), state.sampling, k_tok, is_greedy)
-    return state.replace(target=target, bonus=tok, key=key), StepOutput(tok[:, None], one)
+    h = state.history
+    adjusted = adjust_logits(lm_logits(params, out.hidden[:, 0], opts), state.sampling, h.prompt, h.output)
+    tok, _ = pick(k_tok, adjusted, state.sampling, is_greedy)
+    lp = jax.tree.map(lambda a: a[:, None], logprobs(adjusted, tok, state.sampling, is_greedy))
+    history = h.add_output(tok[:, None], jnp.ones((B, 1), bool))
+    return state.replace(target=target, bonus=tok, key=key, history=history), StepOutput(tok[:, None], one, lp)

@@ -24,7 +24,7 @@ from ling_jax.config import load_config
 from ling_jax.errors import CheckpointError
 from ling_jax.model import Numerics, RuntimeOptions
 from ling_jax.spec import deterministic_rows
-from ling_jax.runner import Generator
+from ling_jax.runner import DEFAULT_CHUNKED_PREFILL_SIZE, Generator
 from ling_jax.spec import SpecConfig
 from ling_jax.tokenizer import load_tokenizer
 from ling_jax.weights import load_params, validate_checkpoint
@@ -44,6 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="every target pass runs a fixed row count (RuntimeOptions.target_rows), so greedy output is "
                         "the same with or without speculation (NEXTN steps <= 7), also in bf16")
     p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1, help="-1: every token")
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--chunked-prefill-size", type=int, default=DEFAULT_CHUNKED_PREFILL_SIZE,
+                   help="prompt positions per prefill chunk (one compiled prefill program for every prompt length)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (and random-init seed for presets)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     p.add_argument("--quantization", choices=["fp8"], default=None,
@@ -92,16 +99,20 @@ def main(argv=None) -> int:
     max_len = a.context_length or max(256, len(prompt) + a.max_new_tokens + 4 * spec.draft_tokens)
     gen = Generator(cfg, params, spec=spec, max_len=max_len, dtype=DTYPES[a.dtype], opts=RuntimeOptions(
         numerics=Numerics(target_rows=deterministic_rows(spec.draft_tokens) if a.enable_deterministic_inference
-                          else None)))
+                          else None)),
+        chunked_prefill_size=a.chunked_prefill_size)
+    sampling = dict(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
+                    repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
+                    frequency_penalty=a.frequency_penalty)
     stops = () if a.ignore_eos else ((tok.eos_ids if tok else None) or (cfg.eos_token_id,))
     try:
         # a first short request compiles the programs, so the timings below are warm
         t1 = time.perf_counter()
-        gen.generate(prompt, max_new_tokens=min(a.max_new_tokens, 2 * spec.draft_tokens + 1),
-                     temperature=a.temperature, top_p=a.top_p, seed=a.seed, stop_token_ids=stops)
+        gen.generate(prompt, max_new_tokens=min(a.max_new_tokens, 2 * spec.draft_tokens + 1), seed=a.seed,
+                     stop_token_ids=stops, **sampling)
         compile_s = time.perf_counter() - t1
-        ids, stats = gen.generate(prompt, max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
-                                  seed=a.seed, stop_token_ids=stops)
+        ids, stats = gen.generate(prompt, max_new_tokens=a.max_new_tokens, seed=a.seed, stop_token_ids=stops,
+                                  **sampling)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,5 +1,7 @@
 """The host side of generation: compiled prefill/step programs and the run-ahead decode loop.
 
+Prefill runs in chunks of `chunked_prefill_size` positions (SGLang's --chunked-prefill-size): ONE compiled
+program serves every prompt length, called ceil(P / C) times back to back (no host read until the last chunk).
 Run-ahead: step k+1 is dispatched before step k's outputs are read; outputs are copied to the host
 asynchronously and consumed one step late for EOS, max tokens and stop checks. Nothing in the dispatch path
 reads a device value (`jax.transfer_guard("disallow")` holds there), so the device never waits for the host.
@@ -7,6 +9,7 @@ reads a device value (`jax.transfer_guard("disallow")` holds there), so the devi
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from dataclasses import dataclass, field
@@ -17,20 +20,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from ling_jax.config import ModelConfig
-from ling_jax.decode import plain_prefill, plain_step
+from ling_jax.decode import plain_init, plain_prefill_chunk, plain_step
 from ling_jax.model import RuntimeOptions
-from ling_jax.sampling import SamplingParams
-from ling_jax.spec import SpecConfig, spec_prefill, spec_step
+from ling_jax.sampling import MAX_TOP_LOGPROBS, SamplingOptions, SamplingParams
+from ling_jax.spec import SpecConfig, spec_init, spec_prefill_chunk, spec_step
 
-MIN_BUCKET = 16
-
-
-def prompt_bucket(n: int, max_len: int) -> int:
-    """Prompts are padded to a power of two (at least 16) so few prefill programs are compiled."""
-    b = MIN_BUCKET
-    while b < n:
-        b *= 2
-    return min(b, max_len)
+# 512 positions per prefill chunk. A prompt pays whole chunks, so a short one (a chat turn, most of a serving
+# benchmark's prompts) wastes at most 511 padded rows; at batch 1 a 512-row chunk already routes 4,096 token-expert
+# pairs, so the MoE reads every expert's weights once per chunk, as larger chunks do. The prefill attention
+# scores are [H, C, S] f32 per MLA layer: 2 GiB at C = 512 and a 32k context, 8 GiB at SGLang's 2048.
+DEFAULT_CHUNKED_PREFILL_SIZE = 512
 
 
 @dataclass
@@ -45,6 +44,9 @@ class GenerationStats:
     ttft_s: float = 0.0
     total_s: float = 0.0
     num_steps: int = 0  # drafted tokens per step (0 without speculation)
+    # with top_logprobs requested, per emitted token: its logprob and the top (token id, logprob) pairs
+    token_logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
     @property
     def mean_accept_length(self) -> float:
@@ -77,15 +79,22 @@ class Generator:
     """Batch-1 generation over one model: compiles lazily, serves requests one after another.
 
     Every request starts from a fresh prefill, so nothing of an earlier request (greedy or sampled) can leak
-    into a later one.
+    into a later one. Compiled programs: init, prefill chunk and step, each once per greedy / sampled.
     """
 
     def __init__(self, cfg: ModelConfig, params, *, spec: SpecConfig = SpecConfig("NONE"), max_len: int = 2048,
-                 dtype=jnp.bfloat16, opts: RuntimeOptions = RuntimeOptions()):
+                 chunked_prefill_size: int = DEFAULT_CHUNKED_PREFILL_SIZE, dtype=jnp.bfloat16,
+                 opts: RuntimeOptions = RuntimeOptions()):
         if spec.enabled and not cfg.mtp_layers:
             raise ValueError(f"{cfg.name} has no MTP layer: NEXTN speculation needs num_nextn_predict_layers >= 1")
+        if chunked_prefill_size < 1:
+            raise ValueError(f"chunked_prefill_size must be >= 1, got {chunked_prefill_size}")
         self.cfg, self.params, self.spec, self.max_len = cfg, params, spec, max_len
         self.dtype, self.opts = jnp.dtype(dtype), opts
+        self.chunk = min(chunked_prefill_size, max_len)
+        # cache rows: whole chunks, so the last chunk's writes stay inside the cache (dynamic_update_slice would
+        # clamp its start otherwise); positions past max_len are never committed (check_request)
+        self.slots = -(-max_len // self.chunk) * self.chunk
         self.K = spec.num_steps if spec.enabled else 0
         # rows one step writes past the committed length (verify rows; target_rows pads them)
         self.rows_per_step = max(spec.draft_tokens, opts.numerics.target_rows or 0)
@@ -94,14 +103,23 @@ class Generator:
 
     # ---- compiled programs (cached per static configuration) ----
     @functools.lru_cache(maxsize=None)
-    def prefill_fn(self, bucket: int, is_greedy: bool):
-        kw = dict(max_len=self.max_len, is_greedy=is_greedy, dtype=self.dtype, opts=self.opts)
+    def init_fn(self, is_greedy: bool):
+        """(sampling, key) -> the empty state a prefill starts from."""
+        kw = dict(cfg=self.cfg, batch=1, slots=self.slots, dtype=self.dtype)
         if self.spec.enabled:
-            fn = functools.partial(spec_prefill, cfg=self.cfg, steps=self.K, **kw)
-        else:
-            fn = functools.partial(plain_prefill, cfg=self.cfg, **kw)
-        return jax.jit(lambda params, tokens, n_valid, sampling, key: fn(params, tokens, n_valid, sampling=sampling,
-                                                                          key=key))
+            return jax.jit(functools.partial(spec_init, steps=self.K, is_greedy=is_greedy, **kw))
+        return jax.jit(functools.partial(plain_init, **kw))
+
+    @functools.lru_cache(maxsize=None)
+    def prefill_fn(self, is_greedy: bool):
+        """(params, state, tokens int32[1, C], next_token int32[1], n_prompt int32[1]) -> (state, first, logprobs);
+        the state is donated."""
+        kw = dict(cfg=self.cfg, is_greedy=is_greedy, opts=self.opts)
+        if self.spec.enabled:
+            return jax.jit(functools.partial(spec_prefill_chunk, **kw), donate_argnums=(1,))
+        chunk = functools.partial(plain_prefill_chunk, **kw)
+        return jax.jit(lambda params, state, tokens, next_token, n_prompt: chunk(params, state, tokens, n_prompt),
+                       donate_argnums=(1,))
 
     @functools.lru_cache(maxsize=None)
     def step_fn(self, is_greedy: bool):
@@ -124,32 +142,47 @@ class Generator:
                              f"speculative rows exceeds the context length {self.max_len}")
 
     def prefill(self, prompt: list[int], sampling: SamplingParams, key, is_greedy: bool):
-        n = len(prompt)
-        bucket = prompt_bucket(n, self.max_len)
-        tokens = np.zeros((1, bucket), np.int32)
+        """Every chunk of the prompt through the one prefill program. Returns (state, first token int32[1], its
+        Logprobs), still on device."""
+        n, C = len(prompt), self.chunk
+        chunks = -(-n // C)
+        tokens = np.zeros((1, chunks * C + 1), np.int32)  # + 1: the (padding) token after the last chunk
         tokens[0, :n] = prompt
-        return self.prefill_fn(bucket, is_greedy)(self.params, jnp.asarray(tokens), jnp.array([n], jnp.int32),
-                                                  sampling, key)
+        n_prompt = jnp.array([n], jnp.int32)
+        state = self.init_fn(is_greedy)(sampling, key)
+        run = self.prefill_fn(is_greedy)
+        for c in range(chunks):
+            state, first, lp = run(self.params, state, tokens[:, c * C : (c + 1) * C], tokens[:, (c + 1) * C],
+                                   n_prompt)
+        return state, first, lp
 
-    def stream(self, prompt: list[int], *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-               seed: int = 0, stop_token_ids: tuple[int, ...] | None = None,
-               stats: GenerationStats | None = None) -> Iterator[list[int]]:
+    def stream(self, prompt: list[int], *, max_new_tokens: int, seed: int = 0,
+               stop_token_ids: tuple[int, ...] | None = None, stats: GenerationStats | None = None,
+               top_logprobs: int | None = None, **sampling) -> Iterator[list[int]]:
         """Yield lists of newly generated token ids (one list per consumed step). Closing the iterator cancels.
 
+        sampling: SamplingOptions fields (temperature, top_p, top_k, min_p, the penalties, logit_bias).
+        top_logprobs: None, or 0..MAX_TOP_LOGPROBS: record every emitted token's logprob and that many top
+        alternatives in `stats` (token_logprobs, top_logprobs).
         EOS / stop tokens are included in the output and end generation; tokens past them are dropped.
         """
         prompt = [int(t) for t in prompt]
         if any(t < 0 or t >= self.cfg.vocab_size for t in prompt):
             raise ValueError(f"prompt token ids must be in [0, {self.cfg.vocab_size})")
+        if top_logprobs is not None and not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}")
         self.check_request(len(prompt), max_new_tokens)
+        options = SamplingOptions(**sampling)
         stats = stats if stats is not None else GenerationStats()
         stats.prompt_tokens, stats.num_steps = len(prompt), self.K
         stops = set(stop_token_ids if stop_token_ids is not None else (self.cfg.eos_token_id,))
-        sampling = SamplingParams.make(temperature, top_p)
-        is_greedy = temperature == 0.0
+        is_greedy = options.is_greedy
         t0 = time.perf_counter()
-        state, first = self.prefill(prompt, sampling, jax.random.key(seed), is_greedy)
-        first = int(jax.device_get(first)[0])
+        state, first, lp = self.prefill(prompt, options.device(self.cfg.vocab_size), jax.random.key(seed), is_greedy)
+        first, lp = jax.device_get((first, lp if top_logprobs is not None else None))
+        first = int(first[0])
+        if lp is not None:
+            _record_logprobs(stats, jax.tree.map(lambda a: a[:, None], lp), 1, top_logprobs)
         stats.ttft_s = time.perf_counter() - t0
         emitted = 1
         stats.completion_tokens = 1
@@ -166,12 +199,13 @@ class Generator:
             if emitted + (in_flight is not None) < max_new_tokens:
                 with jax.transfer_guard("disallow"):
                     state, out = step(self.params, state)
-                for a in out:
+                out = (out.tokens, out.n_emit) + ((out.logprobs,) if top_logprobs is not None else ())
+                for a in jax.tree.leaves(out):
                     a.copy_to_host_async()
             else:
                 out = None
             if in_flight is not None:
-                tokens, n_emit = jax.device_get(in_flight)  # explicit, one step late: the device is already busy
+                tokens, n_emit, *lp = jax.device_get(in_flight)  # explicit, one step late: the device is busy
                 new = [int(t) for t in tokens[0, : int(n_emit[0])]]
                 stats.verify_steps += 1
                 stats.accept_lengths.append(len(new))
@@ -181,6 +215,8 @@ class Generator:
                         new = new[: i + 1]
                         stats.finish_reason = "stop"
                         break
+                if lp:
+                    _record_logprobs(stats, lp[0], len(new), top_logprobs)
                 emitted += len(new)
                 stats.completion_tokens = emitted
                 yield new
@@ -199,6 +235,32 @@ class Generator:
         for chunk in self.stream(prompt, stats=stats, **kw):
             out.extend(chunk)
         return out, stats
+
+
+def _record_logprobs(stats: GenerationStats, lp, n: int, top: int):
+    """Append the first n rows of host Logprobs (arrays [1, rows(, N)]) to stats."""
+    for j in range(n):
+        stats.token_logprobs.append(float(lp.chosen[0, j]))
+        stats.top_logprobs.append([(int(i), float(v)) for i, v in zip(lp.top_ids[0, j, :top], lp.top[0, j, :top])])
+
+
+@contextlib.contextmanager
+def count_compiles():
+    """Collects the names of the XLA executables built inside the block (jax records one event per compile or
+    persistent-cache load, i.e. per in-memory cache miss): serving must build none per request."""
+    from jax._src import dispatch
+
+    names: list[str] = []
+
+    def listener(event, duration, **kw):
+        if event == dispatch.BACKEND_COMPILE_EVENT:
+            names.append(kw.get("fun_name"))
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield names
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def generate_on_device(cfg: ModelConfig, spec: SpecConfig, n_steps: int, *, is_greedy: bool = True,

@@ -1,36 +1,160 @@
-"""Token choice: greedy, temperature / top-p sampling, and the lossless chain verdicts of speculative decoding.
+"""Token choice: SGLang's sampling transforms, greedy / sampled picks, logprobs, and the lossless chain verdicts.
 
-Shape legend: B batch, V vocab, K drafted tokens (= speculative steps).
+Shape legend: B batch, V vocab, K drafted tokens (= speculative steps), N = MAX_TOP_LOGPROBS.
 Everything is fixed-shape device arithmetic; counts are device integers (n_accept = cumprod(match).sum()).
+
+One row's distribution, in SGLang's order (`SamplingBatchInfo.apply_logits_bias`, then the sampler):
+    l  = logits                                                     (target or draft head, f32)
+    l  = l / r  where l > 0,  l * r  elsewhere,  for tokens seen in the prompt or the output   (repetition)
+    l -= f * count_out(x) + a * [count_out(x) > 0]                  (frequency f, presence a: output only)
+    l += bias                                                        (logit_bias, dense over V)
+    greedy (T = 0): argmax l
+    sampled: p = softmax(l / T), then keep the sorted prefix with rank < top_k, mass before < top_p and
+             p >= min_p * max p (the top token always stays), renormalise, draw.
+Speculation applies the SAME transform to the draft and to every verify row, each row with the counts of the
+tokens it would follow (the chain drafted so far), so the verdict stays lossless for the transformed target.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+MAX_TOP_LOGPROBS = 20  # top logprobs computed every step (OpenAI's limit for chat top_logprobs)
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """One request's sampling fields as the APIs give them (host values, validated here).
+
+    top_k: -1 or 0 keep every token. logit_bias: ((token id, bias), ...), summed per id.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    def __post_init__(self):
+        checks = [
+            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (self.top_k == -1 or self.top_k >= 0, f"top_k must be -1 (all), 0 (all) or >= 1, got {self.top_k}"),
+            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
+            (0 < self.repetition_penalty <= 2, f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}"),
+            (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            (-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(msg)
+        for tok, bias in self.logit_bias:
+            if not (isinstance(tok, int) and tok >= 0 and math.isfinite(bias)):
+                raise ValueError(f"logit_bias entries must be (token id >= 0, finite bias), got ({tok}, {bias})")
+
+    @property
+    def is_greedy(self) -> bool:
+        """Temperature 0 selects the greedy program (a static flag of the step, compiled once)."""
+        return self.temperature == 0.0
+
+    def device(self, vocab_size: int) -> "SamplingParams":
+        bias = np.zeros((vocab_size,), np.float32)
+        for tok, b in self.logit_bias:
+            if tok >= vocab_size:
+                raise ValueError(f"logit_bias token id {tok} is outside the vocabulary [0, {vocab_size})")
+            bias[tok] += b
+        top_k = vocab_size if self.top_k <= 0 else min(self.top_k, vocab_size)
+        f32 = jnp.float32
+        return SamplingParams(f32(self.temperature), f32(self.top_p), jnp.int32(top_k), f32(self.min_p),
+                              f32(self.repetition_penalty), f32(self.presence_penalty), f32(self.frequency_penalty),
+                              jnp.asarray(bias))
 
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling knobs as device scalars (changing them does not recompile).
+    """Per-request sampling knobs on device (data, not static arguments: changing them does not recompile).
 
-    temperature: f32[]  (0 selects greedy; the greedy/sampled choice itself is a static flag of the step)
-    top_p: f32[]        (1 keeps the whole distribution)
+    temperature, top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty: f32[]
+    top_k: int32[]        (V keeps every token)
+    logit_bias: f32[V]    (dense; 0 = no bias)
     """
 
     temperature: jax.Array
     top_p: jax.Array
+    top_k: jax.Array
+    min_p: jax.Array
+    repetition_penalty: jax.Array
+    presence_penalty: jax.Array
+    frequency_penalty: jax.Array
+    logit_bias: jax.Array
 
     @staticmethod
-    def make(temperature: float = 0.0, top_p: float = 1.0) -> "SamplingParams":
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        return SamplingParams(jnp.float32(temperature), jnp.float32(top_p))
+    def shapes(vocab_size: int) -> "SamplingParams":
+        """ShapeDtypeStructs (for tracing without values)."""
+        f, S = jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct
+        return SamplingParams(f, f, S((), jnp.int32), f, f, f, f, S((vocab_size,), jnp.float32))
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class TokenHistory:
+    """What the penalties read, updated on device from committed tokens.
+
+    prompt: bool[B, V]    token occurs in the prompt (repetition penalty)
+    output: int32[B, V]   occurrences in the emitted output so far (all three penalties)
+    """
+
+    prompt: jax.Array
+    output: jax.Array
+
+    @staticmethod
+    def empty(batch: int, vocab_size: int) -> "TokenHistory":
+        return TokenHistory(jnp.zeros((batch, vocab_size), bool), jnp.zeros((batch, vocab_size), jnp.int32))
+
+    @staticmethod
+    def shapes(batch: int, vocab_size: int) -> "TokenHistory":
+        S = jax.ShapeDtypeStruct
+        return TokenHistory(S((batch, vocab_size), jnp.bool_), S((batch, vocab_size), jnp.int32))
+
+    def add_prompt(self, tokens, live) -> "TokenHistory":
+        """tokens int32[B, T], live bool[B, T]: mark the live ones as prompt tokens."""
+        V = self.prompt.shape[-1]
+        rows = jnp.arange(tokens.shape[0])[:, None]
+        return TokenHistory(self.prompt.at[rows, jnp.where(live, tokens, V)].set(True, mode="drop"), self.output)
+
+    def add_output(self, tokens, live) -> "TokenHistory":
+        """tokens int32[B, T], live bool[B, T]: count the live ones as emitted."""
+        rows = jnp.arange(tokens.shape[0])[:, None]
+        return TokenHistory(self.prompt, self.output.at[rows, tokens].add(live.astype(jnp.int32)))
+
+
+def chain_counts(output, drafts):
+    """Output counts seen by verify rows 0..K: row j follows the bonus (already counted) and d_1..d_j.
+    output int32[B, V], drafts int32[B, K] -> int32[B, K+1, V]."""
+    onehot = jax.nn.one_hot(drafts, output.shape[-1], dtype=jnp.int32)  # [B, K, V]
+    before = jnp.concatenate([jnp.zeros_like(onehot[:, :1]), jnp.cumsum(onehot, axis=1)], axis=1)
+    return output[:, None] + before
+
+
+def adjust_logits(logits, sp: SamplingParams, prompt, output):
+    """Penalties and logit bias (SGLang's order). logits f32[..., V]; prompt bool / output int32 broadcastable to
+    it. With the neutral values (r = 1, f = a = 0, bias 0) every logit comes back bit-for-bit unchanged."""
+    logits = logits.astype(jnp.float32)
+    r = sp.repetition_penalty
+    seen = prompt | (output > 0)
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / r, logits * r), logits)
+    logits = logits - sp.frequency_penalty * output - sp.presence_penalty * (output > 0)
+    return logits + sp.logit_bias
 
 
 def greedy(logits):
@@ -39,13 +163,16 @@ def greedy(logits):
 
 
 def probs(logits, sp: SamplingParams):
-    """The distribution actually sampled from: softmax(logits / T), restricted to the top-p nucleus and
-    renormalised. [..., V] f32 -> [..., V] f32. Target and draft both use it, so the verdict stays lossless."""
+    """The distribution actually sampled from: softmax(logits / T), restricted to the kept sorted prefix (top_k,
+    top_p, min_p; ties at the boundary stay) and renormalised. [..., V] f32 -> [..., V] f32. The top token always
+    stays, so a top_p that underflowed to 0 in float32 is greedy rather than an empty (NaN) distribution."""
     p = jax.nn.softmax(logits.astype(jnp.float32) / jnp.maximum(sp.temperature, 1e-6), axis=-1)
     sorted_p = jnp.sort(p, axis=-1)[..., ::-1]
+    rank = jnp.arange(p.shape[-1])
     before = jnp.cumsum(sorted_p, axis=-1) - sorted_p  # mass strictly above each sorted entry
-    kept = jnp.where(before < sp.top_p, sorted_p, jnp.inf)
-    threshold = jnp.min(kept, axis=-1, keepdims=True)  # smallest probability still inside the nucleus
+    keep = (rank < sp.top_k) & ((before < sp.top_p) | (sp.top_p >= 1.0)) & (sorted_p >= sp.min_p * sorted_p[..., :1])
+    keep = keep | (rank == 0)  # a prefix of the sorted order (each condition is monotone in the rank)
+    threshold = jnp.min(jnp.where(keep, sorted_p, jnp.inf), axis=-1, keepdims=True)  # smallest kept probability
     p = jnp.where(p >= threshold, p, 0.0)
     return p / jnp.sum(p, axis=-1, keepdims=True)
 
@@ -53,6 +180,35 @@ def probs(logits, sp: SamplingParams):
 def sample(key, p):
     """Draw from p [..., V] -> int32[...]."""
     return jax.random.categorical(key, jnp.log(p), axis=-1).astype(jnp.int32)
+
+
+def pick(key, adjusted, sp: SamplingParams, is_greedy: bool):
+    """Choose from adjusted logits [..., V]. Returns (token int32[...], the distribution drawn from | None)."""
+    if is_greedy:
+        return greedy(adjusted), None
+    p = probs(adjusted, sp)
+    return sample(key, p), p
+
+
+class Logprobs(NamedTuple):
+    """chosen: f32[...] the emitted token's logprob; top_ids: int32[..., N]; top: f32[..., N] (descending; N =
+    min(MAX_TOP_LOGPROBS, V))."""
+
+    chosen: jax.Array
+    top_ids: jax.Array
+    top: jax.Array
+
+
+def logprobs(adjusted, tokens, sp: SamplingParams, is_greedy: bool) -> Logprobs:
+    """Logprobs as SGLang's sampler returns them: log_softmax(adjusted / T) (T = 1 when greedy), i.e. after the
+    penalties, the logit bias and the temperature, before the top_k / top_p / min_p truncation (so no -inf).
+    Always the TARGET's distribution: under speculation these are the verify rows' logits, never the draft's.
+    adjusted f32[..., V], tokens int32[...] -> Logprobs."""
+    scaled = adjusted if is_greedy else adjusted / jnp.maximum(sp.temperature, 1e-6)
+    logp = jax.nn.log_softmax(scaled, axis=-1)
+    chosen = jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
+    top, top_ids = jax.lax.top_k(logp, min(MAX_TOP_LOGPROBS, logp.shape[-1]))
+    return Logprobs(chosen, top_ids.astype(jnp.int32), top)
 
 
 def greedy_verdict(drafts, target_tokens):

@@ -13,6 +13,10 @@ One step:
   verdict n = accepted drafts (chain); new bonus t_n; emitted tokens d1..dn, t_n
   commit  KDA replay of the n+1 committed rows from the pre-verify state, conv windows, lengths L+n+1
   extend  MTP rows L..L+K over (committed tokens shifted by one, target hidden); seed <- row L+n
+Sampling: every token choice (seed, drafts, verify rows) goes through the request's transform (penalties, logit
+bias, temperature, top-k/p, min-p: ling_jax/sampling.py), each row with the output counts of the tokens before it,
+so draft and target are transformed alike and the verdict is lossless for the transformed target.
+Prefill runs in chunks of C positions (spec_prefill_chunk), one program for every prompt length.
 KDA stage-then-commit choice (bytes per step at Ling-3.0-flash size, |S| = 35 x 32 x 128 x 128 x 4 B = 73.4 MB):
   * staging every verify row's state: write (K+1) x |S| in verify + copy |S| at commit = 8 x 73.4 MB at K=5;
   * replay (this module): verify reads |S|; commit reads |S| and writes |S|: 3 x 73.4 MB = 220 MB, plus the
@@ -32,7 +36,8 @@ import jax.numpy as jnp
 from ling_jax.config import ModelConfig
 from ling_jax.model import RuntimeOptions, commit, forward, lm_logits
 from ling_jax.nextn import mtp_forward
-from ling_jax.sampling import SamplingParams, greedy, greedy_verdict, probs, sample, sampled_verdict
+from ling_jax.sampling import (Logprobs, SamplingParams, TokenHistory, adjust_logits, chain_counts, greedy,
+                               greedy_verdict, logprobs, pick, probs, sampled_verdict)
 from ling_jax.state import DecodeState, init_state
 
 
@@ -80,6 +85,7 @@ class SpecState:
     key: PRNG key                  advanced every step (sampled mode draws from it).
     sampling: SamplingParams
     accept_hist: int32[K+1]        how many verify steps accepted n = 0..K drafts (summed over batch).
+    history: TokenHistory          prompt tokens and output counts through the bonus (the penalties).
     """
 
     target: DecodeState
@@ -91,6 +97,7 @@ class SpecState:
     key: jax.Array
     sampling: SamplingParams
     accept_hist: jax.Array
+    history: TokenHistory
 
     def replace(self, **kw) -> "SpecState":
         return dataclasses.replace(self, **kw)
@@ -99,14 +106,7 @@ class SpecState:
 class StepOutput(NamedTuple):
     tokens: jax.Array  # int32[B, K+1]: emitted tokens are tokens[b, :n_emit[b]]
     n_emit: jax.Array  # int32[B] = accepted drafts + 1
-
-
-def _choose(logits, sp: SamplingParams, key, is_greedy: bool):
-    """Pick a token per row; sampled mode also returns the distribution it drew from."""
-    if is_greedy:
-        return greedy(logits), None
-    p = probs(logits, sp)
-    return sample(key, p), p
+    logprobs: Logprobs  # of tokens[b, j] under the target's (transformed) distribution at its verify row
 
 
 def _row(a, idx):
@@ -114,44 +114,86 @@ def _row(a, idx):
     return jnp.take_along_axis(a, idx.reshape((-1, 1) + (1,) * (a.ndim - 2)), axis=1)[:, 0]
 
 
-# ---- prefill ----------------------------------------------------------------------------------------------
+def _choose(params, hidden, history: TokenHistory, sp: SamplingParams, key, is_greedy: bool, opts):
+    """A token from a head's hidden state [B, D] under the request's transform: (token, q | None)."""
+    adjusted = adjust_logits(lm_logits(params, hidden, opts), sp, history.prompt, history.output)
+    return pick(key, adjusted, sp, is_greedy)
 
 
-def spec_prefill(params, tokens, n_valid, cfg: ModelConfig, *, max_len: int, steps: int, is_greedy: bool,
-                 sampling: SamplingParams, key, dtype, opts: RuntimeOptions = RuntimeOptions()):
-    """Prefill the target over tokens[:, :n_valid] (padded to a bucket), then the MTP over the prompt shifted
-    left by one (the bonus closes it) with the target's hidden states. Returns (SpecState, bonus)."""
-    B, P = tokens.shape
-    k_bonus, k_seed, key = jax.random.split(key, 3)
-    out = forward(params, tokens, init_state(cfg, B, max_len, dtype), cfg, mode="prefill", n_valid=n_valid, opts=opts)
-    last = n_valid - 1
-    bonus, _ = _choose(lm_logits(params, _row(out.hidden, last), opts), sampling, k_bonus, is_greedy)
-    # MTP row t pairs tok_{t+1} with h_t: the prompt shifted left, the bonus at row n-1.
-    shifted = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
-    shifted = jnp.where(jnp.arange(P)[None, :] == last[:, None], bonus[:, None], shifted)
-    draft_cache = jnp.zeros((B, max_len, cfg.mla_cache_dim), dtype)
-    h_mtp, draft_cache = mtp_forward(params, shifted, out.hidden, draft_cache, jnp.zeros((B,), jnp.int32), cfg,
-                                     absorbed=False, opts=opts)
+# ---- chunked prefill --------------------------------------------------------------------------------------
+
+
+def chunk_rows(start, n_prompt, C: int):
+    """Where a prefill chunk at positions start..start+C-1 meets a prompt of n_prompt tokens (int32[B] each).
+    Returns (n_valid int32[B], live bool[B, C], last int32[B] = the chunk row of the chunk's last prompt token,
+    ends bool[B] = the prompt's last token is in this chunk)."""
+    n_valid = jnp.clip(n_prompt - start, 0, C).astype(jnp.int32)
+    live = jnp.arange(C)[None, :] < n_valid[:, None]
+    ends = (n_valid > 0) & (n_prompt <= start + C)
+    return n_valid, live, jnp.maximum(n_valid - 1, 0), ends
+
+
+def spec_init(sampling: SamplingParams, key, cfg: ModelConfig, *, batch: int, slots: int, steps: int,
+              is_greedy: bool, dtype) -> SpecState:
+    """The empty state a prefill starts from (slots = cache rows, a multiple of the prefill chunk)."""
+    tok = jnp.zeros((batch,), jnp.int32)
+    return SpecState(target=init_state(cfg, batch, slots, dtype), bonus=tok,
+                     draft_cache=jnp.zeros((batch, slots, cfg.mla_cache_dim), dtype), seed=tok,
+                     draft_hidden=jnp.zeros((batch, cfg.hidden_size), dtype),
+                     seed_q=None if is_greedy else jnp.zeros((batch, cfg.vocab_size), jnp.float32), key=key,
+                     sampling=sampling, accept_hist=jnp.zeros((steps + 1,), jnp.int32),
+                     history=TokenHistory.empty(batch, cfg.vocab_size))
+
+
+def spec_prefill_chunk(params, state: SpecState, tokens, next_token, n_prompt, cfg: ModelConfig, *,
+                       is_greedy: bool, opts: RuntimeOptions = RuntimeOptions()):
+    """Target prefill over positions L..L+C-1 (tokens int32[B, C]; next_token int32[B] = the prompt token after
+    the chunk; n_prompt int32[B]), then the MTP over the same rows with the target's hidden states. The chunk that
+    holds the prompt's last token picks the bonus there and closes the MTP rows with it.
+    Returns (state, bonus int32[B], the bonus's Logprobs)."""
+    B, C = tokens.shape
+    start, sp = state.target.lengths, state.sampling
+    k_bonus, k_seed, key = jax.random.split(state.key, 3)
+    n_valid, live, last, ends = chunk_rows(start, n_prompt, C)
+    out = forward(params, tokens, state.target, cfg, mode="prefill", n_valid=n_valid, opts=opts)
+    history = state.history.add_prompt(tokens, live)
+    adjusted = adjust_logits(lm_logits(params, _row(out.hidden, last), opts), sp, history.prompt, history.output)
+    bonus, _ = pick(k_bonus, adjusted, sp, is_greedy)
+    lp = logprobs(adjusted, bonus, sp, is_greedy)
+    bonus = jnp.where(ends, bonus, state.bonus)
+    history = history.add_output(bonus[:, None], ends[:, None])
+    # MTP row t pairs tok_{t+1} with h_t: the chunk shifted left by one, the next token after it, and the bonus
+    # at the prompt's last row.
+    shifted = jnp.concatenate([tokens[:, 1:], next_token[:, None]], axis=1)
+    shifted = jnp.where((jnp.arange(C)[None, :] == last[:, None]) & ends[:, None], bonus[:, None], shifted)
+    h_mtp, draft_cache = mtp_forward(params, shifted, out.hidden, state.draft_cache, start, cfg, absorbed=False,
+                                     opts=opts)
     h_last = _row(h_mtp, last)
-    seed, seed_q = _choose(lm_logits(params, h_last, opts), sampling, k_seed, is_greedy)
-    state = SpecState(target=out.state, bonus=bonus, draft_cache=draft_cache, seed=seed, draft_hidden=h_last,
-                      seed_q=seed_q, key=key, sampling=sampling, accept_hist=jnp.zeros((steps + 1,), jnp.int32))
-    return state, bonus
+    seed, seed_q = _choose(params, h_last, history, sp, k_seed, is_greedy, opts)
+    keep = lambda new, old: jnp.where(ends.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
+    state = state.replace(target=out.state, bonus=bonus, draft_cache=draft_cache, seed=keep(seed, state.seed),
+                          draft_hidden=keep(h_last, state.draft_hidden), key=key, history=history,
+                          seed_q=None if is_greedy else keep(seed_q, state.seed_q))
+    return state, bonus, lp
 
 
 # ---- the step, in parts -----------------------------------------------------------------------------------
 
 
 def draft(params, state: SpecState, cfg: ModelConfig, *, steps: int, is_greedy: bool, opts=RuntimeOptions()):
-    """d1 = seed, then steps-1 chained MTP forwards. Returns (drafts int32[B, K], q f32[B, K, V] | None, cache)."""
+    """d1 = seed, then steps-1 chained MTP forwards; draft i+1 is transformed with the output counts of the chain
+    so far (d_1..d_i after the bonus), as its verify row will be. Returns (drafts int32[B, K], q f32[B, K, V] |
+    None, cache)."""
     L = state.target.lengths
     tok, h, cache = state.seed, state.draft_hidden, state.draft_cache
+    history = state.history
     drafts, qs = [tok], [state.seed_q]
     keys = jax.random.split(jax.random.fold_in(state.key, 1), max(steps - 1, 1))
     for i in range(steps - 1):
+        history = history.add_output(tok[:, None], jnp.ones_like(tok[:, None], bool))
         h_out, cache = mtp_forward(params, tok[:, None], h[:, None], cache, L + i, cfg, absorbed=True, opts=opts)
         h = h_out[:, 0]
-        tok, q = _choose(lm_logits(params, h, opts), state.sampling, keys[i], is_greedy)
+        tok, q = _choose(params, h, history, state.sampling, keys[i], is_greedy, opts)
         drafts.append(tok)
         qs.append(q)
     q = None if is_greedy else jnp.stack(qs, axis=1)
@@ -168,10 +210,20 @@ def deterministic_rows(draft_tokens: int) -> int:
     return -(-max(draft_tokens, 1) // ROW_BUCKET) * ROW_BUCKET
 
 
+class Verified(NamedTuple):
+    target: DecodeState  # committed through the bonus's predecessor: lengths L+n+1
+    n: jax.Array  # int32[B] accepted drafts
+    bonus: jax.Array  # int32[B] the new bonus t_n
+    committed: jax.Array  # int32[B, K+1]: row j = token at L+j+1 for j <= n
+    hidden: jax.Array  # [B, K+1, D] target hidden states of the verify rows
+    logprobs: Logprobs  # of committed[b, j] at verify row j
+    history: TokenHistory  # output counts through the new bonus
+
+
 def verify_and_commit(params, state: SpecState, drafts, q, cfg: ModelConfig, *, is_greedy: bool,
-                      opts=RuntimeOptions()):
-    """Target over [bonus, d1..dK]; chain verdict; commit n+1 rows. Returns (target state, n, new bonus,
-    committed tokens int32[B, K+1] (row j = token at L+j+1 for j <= n), target hidden [B, K+1, D])."""
+                      opts=RuntimeOptions()) -> Verified:
+    """Target over [bonus, d1..dK]; each row j transformed with the counts of bonus, d_1..d_j; chain verdict;
+    commit n+1 rows."""
     K = drafts.shape[1]
     rows = jnp.concatenate([state.bonus[:, None], drafts], axis=1)
     live = None
@@ -182,39 +234,44 @@ def verify_and_commit(params, state: SpecState, drafts, q, cfg: ModelConfig, *, 
         live = jnp.full((rows.shape[0],), K + 1, jnp.int32)
     out = forward(params, rows, state.target, cfg, mode="verify", n_valid=live, opts=opts)
     hidden = out.hidden[:, : K + 1]
-    logits = lm_logits(params, hidden, opts)  # [B, K+1, V]
+    sp = state.sampling
+    counts = chain_counts(state.history.output, drafts)  # [B, K+1, V]
+    adjusted = adjust_logits(lm_logits(params, hidden, opts), sp, state.history.prompt[:, None], counts)
     if is_greedy:
-        n, bonus = greedy_verdict(drafts, greedy(logits))
+        n, bonus = greedy_verdict(drafts, greedy(adjusted))
     else:
-        n, bonus = sampled_verdict(jax.random.fold_in(state.key, 2), drafts, q, probs(logits, state.sampling))
+        n, bonus = sampled_verdict(jax.random.fold_in(state.key, 2), drafts, q, probs(adjusted, sp))
     target = commit(out.state, out.pending, n + 1, opts)
     j = jnp.arange(K + 1)[None, :]
     committed = jnp.where(j < n[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), bonus[:, None])
-    return target, n, bonus, committed, hidden
+    lp = logprobs(adjusted, committed, sp, is_greedy)
+    history = state.history.add_output(committed, j <= n[:, None])
+    return Verified(target, n, bonus, committed, hidden, lp, history)
 
 
-def extend(params, state: SpecState, cache, committed, target_hidden, n, cfg: ModelConfig, *, is_greedy: bool,
-           opts=RuntimeOptions()):
-    """MTP rows L..L+K over (committed tokens, target hidden); the next seed comes from row L+n.
-    Rows past L+n hold rejected guesses and are overwritten by the next draft. Returns (seed, seed_q, h, cache)."""
+def extend(params, state: SpecState, cache, committed, target_hidden, n, history: TokenHistory, cfg: ModelConfig,
+           *, is_greedy: bool, opts=RuntimeOptions()):
+    """MTP rows L..L+K over (committed tokens, target hidden); the next seed comes from row L+n, transformed with
+    `history` (the counts through the new bonus). Rows past L+n hold rejected guesses and are overwritten by the
+    next draft. Returns (seed, seed_q, h, cache)."""
     L = state.target.lengths
     h_mtp, cache = mtp_forward(params, committed, target_hidden, cache, L, cfg, absorbed=True, opts=opts)
     h = _row(h_mtp, n)
-    seed, seed_q = _choose(lm_logits(params, h, opts), state.sampling, jax.random.fold_in(state.key, 3), is_greedy)
+    seed, seed_q = _choose(params, h, history, state.sampling, jax.random.fold_in(state.key, 3), is_greedy, opts)
     return seed, seed_q, h, cache
 
 
 def spec_step_with_drafts(params, state: SpecState, drafts, q, cache, cfg: ModelConfig, *, is_greedy: bool,
                           opts=RuntimeOptions()):
     """verify -> commit -> extend for given drafts (the step's second half; tests inject drafts here)."""
-    target, n, bonus, committed, hidden = verify_and_commit(params, state, drafts, q, cfg, is_greedy=is_greedy,
-                                                            opts=opts)
-    seed, seed_q, h, cache = extend(params, state, cache, committed, hidden, n, cfg, is_greedy=is_greedy, opts=opts)
+    v = verify_and_commit(params, state, drafts, q, cfg, is_greedy=is_greedy, opts=opts)
+    seed, seed_q, h, cache = extend(params, state, cache, v.committed, v.hidden, v.n, v.history, cfg,
+                                    is_greedy=is_greedy, opts=opts)
     K = drafts.shape[1]
-    hist = state.accept_hist + jnp.zeros((K + 1,), jnp.int32).at[n].add(1)
-    new = state.replace(target=target, bonus=bonus, draft_cache=cache, seed=seed, draft_hidden=h, seed_q=seed_q,
-                        key=jax.random.fold_in(state.key, 4), accept_hist=hist)
-    return new, StepOutput(committed, n + 1)
+    hist = state.accept_hist + jnp.zeros((K + 1,), jnp.int32).at[v.n].add(1)
+    new = state.replace(target=v.target, bonus=v.bonus, draft_cache=cache, seed=seed, draft_hidden=h, seed_q=seed_q,
+                        key=jax.random.fold_in(state.key, 4), accept_hist=hist, history=v.history)
+    return new, StepOutput(v.committed, v.n + 1, v.logprobs)
 
 
 def spec_step(params, state: SpecState, cfg: ModelConfig, *, steps: int, is_greedy: bool, opts=RuntimeOptions()):

@@ -31,6 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ling_jax.runner import GenerationStats, Generator
 from ling_jax.tokenizer import IncrementalDetokenizer, Tokenizer
+from serve.logprobs import TokenLogprob
 from serve.protocol import APIError, GenRequest, ModelLimits
 
 log = logging.getLogger("serve.engine")
@@ -84,6 +85,7 @@ class Output:
     text: str
     finished: bool = False
     finish_reason: dict | None = None  # SGLang's {"type": "stop" | "length" | "abort", ...}
+    logprobs: list[TokenLogprob] | None = None  # per token_ids entry, when the request asked for logprobs
 
 
 class TextAssembler:
@@ -146,6 +148,7 @@ class Request:
     timer: asyncio.TimerHandle | None = None
     stats: GenerationStats = field(default_factory=GenerationStats)
     output_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per output id, when asked for
     text: str = ""
     finish_reason: dict | None = None
     t_arrival: float = field(default_factory=time.perf_counter)
@@ -261,6 +264,7 @@ class Engine:
         if req.finish_reason is not None:
             return
         req.output_ids += out.token_ids
+        req.logprobs += out.logprobs or []
         req.text += out.text
         if out.finished:
             req.finish_reason = out.finish_reason
@@ -277,8 +281,8 @@ class Engine:
         stop_ids = tuple(eos) + tuple(g.stop_token_ids)
         text = TextAssembler(self.limits.tokenizer, g.stop)
         seed = device_seed(g.seed) if g.seed is not None else self.rng.randrange(2**31)
-        it = self.gen.stream(g.input_ids, max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
-                             seed=seed, stop_token_ids=stop_ids, stats=req.stats)
+        it = self.gen.stream(g.input_ids, max_new_tokens=g.max_new_tokens, seed=seed, stop_token_ids=stop_ids,
+                             stats=req.stats, top_logprobs=g.top_logprobs, **g.sampling())
         n_out, t_last = 0, req.t_arrival
         try:
             for ids in it:
@@ -299,6 +303,7 @@ class Engine:
                 if text.matched is None:
                     n = len(ids)
                 ids = ids[:n]
+                lps = self._logprobs(req, n_out, n)
                 n_out += n
                 reason = None
                 if text.matched is not None:
@@ -311,8 +316,8 @@ class Engine:
                     reason = req.abort_reason or {"type": "abort", "message": "client disconnected"}
                 if reason is not None:
                     it.close()  # cancels the run-ahead step still in flight
-                    return self._finish(req, reason, n_out, ids, delta + text.finish())
-                self._emit(req, Output(ids, delta))
+                    return self._finish(req, reason, n_out, ids, delta + text.finish(), lps)
+                self._emit(req, Output(ids, delta, logprobs=lps))
             # the generator ended without a reason (it should not): close as length
             self._finish(req, {"type": "length", "length": g.max_new_tokens}, n_out, [], text.finish())
         except Exception as e:  # noqa: BLE001 - report it to the client, keep serving
@@ -321,7 +326,16 @@ class Engine:
         finally:
             it.close()  # explicit, not at garbage collection: multi-host followers wait on this decision
 
-    def _finish(self, req: Request, reason: dict, n_out: int, ids: list[int] | None = None, delta: str = ""):
+    @staticmethod
+    def _logprobs(req: Request, start: int, n: int) -> list[TokenLogprob] | None:
+        """The logprobs the generator recorded for output tokens start..start+n-1 (None when not asked for)."""
+        if req.gen.top_logprobs is None:
+            return None
+        st = req.stats
+        return list(zip(st.token_logprobs[start : start + n], st.top_logprobs[start : start + n]))
+
+    def _finish(self, req: Request, reason: dict, n_out: int, ids: list[int] | None = None, delta: str = "",
+                logprobs: list[TokenLogprob] | None = None):
         e2e = time.perf_counter() - req.t_arrival
         kind = reason["type"]
         if not req.log_metrics:
@@ -347,7 +361,7 @@ class Engine:
             self.m.generation_tokens.inc(n_out)
         if kind == "abort":
             log.info("request %s aborted after %d tokens: %s", req.id, n_out, reason.get("message"))
-        self._emit(req, Output(ids or [], delta, finished=True, finish_reason=reason))
+        self._emit(req, Output(ids or [], delta, finished=True, finish_reason=reason, logprobs=logprobs))
 
 
 def warmup(gen: Generator, limits: ModelLimits, progress=None):

@@ -41,7 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-eagle-topk", type=int, default=1)
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None)
     p.add_argument("--context-length", type=int, default=None,
-                   help="KV cache slots per request (default: the model's max_position_embeddings)")
+                   help="KV cache slots per request (default: what device memory allows after the weights, at most "
+                        "the model's max_position_embeddings; ling_jax/memory.py)")
+    p.add_argument("--chunked-prefill-size", type=int, default=None,
+                   help="prompt positions per prefill chunk: one compiled prefill program serves every prompt "
+                        "length (default: ling_jax.runner.DEFAULT_CHUNKED_PREFILL_SIZE = 512)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--random-weights", action="store_true", help="random init even when --model-path is a dir")
@@ -123,6 +127,28 @@ def tensor_parallel(cfg, tp_size: int, multi_host: bool = False):
     return mesh, shardings_for(cfg, mesh)
 
 
+def chunk_size(a: argparse.Namespace) -> int:
+    from ling_jax.runner import DEFAULT_CHUNKED_PREFILL_SIZE
+
+    if a.chunked_prefill_size is not None and a.chunked_prefill_size < 1:
+        raise ValueError(f"--chunked-prefill-size must be >= 1, got {a.chunked_prefill_size}")
+    return a.chunked_prefill_size or DEFAULT_CHUNKED_PREFILL_SIZE
+
+
+def memory_context_length(a: argparse.Namespace, cfg, spec) -> int:
+    """--context-length's default: what one device's memory holds after its share of the weights."""
+    import jax.numpy as jnp
+
+    from ling_jax.memory import default_context_length, device_memory_bytes
+
+    dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[a.dtype]
+    n = default_context_length(cfg, dtype, chunk_size(a), device_bytes=device_memory_bytes(), tp=a.tp_size,
+                               nextn=spec.enabled)
+    logging.info("--context-length not given: %d slots fit in memory (max_position_embeddings %d)", n,
+                 cfg.max_position_embeddings)
+    return n
+
+
 def make_loader(a: argparse.Namespace, cfg, spec, tokenizer, mesh, shardings, context_length: int, *,
                 warm: bool = True, loaded: list | None = None):
     """The blocking load: weights (progress bar), Generator, compile + warm-up (progress bar).
@@ -163,7 +189,8 @@ def make_loader(a: argparse.Namespace, cfg, spec, tokenizer, mesh, shardings, co
         from ling_jax.spec import deterministic_rows
 
         rows = deterministic_rows(spec.draft_tokens) if a.enable_deterministic_inference else None
-        kw = dict(spec=spec, max_len=context_length, dtype=dtype, opts=RuntimeOptions(numerics=Numerics(target_rows=rows)))
+        kw = dict(spec=spec, max_len=context_length, dtype=dtype,
+                  opts=RuntimeOptions(numerics=Numerics(target_rows=rows)), chunked_prefill_size=chunk_size(a))
         if mesh is None:
             gen = Generator(cfg, params, **kw)
         else:
@@ -236,13 +263,14 @@ def main(argv=None) -> int:
             raise ValueError(f"{a.model_path} has no MTP layer: --speculative-algorithm NEXTN needs one")
         tokenizer = load_tokenizer(a.model_path) if os.path.isdir(a.model_path) else None
         check_checkpoint(a, cfg)
-        context_length = a.context_length or cfg.max_position_embeddings
-        if context_length < 2 * spec.draft_tokens + 5:  # the warm-up's 4-token prompt, 1 new token, 2 steps' rows
-            raise ValueError(f"--context-length {context_length} is too small (at least {2 * spec.draft_tokens + 5})")
+        chunk_size(a)  # checks the flag before anything loads
         opts = ServeOptions(api_key=a.api_key, random_seed=a.random_seed, max_queued_requests=a.max_queued_requests,
                             request_timeout_s=a.request_timeout, body_timeout_s=a.body_timeout)
         init_multi_host(a)
         mesh, shardings = tensor_parallel(cfg, a.tp_size, multi_host=a.nnodes > 1)
+        context_length = a.context_length or memory_context_length(a, cfg, spec)
+        if context_length < 2 * spec.draft_tokens + 5:  # the warm-up's 4-token prompt, 1 new token, 2 steps' rows
+            raise ValueError(f"--context-length {context_length} is too small (at least {2 * spec.draft_tokens + 5})")
     except (ValueError, KeyError, FileNotFoundError) as e:  # CheckpointError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -4,7 +4,8 @@ Process 0 (the leader) serves HTTP; the others (followers) hold their shards of 
 `follow`, which replays the leader's calls. Two things cross between processes, both as device broadcasts
 (`multihost_utils.broadcast_one_to_all`, collectives over the global mesh):
 
-  1. a request header + its prompt, when the leader starts a `stream` (warm-up requests included);
+  1. a request header, its sampling record (top_k, min_p, penalties, logit_bias) and its prompt, when the
+     leader starts a `stream` (warm-up requests included);
   2. one flag per consumed chunk: 1 = the consumer asked for the next chunk, 0 = it closed the stream (stop
      string, client disconnect, finish). Everything else the stream decides (EOS, max tokens, the tokens
      themselves) is computed identically on every process from replicated outputs, so it needs no message.
@@ -27,13 +28,25 @@ import threading
 
 import numpy as np
 
-from ling_jax.runner import Generator, prompt_bucket
+from ling_jax.runner import Generator
+from ling_jax.sampling import SamplingOptions
+from serve.protocol import MAX_LOGIT_BIAS
 
 log = logging.getLogger("ling_jax.serve")
 
 HEADER = 64  # int32 words: op, n_prompt, bucket, max_new_tokens, seed, temperature, top_p, n_stop, stop ids...
 MAX_STOP_IDS = HEADER - 8
 OP_STREAM, OP_SHUTDOWN = 1, 2
+SAMPLING_SCALARS = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+SAMPLING_WORDS = len(SAMPLING_SCALARS) + 1 + 2 * MAX_LOGIT_BIAS  # scalars, n_bias, bias ids, bias f32 bits
+
+
+def prompt_bucket(n: int, minimum: int = 16) -> int:
+    """Prompts are broadcast padded to a power of two, so few broadcast shapes are compiled."""
+    b = minimum
+    while b < n:
+        b *= 2
+    return b
 
 
 def _f32_bits(x: float) -> int:
@@ -98,6 +111,30 @@ def encode_header(op: int, prompt_len: int = 0, bucket: int = 0, max_new_tokens:
     return h
 
 
+def encode_sampling(top_k: int = -1, min_p: float = 0.0, repetition_penalty: float = 1.0,
+                    presence_penalty: float = 0.0, frequency_penalty: float = 0.0, logit_bias=()) -> np.ndarray:
+    """The sampling fields the header does not carry, as int32 words (floats as their f32 bits)."""
+    if len(logit_bias) > MAX_LOGIT_BIAS:
+        raise ValueError(f"multi-host serving passes at most {MAX_LOGIT_BIAS} logit_bias entries, got {len(logit_bias)}")
+    w = np.zeros((SAMPLING_WORDS,), np.int32)
+    w[0] = top_k
+    w[1:5] = [_f32_bits(x) for x in (min_p, repetition_penalty, presence_penalty, frequency_penalty)]
+    n, ids0 = len(logit_bias), len(SAMPLING_SCALARS) + 1
+    w[ids0 - 1] = n
+    if n:
+        w[ids0 : ids0 + n] = [t for t, _ in logit_bias]
+        w[ids0 + MAX_LOGIT_BIAS : ids0 + MAX_LOGIT_BIAS + n] = [_f32_bits(b) for _, b in logit_bias]
+    return w
+
+
+def decode_sampling(w: np.ndarray) -> dict:
+    ids0 = len(SAMPLING_SCALARS) + 1
+    n = int(w[ids0 - 1])
+    bias = tuple((int(w[ids0 + i]), _bits_f32(w[ids0 + MAX_LOGIT_BIAS + i])) for i in range(n))
+    return dict(top_k=int(w[0]), **{k: _bits_f32(v) for k, v in zip(SAMPLING_SCALARS[1:], w[1:5])},
+                logit_bias=bias)
+
+
 def decode_header(h: np.ndarray) -> tuple[int, dict, int, int]:
     """-> (op, stream kwargs, prompt length, bucket)."""
     op, n, bucket, max_new, seed, temp, top_p, n_stop = (int(v) for v in h[:8])
@@ -120,7 +157,7 @@ class LockstepGenerator:
         return getattr(self.gen, name)
 
     def stream(self, prompt, *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-               stop_token_ids=None, stats=None):
+               stop_token_ids=None, stats=None, top_logprobs=None, **sampling):
         prompt = [int(t) for t in prompt]
         kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                   stop_token_ids=stop_token_ids)
@@ -128,17 +165,20 @@ class LockstepGenerator:
         if any(t < 0 or t >= self.gen.cfg.vocab_size for t in prompt):
             raise ValueError(f"prompt token ids must be in [0, {self.gen.cfg.vocab_size})")
         self.gen.check_request(len(prompt), max_new_tokens)
-        bucket = prompt_bucket(len(prompt), self.gen.max_len)
+        SamplingOptions(temperature=temperature, top_p=top_p, **sampling).device(self.gen.cfg.vocab_size)
+        bucket = prompt_bucket(len(prompt))
         header = encode_header(OP_STREAM, len(prompt), bucket, **kw)
         padded = np.zeros((bucket,), np.int32)
         padded[: len(prompt)] = prompt
-        return self._relay(header, padded, prompt, stats, kw)
+        return self._relay(header, encode_sampling(**sampling), padded, prompt, stats,
+                           dict(kw, top_logprobs=top_logprobs, **sampling))
 
-    def _relay(self, header, padded, prompt, stats, kw):
+    def _relay(self, header, sampling, padded, prompt, stats, kw):
         # A generator: nothing is announced until the consumer asks for the first chunk, so a stream created and
         # dropped unread costs the followers nothing.
         with self._busy:
             _broadcast(header, True)
+            _broadcast(sampling, True)
             _broadcast(padded, True)
             it = self.gen.stream(prompt, stats=stats, **kw)
             pending = None  # the last flag sent, read when the next one goes out (one step late)
@@ -191,8 +231,9 @@ def follow(gen: Generator) -> int:
             return n_streams
         if op != OP_STREAM:
             raise RuntimeError(f"unknown lockstep op {op}: leader and follower versions differ?")
+        sampling = decode_sampling(_broadcast(np.zeros((SAMPLING_WORDS,), np.int32), False))
         prompt = _broadcast(np.zeros((bucket,), np.int32), False)[:n].tolist()
-        it = gen.stream(prompt, **kw)
+        it = gen.stream(prompt, **kw, **sampling)
         for _ in it:
             if not flags.read(flags.send(0)):  # chunk k's decision, needed before step k+2 is dispatched
                 it.close()

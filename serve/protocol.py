@@ -7,10 +7,13 @@ read a `ModelLimits`; nothing here touches the engine.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+from ling_jax.sampling import MAX_TOP_LOGPROBS, SamplingOptions
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB
 MAX_JSON_DEPTH = 64
@@ -18,6 +21,8 @@ MAX_STOP_STRINGS = 16
 MAX_SEED = 2**64  # seeds are uint64 (SGLang / OpenAI clients send any 64-bit value)
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 DEFAULT_MODEL_NAME = "default"  # SGLang's name for "whatever this server serves"
+MAX_LOGIT_BIAS = 1024  # entries per request (multi-host serving relays them in a fixed-size record)
+GRAMMAR_FIELDS = ("regex", "json_schema", "ebnf", "structural_tag")  # constrained decoding: not implemented
 
 
 class APIError(Exception):
@@ -53,6 +58,13 @@ class GenRequest:
     max_new_tokens: int
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    top_logprobs: int | None = None  # None: no logprobs; n: each output token's logprob and its n top alternatives
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -60,6 +72,10 @@ class GenRequest:
     stream: bool = False
     include_usage: bool = False
     extra: dict = field(default_factory=dict)  # endpoint-specific bits (model name, chat or not)
+
+    def sampling(self) -> dict:
+        """The SamplingOptions fields (Generator.stream's sampling kwargs); GenRequest carries each of them."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(SamplingOptions)}
 
 
 # ---- body and field parsing --------------------------------------------------------------------------------------
@@ -216,6 +232,83 @@ def _sampling(d: dict, limits: ModelLimits, n_prompt: int, max_name: str, defaul
     )
 
 
+def _in(lo: float, hi: float, lo_open: bool = False) -> Callable[[Any], str | None]:
+    ok = (lambda x: lo < x <= hi) if lo_open else (lambda x: lo <= x <= hi)
+    return lambda x: None if ok(x) else f"must be in {'(' if lo_open else '['}{lo}, {hi}]"
+
+
+def _logit_bias(v: Any, limits: ModelLimits, param: str) -> tuple[tuple[int, float], ...]:
+    """{"token id": bias in [-100, 100]} (OpenAI's form; SGLang's too)."""
+    if v is None:
+        return ()
+    if not isinstance(v, dict):
+        raise APIError(400, f"'{param}' must be an object mapping token ids to biases", param=param,
+                       code="invalid_type")
+    if len(v) > MAX_LOGIT_BIAS:
+        raise APIError(400, f"'{param}' has {len(v)} entries; at most {MAX_LOGIT_BIAS}", param=param,
+                       code="invalid_value")
+    out = []
+    for key, bias in v.items():
+        tok = int(key) if isinstance(key, str) and key.strip().lstrip("-").isdigit() else None
+        if tok is None or not 0 <= tok < limits.vocab_size:
+            raise APIError(400, f"'{param}' key {json.dumps(key)[:40]} is not a token id in [0, {limits.vocab_size})",
+                           param=param, code="invalid_token_id")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise APIError(400, f"'{param}' values must be numbers in [-100, 100], got {json.dumps(bias)[:40]}",
+                           param=param, code="invalid_value")
+        out.append((tok, float(bias)))
+    return tuple(out)
+
+
+def _transforms(d: dict, limits: ModelLimits, prefix: str = "") -> dict:
+    """top_k, min_p, the three penalties and logit_bias (SGLang's ranges), applied on device. Grammar-constrained
+    decoding is refused by name rather than ignored."""
+    for name in GRAMMAR_FIELDS:
+        if d.get(name) is not None:
+            raise APIError(400, f"'{prefix}{name}' (grammar-constrained decoding) is not supported",
+                           param=prefix + name, code="unsupported")
+    f = lambda name, kind, default, check: _field(d, name, kind, default, param=prefix + name, check=check)
+    return dict(
+        top_k=f("top_k", "int", -1, lambda x: None if x >= -1 else "must be -1 or 0 (all tokens) or >= 1"),
+        min_p=float(f("min_p", "number", 0.0, _in(0, 1))),
+        repetition_penalty=float(f("repetition_penalty", "number", 1.0, _in(0, 2, lo_open=True))),
+        presence_penalty=float(f("presence_penalty", "number", 0.0, _in(-2, 2))),
+        frequency_penalty=float(f("frequency_penalty", "number", 0.0, _in(-2, 2))),
+        logit_bias=_logit_bias(d.get("logit_bias"), limits, prefix + "logit_bias"),
+    )
+
+
+def _top_logprobs(v: Any, param: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_TOP_LOGPROBS:
+        raise APIError(400, f"'{param}' must be an integer in [0, {MAX_TOP_LOGPROBS}], got {json.dumps(v)[:40]}",
+                       param=param, code="invalid_value")
+    return v
+
+
+def _openai_logprobs(body: dict, chat: bool) -> int | None:
+    """Completions: logprobs = n (0..20) top alternatives. Chat: logprobs = true, top_logprobs = n."""
+    if not chat:
+        if body.get("top_logprobs") is not None:
+            raise APIError(400, "'top_logprobs' is a chat field; completions take 'logprobs': n", param="top_logprobs",
+                           code="unsupported")
+        v = body.get("logprobs")
+        return None if v in (None, False) else _top_logprobs(v, "logprobs")
+    if not _field(body, "logprobs", "bool", False):
+        if body.get("top_logprobs") is not None:
+            raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs", code="invalid_value")
+        return None
+    v = body.get("top_logprobs")
+    return 0 if v is None else _top_logprobs(v, "top_logprobs")
+
+
+def _response_format(body: dict):
+    rf = _field(body, "response_format", "dict", None)
+    if rf is not None and rf.get("type") != "text":
+        raise APIError(400, f"'response_format' of type {json.dumps(rf.get('type'))[:40]} is not supported (it needs "
+                            f"grammar-constrained decoding); only {{\"type\": \"text\"}}", param="response_format",
+                       code="unsupported")
+
+
 def _nonempty(ids: list[int], param: str, limits: ModelLimits) -> list[int]:
     if not ids:
         raise APIError(400, f"'{param}' is empty", param=param, code="empty_prompt")
@@ -223,15 +316,16 @@ def _nonempty(ids: list[int], param: str, limits: ModelLimits) -> list[int]:
 
 
 def _openai_common(body: dict, limits: ModelLimits, ids: list[int], default_max: int | None,
-                   prompt_param: str) -> GenRequest:
+                   prompt_param: str, chat: bool = False) -> GenRequest:
     _check_model(body, limits)
     _field(body, "n", "int", 1, check=lambda x: None if x == 1 else "must be 1 (only one choice per request)")
-    for unsupported in ("logprobs", "top_logprobs", "best_of", "suffix", "tools", "functions"):
+    for unsupported in ("best_of", "suffix", "tools", "functions"):
         v = body.get(unsupported)
         if v not in (None, False) and not (unsupported == "best_of" and v == 1):
             raise APIError(400, f"'{unsupported}' is not supported", param=unsupported, code="unsupported")
     if body.get("echo"):
         raise APIError(400, "'echo' is not supported", param="echo", code="unsupported")
+    _response_format(body)
     stop = _stop_strings(body.get("stop"))
     if stop:
         _need_tokenizer(limits, "'stop' strings", "stop")
@@ -243,8 +337,8 @@ def _openai_common(body: dict, limits: ModelLimits, ids: list[int], default_max:
         input_ids=ids, stop=stop, stop_token_ids=tuple(stop_ids), ignore_eos=_field(body, "ignore_eos", "bool", False),
         stream=_field(body, "stream", "bool", False),
         include_usage=bool(_field(opts, "include_usage", "bool", False, param="stream_options.include_usage")),
-        extra={"model": limits.served_model_name, "rid": _rid(body)},
-        **_sampling(body, limits, len(ids), key, default_max, prompt_param),
+        extra={"model": limits.served_model_name, "rid": _rid(body)}, top_logprobs=_openai_logprobs(body, chat),
+        **_sampling(body, limits, len(ids), key, default_max, prompt_param), **_transforms(body, limits),
     )
 
 
@@ -306,7 +400,7 @@ def parse_chat(body: dict, limits: ModelLimits) -> GenRequest:
     _need_tokenizer(limits, "chat", "messages")
     ids = limits.tokenizer.encode(render_chat(limits, msgs))
     req = _openai_common(body, limits, _nonempty(ids, "messages", limits), default_max=None,
-                         prompt_param="messages")
+                         prompt_param="messages", chat=True)
     req.extra["chat"] = True
     return req
 
@@ -332,12 +426,31 @@ def parse_generate(body: dict, limits: ModelLimits) -> GenRequest:
         _need_tokenizer(limits, "'stop' strings", "sampling_params.stop")
     stop_ids = sp.get("stop_token_ids")
     stop_ids = _token_ids(stop_ids, limits, "sampling_params.stop_token_ids") if stop_ids is not None else []
+    _field(sp, "n", "int", 1, param="sampling_params.n",
+           check=lambda x: None if x == 1 else "must be 1 (one sample per request; send n requests)")
+    _field(sp, "min_new_tokens", "int", 0, param="sampling_params.min_new_tokens",
+           check=lambda x: None if x == 0 else "is not supported (must be 0)")
     return GenRequest(
         input_ids=ids, stop=stop, stop_token_ids=tuple(stop_ids),
         ignore_eos=_field(sp, "ignore_eos", "bool", False, param="sampling_params.ignore_eos"),
-        stream=_field(body, "stream", "bool", False), extra={"rid": _rid(body)},
+        stream=_field(body, "stream", "bool", False), top_logprobs=_generate_logprobs(body),
+        extra={"rid": _rid(body), "return_text_in_logprobs": _field(body, "return_text_in_logprobs", "bool", False)},
         **_sampling(sp, limits, len(ids), "max_new_tokens", 128, prompt_param, prefix="sampling_params."),
+        **_transforms(sp, limits, prefix="sampling_params."),
     )
+
+
+def _generate_logprobs(body: dict) -> int | None:
+    """SGLang's return_logprob / top_logprobs_num, for the output tokens (prompt logprobs are not computed)."""
+    if not _field(body, "return_logprob", "bool", False):
+        return None
+    start = _field(body, "logprob_start_len", "int", -1)
+    if start != -1:
+        raise APIError(400, f"'logprob_start_len' {start}: prompt logprobs are not supported (use -1: output "
+                            f"tokens only)", param="logprob_start_len", code="unsupported")
+    if body.get("token_ids_logprob") is not None:
+        raise APIError(400, "'token_ids_logprob' is not supported", param="token_ids_logprob", code="unsupported")
+    return _top_logprobs(_field(body, "top_logprobs_num", "int", 0), "top_logprobs_num")
 
 
 # ---- tokenizer and control endpoints -----------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from serve import logprobs as lp_format
 from serve import protocol
 from serve.engine import Engine, Metrics, Output
 from serve.engine import Request as EngineRequest
@@ -139,6 +140,15 @@ def _failed(req: EngineRequest) -> APIError | None:
     return APIError(r["status_code"], r.get("message", "request aborted"), type=type_, code=code)
 
 
+def _choice_logprobs(chat: bool, gen: GenRequest, tokenizer, ids: list[int], logprobs: list | None,
+                     offset: int = 0) -> dict | None:
+    if gen.top_logprobs is None:
+        return None
+    if chat:
+        return lp_format.chat_logprobs(ids, logprobs or [], tokenizer)
+    return lp_format.completion_logprobs(ids, logprobs or [], tokenizer, offset)
+
+
 # ---- OpenAI ------------------------------------------------------------------------------------------------------
 
 
@@ -169,6 +179,7 @@ async def _openai(request: Request, st: AppState, parse: Callable[[dict, ModelLi
         if (err := _failed(req)) is not None:
             return _error(err)
         choice = _openai_choice(chat, req.text, req.output_ids, _openai_finish(req.finish_reason), False, tok_free)
+        choice["logprobs"] = _choice_logprobs(chat, gen, engine.limits.tokenizer, req.output_ids, req.logprobs)
         if req.finish_reason.get("type") == "stop":
             choice["matched_stop"] = req.finish_reason.get("matched")
         return JSONResponse({**base, "object": obj, "choices": [choice], "usage": _usage(req)})
@@ -185,6 +196,8 @@ async def _openai(request: Request, st: AppState, parse: Callable[[dict, ModelLi
             if out.token_ids or out.text or out.finished:
                 choice = _openai_choice(chat, out.text, out.token_ids, _openai_finish(out.finish_reason), True,
                                         tok_free)
+                choice["logprobs"] = _choice_logprobs(chat, gen, engine.limits.tokenizer, out.token_ids,
+                                                      out.logprobs, len(req.text) - len(out.text))
                 yield _sse({**chunk, "choices": [choice]})
         if gen.include_usage and _failed(req) is None:
             yield _sse({**chunk, "choices": [], "usage": _usage(req)})
@@ -202,13 +215,21 @@ async def _generate(request: Request, st: AppState):
     req = engine.submit(gen)
     spec = engine.gen.spec.enabled
 
+    def meta(req: EngineRequest, ids: list[int], reason: dict | None) -> dict:
+        """meta_info for the first len(ids) output tokens (with their logprobs when asked for)."""
+        m = _meta_info(req, spec, len(ids), reason)
+        if gen.top_logprobs is not None:
+            m.update(lp_format.sglang_meta(ids, (req.logprobs or [])[:len(ids)], engine.limits.tokenizer,
+                                           gen.extra["return_text_in_logprobs"]))
+        return m
+
     if not gen.stream:
         async for out in _outputs(request, engine, req):
             pass
         if (err := _failed(req)) is not None:
             return _error(err)
-        meta = _meta_info(req, spec, len(req.output_ids), req.finish_reason)
-        return JSONResponse({"text": req.text, "output_ids": req.output_ids, "meta_info": meta})
+        return JSONResponse({"text": req.text, "output_ids": req.output_ids,
+                             "meta_info": meta(req, req.output_ids, req.finish_reason)})
 
     async def events():
         # SGLang's stream: each event carries the text and ids so far, built from the outputs consumed (req's
@@ -220,8 +241,7 @@ async def _generate(request: Request, st: AppState):
                 break
             text, ids = text + out.text, ids + out.token_ids
             if out.token_ids or out.text or out.finished:
-                meta = _meta_info(req, spec, len(ids), out.finish_reason)
-                yield _sse({"text": text, "output_ids": ids, "meta_info": meta})
+                yield _sse({"text": text, "output_ids": ids, "meta_info": meta(req, ids, out.finish_reason)})
         yield _sse(b"[DONE]")
 
     return StreamingResponse(events(), media_type="text/event-stream")

@@ -143,7 +143,7 @@ def test_kda_chunk_stable_on_repeated_keys():
 def test_kda_configs_lower_for_cuda():
   """Non-default configs (8 warps, chunk with ieee dots, wide V tiles) lower at full shapes to Triton calls with
   the outputs' shapes and dtypes, and each config gives its own kernels (the config reaches the lowering)."""
-  from tests.test_kernels_lowering import H200, S, lower_cuda
+  from tests.cuda_lowering import H200, S, lower_cuda
   h, dk, t = 32, 128, 6
   hd = h * dk
   args = ((S((1, t, hd), jnp.bfloat16),) * 4 + (S((1, t, h), jnp.bfloat16), S((h,), jnp.float32),

@@ -7,7 +7,7 @@ import numpy as np
 from pallas_kernels.kda_decode import kda_decode, kda_decode_reference
 from pallas_kernels.kda_verify import KdaConfig
 from tests.test_kernels_kda import make, numpy_kda, rel_err
-from tests.test_kernels_lowering import H200, S
+from tests.cuda_lowering import H200, S
 
 W = 4
 

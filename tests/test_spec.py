@@ -10,10 +10,10 @@ import pytest
 
 import ling_jax.runner as runner_mod
 from ling_jax.config import TEST_PRESETS, get_preset
-from ling_jax.decode import plain_prefill, plain_step
+from ling_jax.decode import plain_step
 from ling_jax.runner import Generator
-from ling_jax.sampling import SamplingParams, sampled_verdict
-from ling_jax.spec import SpecConfig, spec_prefill, spec_step_with_drafts
+from ling_jax.sampling import SamplingOptions, sampled_verdict
+from ling_jax.spec import SpecConfig, spec_step_with_drafts
 from ling_jax.weights import init_params
 from tests.conftest import rel_err
 
@@ -33,7 +33,7 @@ def small_vocab_model(name: str, seed: int):
 def generator(name: str, seed: int, steps: int):
     cfg, params = small_vocab_model(name, seed)
     spec = SpecConfig("NEXTN", steps) if steps else SpecConfig("NONE")
-    return Generator(cfg, params, spec=spec, max_len=MAX_LEN, dtype=jnp.float32)
+    return Generator(cfg, params, spec=spec, max_len=MAX_LEN, chunked_prefill_size=16, dtype=jnp.float32)
 
 
 @pytest.mark.parametrize("steps", [1, 3, 5])
@@ -66,12 +66,11 @@ def test_planted_mismatch_accepts_exactly_j_and_commits_plain_state(name, seed):
     cfg = get_preset(name)
     params = init_params(cfg, seed, jnp.float32)
     K, prompt = 5, np.array([PROMPTS[1]], np.int32)
-    n = jnp.array([prompt.shape[1]], jnp.int32)
-    sp = SamplingParams.make()
-    kw = dict(max_len=128, is_greedy=True, sampling=sp, key=jax.random.key(0), dtype=jnp.float32)
+    sp, key = SamplingOptions().device(cfg.vocab_size), jax.random.key(0)
+    kw = dict(max_len=128, chunked_prefill_size=16, dtype=jnp.float32)
 
     # plain greedy: the continuation and the committed state after every length
-    pstate, first = jax.jit(functools.partial(plain_prefill, cfg=cfg, **kw))(params, prompt, n)
+    pstate, first, _ = Generator(cfg, params, **kw).prefill(PROMPTS[1], sp, key, True)
     pstep = jax.jit(functools.partial(plain_step, cfg=cfg, is_greedy=True))
     tokens, plain_states = [int(first[0])], {int(pstate.target.lengths[0]): pstate.target}
     for _ in range(40):
@@ -79,7 +78,7 @@ def test_planted_mismatch_accepts_exactly_j_and_commits_plain_state(name, seed):
         tokens.append(int(out.tokens[0, 0]))
         plain_states[int(pstate.target.lengths[0])] = pstate.target
 
-    state, bonus = jax.jit(functools.partial(spec_prefill, cfg=cfg, steps=K, **kw))(params, prompt, n)
+    state, bonus, _ = Generator(cfg, params, spec=SpecConfig("NEXTN", K), **kw).prefill(PROMPTS[1], sp, key, True)
     step = jax.jit(functools.partial(spec_step_with_drafts, cfg=cfg, is_greedy=True))
     emitted = [int(bonus[0])]
     for j in [0, 3, 5, 1, 2, 4]:  # j = the first wrong draft (5 = all correct)
@@ -169,9 +168,9 @@ def test_run_ahead_dispatches_next_step_before_reading_previous(monkeypatch):
 
     real_get = runner_mod.jax.device_get
 
-    def device_get(x):
+    def device_get(x):  # the loop reads (tokens, n_emit) of one step's output
         for k, o in enumerate(outs):
-            if x is o:
+            if isinstance(x, tuple) and x and x[0] is o.tokens:
                 events.append(("read", k))
         return real_get(x)
 
@@ -192,7 +191,7 @@ def test_while_loop_generation_equals_host_loop():
 
     gen = generator("test-wide", 2, 3)
     host, _ = generator("test-wide", 2, 0).generate(PROMPTS[0], max_new_tokens=60, stop_token_ids=())
-    state, first = gen.prefill(PROMPTS[0], SamplingParams.make(), jax.random.key(0), True)
+    state, first, _ = gen.prefill(PROMPTS[0], SamplingOptions().device(gen.cfg.vocab_size), jax.random.key(0), True)
     run = generate_on_device(gen.cfg, gen.spec, n_steps=12)
     _, buf, count = run(gen.params, state)
     emitted = [int(first[0])] + [int(t) for t in np.asarray(buf[0, : int(count[0])])]
