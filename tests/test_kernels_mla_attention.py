@@ -30,6 +30,13 @@ SCALE = CFG_ID.qk_head_dim ** -0.5
 KCFG = MlaAttentionConfig(block_s=32, split_blocks=2, block_l=64, combine_block_l=64, interpret=True)
 
 
+def interpreted(*args, **kw):
+  """The kernel in the Mosaic GPU interpreter, finished before the caller goes on: the interpreter runs its
+  barriers and SMEM as host callbacks, and an eager jnp op dispatched while they still run can deadlock with them
+  on CPU (seen in the full suite: the reference's einsum and a callback's _deallocate_barrier both waiting)."""
+  return jax.block_until_ready(mla_attention(*args, **kw))
+
+
 def identity_params(dtype):
   eye = jnp.eye(LR, dtype=dtype)
   return {"kv_b_proj": jnp.tile(jnp.concatenate([eye, eye])[None], (H, 1, 1)).reshape(H * 2 * LR, LR)}
@@ -69,7 +76,7 @@ def test_matches_attend_absorbed(name):
   q_lat, q_rope, cache = make(len(name), b, positions.shape[1])
   if name == "mid T=6 causal":   # slots 151..155 align with row 0's head-0 query: it would attend them
     cache = cache.at[0, 151:156, :LR].set(q_lat[0, 0, 0] * 0.5)
-  ctx = mla_attention(q_lat, q_rope, cache, positions, scale=SCALE, config=KCFG)
+  ctx = interpreted(q_lat, q_rope, cache, positions, scale=SCALE, config=KCFG)
   assert ctx.shape == q_lat.shape and ctx.dtype == BF
   ref16, ref32 = model_ctx(q_lat, q_rope, cache, positions), model_ctx(q_lat, q_rope, cache, positions, F32)
   err16, err32 = rel(ctx, ref16), rel(ctx, ref32)
@@ -85,7 +92,7 @@ def test_block_of_64_slots():
   cfg = dataclasses.replace(KCFG, block_s=64, split_blocks=1)
   positions = jnp.array([list(range(150, 156))], jnp.int32)
   q_lat, q_rope, cache = make(17, 1, 6)
-  ctx = mla_attention(q_lat, q_rope, cache, positions, scale=SCALE, config=cfg)
+  ctx = interpreted(q_lat, q_rope, cache, positions, scale=SCALE, config=cfg)
   assert rel(ctx, model_ctx(q_lat, q_rope, cache, positions)) <= 1e-2
 
 
@@ -93,9 +100,9 @@ def test_reads_only_the_live_blocks():
   """NaN in every block past the live prefix changes nothing: those blocks are never loaded."""
   positions = jnp.array([[40, 41]], jnp.int32)                   # live 42: blocks 0, 1 (slots 0..63)
   q_lat, q_rope, cache = make(11, 1, 2)
-  clean = mla_attention(q_lat, q_rope, cache, positions, scale=SCALE, config=KCFG)
+  clean = interpreted(q_lat, q_rope, cache, positions, scale=SCALE, config=KCFG)
   poisoned = cache.at[:, 64:].set(jnp.nan)
-  ctx = mla_attention(q_lat, q_rope, poisoned, positions, scale=SCALE, config=KCFG)
+  ctx = interpreted(q_lat, q_rope, poisoned, positions, scale=SCALE, config=KCFG)
   np.testing.assert_array_equal(np.asarray(ctx, F32), np.asarray(clean, F32))
   assert rel(clean, model_ctx(q_lat, q_rope, cache, positions)) <= 1e-2
 
@@ -105,8 +112,8 @@ def test_batch_invariant():
   rows are (their lengths change the live blocks)."""
   positions = jnp.array([list(range(100, 106)), list(range(30, 36))], jnp.int32)
   q_lat, q_rope, cache = make(13, 2, 6)
-  ctx = mla_attention(q_lat, q_rope, cache, positions, scale=SCALE, config=KCFG)
-  alone = mla_attention(q_lat[1:, 2:3], q_rope[1:, 2:3], cache[1:], positions[1:, 2:3], scale=SCALE,
+  ctx = interpreted(q_lat, q_rope, cache, positions, scale=SCALE, config=KCFG)
+  alone = interpreted(q_lat[1:, 2:3], q_rope[1:, 2:3], cache[1:], positions[1:, 2:3], scale=SCALE,
                         config=KCFG)
   np.testing.assert_array_equal(np.asarray(alone[0, 0], F32), np.asarray(ctx[1, 2], F32))
 
