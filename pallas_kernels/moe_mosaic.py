@@ -179,7 +179,7 @@ def _await_register_operands(scales):
     plgpu.wgmma_wait(0)
 
 
-def _up_slot(wg_gmem, wu_gmem, x_gmem, wc_gmem, h_gmem, s, ib, *, cfg, d, limit, shared, scales_gmem=None):
+def _up_slot(wg_gmem, wu_gmem, x_gmem, wc_gmem, h_gmem, s, ib, *, cfg, d, limit, scales_gmem=None):
   """h'[s, ib*BI:(ib+1)*BI, :] = wc[s] * SwiGLU(wg_tile @ x^T, wu_tile @ x^T).
   scales_gmem (fp8 weights): this CTA's row of scales, gate's of K step k at k, up's at d/BK + k."""
   bi, bk, n = cfg.block_i, cfg.block_k, cfg.n_tokens
