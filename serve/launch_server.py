@@ -281,7 +281,7 @@ def main(argv=None) -> int:
     import jax
 
     server_args.update(served_model_name=name, tokenizer_path=a.model_path if tokenizer is not None else None,
-                       context_length=context_length, vocab_size=cfg.vocab_size,
+                       context_length=context_length, chunked_prefill_size=chunk_size(a), vocab_size=cfg.vocab_size,
                        jax_version=jax.__version__,
                        device=f"{jax.device_count()}x {jax.devices()[0].device_kind}",
                        has_tokenizer=tokenizer is not None, chat_template=bool(tokenizer and tokenizer.chat_template))
