@@ -80,6 +80,9 @@ class KernelCalls:
             raise ValueError(f"moe_impl={self.moe_impl!r} not in {MOE_IMPLS}")
         if self.kda_impl not in KDA_IMPLS:
             raise ValueError(f"kda_impl={self.kda_impl!r} not in {KDA_IMPLS}")
+        if self.kda_fused_decode and self.kda_impl != "verify":
+            raise ValueError(f"kda_fused_decode=True needs kda_impl='verify' (kda_impl={self.kda_impl!r} decodes "
+                             "through its own kernel)")
 
     # ---- choices -------------------------------------------------------------------------------------------
 

@@ -48,3 +48,15 @@ def test_prefill_and_fused_decode_with_interpreted_kernels_match_jnp():
                      d.state.kda_recurrent, d.state.kda_conv)
     for ref, got in zip(out["reference"], out["interpret"]):
         assert rel_err(got, ref) <= 1e-5
+
+
+def test_kernel_choices_that_cannot_apply_are_rejected():
+    """A choice the chosen path would ignore is an error, not a silent no-op."""
+    import pytest
+
+    with pytest.raises(ValueError, match="kda_fused_decode=True needs kda_impl='verify'"):
+        KernelCalls(kda_impl="chain", kda_fused_decode=True)
+    with pytest.raises(ValueError, match="kda_impl='fused'"):
+        KernelCalls(kda_impl="fused")
+    with pytest.raises(ValueError, match="interpret=True"):
+        KernelCalls(interpret=True, moe_impl="mosaic").moe_kernel(jnp.zeros((1, 8)), jnp.zeros((2, 4, 8)))
