@@ -20,7 +20,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from ling_jax.errors import CheckpointError
+from ling_jax.errors import CheckpointError, read_json_object
 
 HF_MODEL_TYPES = ("bailing_hybrid",)
 
@@ -459,13 +459,7 @@ def from_hf_config(path: str) -> ModelConfig:
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
     if not os.path.isfile(file):
         raise CheckpointError(f"{file}: no such file (a checkpoint directory holds its config.json)")
-    try:
-        with open(file) as f:
-            d = json.load(f)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{file}: corrupt config.json: expected JSON, found {e}") from None
-    if not isinstance(d, dict):
-        raise CheckpointError(f"{file}: corrupt config.json: expected a JSON object, found {type(d).__name__}")
+    d = read_json_object(file)
     try:
         return from_hf_dict(d, name=os.path.basename(os.path.dirname(os.path.abspath(file))))
     except ValueError as e:

@@ -13,3 +13,20 @@ class CheckpointError(ValueError):
 
     def __init__(self, message: str):
         super().__init__(" ".join(str(message).split()))
+
+
+def read_json_object(path: str) -> dict:
+    """A JSON object file (config.json, tokenizer_config.json); unreadable JSON or another type is a CheckpointError
+    naming the file."""
+    import json
+    import os
+
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: corrupt {os.path.basename(path)}: expected JSON, found {e}") from None
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{path}: corrupt {os.path.basename(path)}: expected a JSON object, found "
+                              f"{type(d).__name__}")
+    return d

@@ -6,11 +6,10 @@ character split across tokens never shows up as U+FFFD in a stream.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 
-from ling_jax.errors import CheckpointError
+from ling_jax.errors import CheckpointError, read_json_object
 
 
 @dataclass
@@ -68,16 +67,7 @@ def load_tokenizer(model_dir: str) -> Tokenizer | None:
 
 def _read_json(path: str) -> dict:
     """A JSON object file, {} when absent."""
-    if not os.path.exists(path):
-        return {}
-    try:
-        with open(path) as f:
-            d = json.load(f)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: corrupt {os.path.basename(path)}: expected JSON, found {e}") from None
-    if not isinstance(d, dict):
-        raise CheckpointError(f"{path}: corrupt {os.path.basename(path)}: expected a JSON object")
-    return d
+    return read_json_object(path) if os.path.exists(path) else {}
 
 
 class IncrementalDetokenizer:
