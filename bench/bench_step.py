@@ -323,6 +323,8 @@ def main():
     ap.add_argument("--tag", default="", help="suffix of the JSON file name (e.g. -pdl)")
     ap.add_argument("--spec-parts", action="store_true", help="also run bench_spec's parts on the same params")
     ap.add_argument("--no-census", action="store_true")
+    ap.add_argument("--multi-step", type=int, default=1, help="run N steps per dispatch (lax.scan over the step "
+                    "inside one program; times are per step): is the host's per-dispatch cost the fixed cost?")
     ap.add_argument("--dump-hlo", action="store_true", help="write each step's optimised HLO (gzip) to --out")
     ap.add_argument("--kernels", default="auto", help="RuntimeOptions.kernels (auto: Pallas on GPU, run per "
                     "device under shard_map over TP)")
@@ -360,12 +362,16 @@ def main():
         opts = kernel_calls_for(RuntimeOptions(kernels=calls), mesh, rules)
         prog = Program(cfg, mode=mode, steps=max(K, 1), max_len=max_len, opts=opts)
         fn = prog.fn()
+        if a.multi_step > 1:  # N steps in one program: the host dispatches once per N steps
+            fn = functools.partial(lambda p, s, _f, n: jax.lax.scan(lambda c, _: _f(p, c), s, None, length=n),
+                                   _f=fn, n=a.multi_step)
         step = jax.jit(lambda p, s, _f=fn: constrain(_f(p, s), mesh, rules), donate_argnums=(1,))
         state = random_state(prog, mesh, rules, a.ctx)
         routing = routing_from(a.routing_from, cfg, mode, K) if a.routing_from else distinct_experts(prog, params, state)
         tc = time.perf_counter()
         disp: list = []
         t, state = time_chain(step, params, state, reps=a.reps, dispatch=disp)
+        t, disp[0] = t / a.multi_step, disp[0] / a.multi_step
         nbytes = floor_bytes(cfg, mesh, rules, mode, K, routing, a.ctx)
         name = "plain decode step" if mode == "plain" else f"NEXTN step (steps={K}, {K + 1} verify rows)"
         name += f" [kernels={kernels}]" if baseline else ""
