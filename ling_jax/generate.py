@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--frequency-penalty", type=float, default=0.0)
     p.add_argument("--chunked-prefill-size", type=int, default=DEFAULT_CHUNKED_PREFILL_SIZE,
                    help="prompt positions per prefill chunk (one compiled prefill program for every prompt length)")
+    p.add_argument("--num-continuous-decode-steps", type=int, default=1,
+                   help="decode steps per dispatch (SGLang's flag): N > 1 runs N steps in one program, so the host's "
+                        "per-dispatch cost is paid once per N steps (outputs arrive N steps at a time)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (and random-init seed for presets)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     p.add_argument("--quantization", choices=["fp8"], default=None,
@@ -71,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     try:
+        if a.num_continuous_decode_steps < 1:
+            raise ValueError(f"--num-continuous-decode-steps must be >= 1, got {a.num_continuous_decode_steps}")
         spec = SpecConfig(a.speculative_algorithm, a.speculative_num_steps, a.speculative_eagle_topk,
                           a.speculative_num_draft_tokens)
         cfg = load_config(a.model)
@@ -96,11 +101,12 @@ def main(argv=None) -> int:
         return 2
     jax.block_until_ready(params)
     load_s = time.perf_counter() - t0
-    max_len = a.context_length or max(256, len(prompt) + a.max_new_tokens + 4 * spec.draft_tokens)
+    max_len = a.context_length or max(256, len(prompt) + a.max_new_tokens
+                                      + 4 * a.num_continuous_decode_steps * spec.draft_tokens)
     gen = Generator(cfg, params, spec=spec, max_len=max_len, dtype=DTYPES[a.dtype], opts=RuntimeOptions(
         numerics=Numerics(target_rows=deterministic_rows(spec.draft_tokens) if a.enable_deterministic_inference
                           else None)),
-        chunked_prefill_size=a.chunked_prefill_size)
+        chunked_prefill_size=a.chunked_prefill_size, decode_steps=a.num_continuous_decode_steps)
     sampling = dict(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
                     repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
                     frequency_penalty=a.frequency_penalty)

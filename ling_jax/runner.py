@@ -5,6 +5,13 @@ program serves every prompt length, called ceil(P / C) times back to back (no ho
 Run-ahead: step k+1 is dispatched before step k's outputs are read; outputs are copied to the host
 asynchronously and consumed one step late for EOS, max tokens and stop checks. Nothing in the dispatch path
 reads a device value (`jax.transfer_guard("disallow")` holds there), so the device never waits for the host.
+
+Continuous decode steps (SGLang's --num-continuous-decode-steps): one dispatch runs N steps (a lax.scan over the
+step inside one program) and the host reads their N outputs together, one dispatch late. The host's cost of a
+dispatch (XLA launches each of the step's few hundred kernels, ~2-5 us each) is then paid once per N steps: on the
+H200 the demo model's step is host-bound at N = 1 (plain 1167 us, of which 1143 us is the dispatch) and runs at
+370 us with N = 8 (bench/results/step-ling-demo-kdaverify-ms*-h200x1-2026-12-01.json). The price: up to N - 1
+steps computed past a request's end (discarded) and outputs streamed N steps at a time.
 """
 
 from __future__ import annotations
@@ -84,11 +91,14 @@ class Generator:
 
     def __init__(self, cfg: ModelConfig, params, *, spec: SpecConfig = SpecConfig("NONE"), max_len: int = 2048,
                  chunked_prefill_size: int = DEFAULT_CHUNKED_PREFILL_SIZE, dtype=jnp.bfloat16,
-                 opts: RuntimeOptions = RuntimeOptions()):
+                 opts: RuntimeOptions = RuntimeOptions(), decode_steps: int = 1):
         if spec.enabled and not cfg.mtp_layers:
             raise ValueError(f"{cfg.name} has no MTP layer: NEXTN speculation needs num_nextn_predict_layers >= 1")
         if chunked_prefill_size < 1:
             raise ValueError(f"chunked_prefill_size must be >= 1, got {chunked_prefill_size}")
+        if decode_steps < 1:
+            raise ValueError(f"decode_steps (--num-continuous-decode-steps) must be >= 1, got {decode_steps}")
+        self.decode_steps = decode_steps
         self.cfg, self.params, self.spec, self.max_len = cfg, params, spec, max_len
         self.dtype, self.opts = jnp.dtype(dtype), opts
         self.chunk = min(chunked_prefill_size, max_len)
@@ -123,11 +133,14 @@ class Generator:
 
     @functools.lru_cache(maxsize=None)
     def step_fn(self, is_greedy: bool):
-        """The whole step as ONE jitted program; the state is donated (its buffers are updated in place)."""
+        """The whole step as ONE jitted program; the state is donated (its buffers are updated in place). With
+        decode_steps = N > 1 the program runs N steps and its outputs gain a leading axis [N, ...]."""
         if self.spec.enabled:
             fn = functools.partial(spec_step, cfg=self.cfg, steps=self.K, is_greedy=is_greedy, opts=self.opts)
         else:
             fn = functools.partial(plain_step, cfg=self.cfg, is_greedy=is_greedy, opts=self.opts)
+        if self.decode_steps > 1:
+            fn = functools.partial(_continuous_steps, step=fn, n=self.decode_steps)
         return jax.jit(fn, donate_argnums=(1,))
 
     def check_request(self, n_prompt: int, max_new_tokens: int):
@@ -135,10 +148,11 @@ class Generator:
             raise ValueError("the prompt is empty")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        # the last step may run K+1 rows past the final emitted token, twice with run-ahead
-        need = n_prompt + max_new_tokens + 2 * self.rows_per_step
+        # the last dispatch may run N steps of K+1 rows past the final emitted token, twice with run-ahead
+        slack = 2 * self.decode_steps * self.rows_per_step
+        need = n_prompt + max_new_tokens + slack
         if need > self.max_len:
-            raise ValueError(f"prompt ({n_prompt}) + max_new_tokens ({max_new_tokens}) + {2 * self.rows_per_step} "
+            raise ValueError(f"prompt ({n_prompt}) + max_new_tokens ({max_new_tokens}) + {slack} "
                              f"speculative rows exceeds the context length {self.max_len}")
 
     def prefill(self, prompt: list[int], sampling: SamplingParams, key, is_greedy: bool):
@@ -192,11 +206,11 @@ class Generator:
             stats.total_s = time.perf_counter() - t0
             return
 
-        step = self.step_fn(is_greedy)
-        in_flight = None  # the step whose outputs are read next (one step late)
+        step, N = self.step_fn(is_greedy), self.decode_steps
+        in_flight = None  # the dispatch whose outputs are read next (one dispatch late)
         while True:
             # every step emits at least one token: dispatch while the request is not already sure to be done
-            if emitted + (in_flight is not None) < max_new_tokens:
+            if emitted + N * (in_flight is not None) < max_new_tokens:
                 with jax.transfer_guard("disallow"):
                     state, out = step(self.params, state)
                 out = (out.tokens, out.n_emit) + ((out.logprobs,) if top_logprobs is not None else ())
@@ -205,23 +219,29 @@ class Generator:
             else:
                 out = None
             if in_flight is not None:
-                tokens, n_emit, *lp = jax.device_get(in_flight)  # explicit, one step late: the device is busy
-                new = [int(t) for t in tokens[0, : int(n_emit[0])]]
-                stats.verify_steps += 1
-                stats.accept_lengths.append(len(new))
-                new = new[: max_new_tokens - emitted]
-                for i, t in enumerate(new):
-                    if t in stops:
-                        new = new[: i + 1]
-                        stats.finish_reason = "stop"
+                outs = jax.device_get(in_flight)  # explicit, one dispatch late: the device is busy
+                if N == 1:
+                    outs = jax.tree.map(lambda a: a[None], outs)
+                for j in range(N):  # the steps of the dispatch, in order
+                    tokens, n_emit, *lp = jax.tree.map(lambda a: a[j], outs)
+                    new = [int(t) for t in tokens[0, : int(n_emit[0])]]
+                    stats.verify_steps += 1
+                    stats.accept_lengths.append(len(new))
+                    new = new[: max_new_tokens - emitted]
+                    for i, t in enumerate(new):
+                        if t in stops:
+                            new = new[: i + 1]
+                            stats.finish_reason = "stop"
+                            break
+                    if lp:
+                        _record_logprobs(stats, lp[0], len(new), top_logprobs)
+                    emitted += len(new)
+                    stats.completion_tokens = emitted
+                    yield new
+                    if stats.finish_reason is None and emitted >= max_new_tokens:
+                        stats.finish_reason = "length"
+                    if stats.finish_reason is not None:
                         break
-                if lp:
-                    _record_logprobs(stats, lp[0], len(new), top_logprobs)
-                emitted += len(new)
-                stats.completion_tokens = emitted
-                yield new
-                if stats.finish_reason is None and emitted >= max_new_tokens:
-                    stats.finish_reason = "length"
                 if stats.finish_reason is not None:
                     break
             if out is None and in_flight is None:
@@ -235,6 +255,11 @@ class Generator:
         for chunk in self.stream(prompt, stats=stats, **kw):
             out.extend(chunk)
         return out, stats
+
+
+def _continuous_steps(params, state, *, step, n: int):
+    """n steps of `step` in one program: (params, state) -> (state, outputs stacked [n, ...])."""
+    return jax.lax.scan(lambda s, _: step(params, s), state, None, length=n)
 
 
 def _record_logprobs(stats: GenerationStats, lp, n: int, top: int):
