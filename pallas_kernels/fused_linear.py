@@ -528,6 +528,9 @@ def _ring_and_stream(tp, k, norm, cfg):
 def _call(xs, norm_ws, residual, weights, projs, eps, cfg):
   rows, tp, n_rows = _check(xs, weights, projs, cfg)
   t, k = xs[0].shape[0], sum(x.shape[1] for x in xs)
+  if norm_ws is not None and cfg.block_k > 256:
+    raise ValueError(f"block_k={cfg.block_k}: the norm weight is loaded as [KB, BK] TMA boxes (<= 256 wide); "
+                     "norm_linear takes block_k <= 256")
   ring, stream = _ring_and_stream(tp, k, norm_ws is not None, cfg)
   plan = _Plan(rows, tp, tuple(x.shape[1] for x in xs), n_rows, tuple(projs), float(eps),
                norm_ws is not None, residual is not None, stream, ring, cfg)

@@ -168,6 +168,9 @@ def test_ring_and_grid_errors():
   x, nw, weights = make(0, 2)
   with pytest.raises(ValueError, match="stream_x=True"):
     norm_linear(x, nw, weights, projs=PROJS, eps=EPS, config=LinearConfig(stream_x=True, interpret=True))
+  with pytest.raises(ValueError, match="block_k=512"):
+    norm_linear(jnp.zeros((2, 1024), BF), jnp.ones((1024,), BF), (jnp.zeros((64, 1024), BF),), projs=(Proj(),),
+                eps=EPS, config=LinearConfig(block_k=512))
   with pytest.raises(ValueError, match="K=128 must be >= 2"):
     norm_linear(x[:, :128], nw[:128], (weights[0][:, :128],), projs=(Proj(),), eps=EPS, config=CFG)
   with pytest.raises(ValueError, match="SMEM"):   # an explicit ring larger than the CTA's share
