@@ -196,6 +196,11 @@ class _Plan:
   def grid(self) -> int:
     return min(self.n_tiles, self.cfg.sms * self.cfg.ctas_per_sm)
 
+  @property
+  def defer(self) -> bool:
+    """Keep one wgmma group in flight: needs the slots of two steps held at once (else the ring deadlocks)."""
+    return self.ring >= 2 * max(p.n_weights for p in self.projs)
+
   def loads(self, s: int) -> int:
     """Ring loads of one tile of projection s (KB steps of n_weights tiles)."""
     return self.kb * self.projs[s].n_weights
@@ -345,11 +350,22 @@ def _issue(r, m, j, slot):
     _when((m < r.n_mine) & (f >= lo) & (f < hi), functools.partial(_issue_proj, r, s, f - lo, j, slot))
 
 
+def _refill(r, s, m, tile, base, k):
+  """Step k's slots are free: refill each with the load R ahead (this tile's, or the next tile's first)."""
+  nw, ring, n_loads = r.plan.projs[s].n_weights, r.plan.ring, r.plan.loads(s)
+  for i in range(nw):
+    slot = lax.rem(base + k * nw + i, jnp.int32(ring))
+    ahead = k * nw + i + ring
+    _when(ahead < n_loads, functools.partial(_issue_proj, r, s, tile, ahead, slot))
+    _when(ahead >= n_loads, functools.partial(_issue, r, m + 1, ahead - n_loads, slot))
+
+
 def _gemm(r, xs, s, m, tile, base):
   """acc_i [BN, TP] = W_i[tile rows] @ xn^T over the KB steps of the CTA's m-th tile (projection s), whose
-  loads are the ring's base .. base + loads(s) - 1 (issued R ahead); each freed slot is refilled R ahead."""
+  loads are the ring's base .. base + loads(s) - 1 (issued R ahead). With R >= 2 n_weights (`plan.defer`)
+  one wgmma group stays in flight: step k's wgmmas are issued before step k - 1's slots are released."""
   plan = r.plan
-  nw, ring, n_loads = plan.projs[s].n_weights, plan.ring, plan.loads(s)
+  nw, ring = plan.projs[s].n_weights, plan.ring
 
   def scope(*accs):
     def step(k, carry):
@@ -359,14 +375,18 @@ def _gemm(r, xs, s, m, tile, base):
       for acc, slot in zip(accs, slots):
         x_chunk = r.x_slots.at[slot] if plan.stream_x else xs.at[k]
         plgpu.wgmma(acc, r.slots.at[slot], x_chunk.transpose((1, 0)))
-      plgpu.wgmma_wait(0)                                             # slots free: refill them
-      for i, slot in enumerate(slots):
-        ahead = k * nw + i + ring                                     # this tile's or the next tile's load
-        _when(ahead < n_loads, functools.partial(_issue_proj, r, s, tile, ahead, slot))
-        _when(ahead >= n_loads, functools.partial(_issue, r, m + 1, ahead - n_loads, slot))
+      if plan.defer:
+        plgpu.wgmma_wait(1)                                           # step k - 1 retired: its slots are free
+        _when(k > 0, functools.partial(_refill, r, s, m, tile, base, k - 1))
+      else:
+        plgpu.wgmma_wait(0)
+        _refill(r, s, m, tile, base, k)
       return carry
 
     lax.fori_loop(0, plan.kb, step, 0)
+    if plan.defer:
+      plgpu.wgmma_wait(0)
+      _refill(r, s, m, tile, base, plan.kb - 1)
     return tuple(a[...] for a in accs)
 
   return pl.run_scoped(scope, *[plgpu.ACC((plan.cfg.block_n, plan.tp))] * nw)

@@ -132,12 +132,13 @@ def test_config_and_input_errors():
 
 def test_persistent_ring_across_tiles_and_projections():
   """Fewer CTAs than tiles: sms=2 runs the 5 tiles (q 0-1, beta 2, swiglu 3, router 4) as CTA 0: 0, 2, 4 and
-  CTA 1: 1, 3; the ring runs across tiles of different kinds (1 and 2 weights per step) and R = 3 does not
-  divide a tile's loads, so refills land mid-step in the next tile. Same values as the model (bitwise for
-  the bf16 outputs, as the one-CTA-per-tile test)."""
-  x, nw, weights = make(11, 6, d=512)
+  CTA 1: 1, 3; the ring runs across tiles of different kinds (1 and 2 weights per step) and R = 4 does not
+  divide a tile's 5 or 10 loads (KB = 5), so refills land mid-step in the next tile; R >= 4 keeps one wgmma
+  group in flight (deferred release). Same values as the model (bitwise for the bf16 outputs, as the
+  one-CTA-per-tile test)."""
+  x, nw, weights = make(11, 6, d=640)
   refs = model_outputs(x, nw, weights)
-  cfg = LinearConfig(sms=2, ring_bytes=3 * 64 * 128 * 2, interpret=True)
+  cfg = LinearConfig(sms=2, ring_bytes=4 * 64 * 128 * 2, interpret=True)
   outs = norm_linear(x, nw, weights, projs=PROJS, eps=EPS, config=cfg)
   for o, r in zip(outs, refs):
     assert o.shape == r.shape and rel_err(o, r) <= 1e-2
