@@ -33,19 +33,24 @@ round robin: neighbouring CTAs stream neighbouring weight rows at the same time)
      sum of squares down the columns, r = rsqrt(ss / K + eps); a second pass writes xn back in place (bf16);
   4. per owned tile, K loop: wgmma(acc[BN, TP], W tile [BN, BK], xn chunk^T [BK, TP]). The ring is ONE
      stream over all of the CTA's tiles: load g (tile m, load j of its KB * n_weights) sits in slot g % R, and
-     the slot freed by load g is refilled with load g + R, which near a tile's end is the NEXT tile's first
-     loads (R <= KB, so g + R lies in tile m or m + 1): the next tile's weights are in flight during this
-     tile's last steps and its epilogue, and an SM's stream has no gap between tiles;
+     the slot freed by load g is refilled with load g + R, near a tile's end the NEXT tile's first loads
+     (R <= KB, so g + R lies in tile m or m + 1): the next tile's weights are in flight during this tile's
+     last steps and its epilogue. With R >= 2 n_weights one wgmma group stays in flight (step k is issued
+     before step k - 1's slots are released), so the refill does not wait on the wgmma latency;
   5. epilogue in registers, stored transposed (o_smem [TP, BN]) and TMA'd to out [TR, N_s]: bf16 outputs are
      row-major [T, N], no XLA transpose after the kernel (f32 ones: see `_store`).
+Ring depth: by default as deep as the CTA's SMEM share allows (T = 1: 10 slots = 160 KB in flight per SM, T = 17:
+5 = 80 KB), so the tail, where only the SMs with one tile more are busy (KDA: 57 of 132), still has MBs in flight.
 Streamed x (`LinearConfig.stream_x`, linear_residual only: no norm needs the whole row): each ring slot also
 carries x's chunk [TP, BK] for its step (same barrier), so x need not fit in SMEM (o_proj K = 4096 at T = 17:
 x is 196 KB); x is re-read from L2 per tile, TP / BN of the weight bytes.
-Why persistent: one CTA per tile (the old plan) redid the x load and the norm per tile, ramped its short
-ring up and down per tile and ran 2.4 waves for the 321 KDA tiles; the SMs of the tail wave had only their
-one tile's ring in flight. Why not emit_pipeline: it issues its first loads inside the pipeline call, after
-everything before it (the weight prefetch could not start before griddepcontrol.wait nor overlap the norm),
-and it pipelines one tile grid, not a CTA's run over tiles of several projections of different kinds.
+Why persistent: one CTA per tile (the first version) redid the x load and the norm per tile, ramped its short
+ring up and down per tile and ran 2.4 waves for the 321 KDA tiles. Why not emit_pipeline: its first loads
+are issued inside the pipeline call (the weight prefetch could not start before griddepcontrol.wait nor
+overlap the norm), and it pipelines one tile grid, not a CTA's run over tiles of projections of several kinds.
+Not done: split-K. Projections of few tiles (shared expert + router: 20, o_proj: 40) use only that many SMs;
+a fixed-order split-K needs a cross-CTA handoff (GMEM semaphores, which the CPU interpreter cannot run) or
+a second launch for the reduction, which costs more than it saves at 10-20 MB.
 Why linear_residual does not also return the normed output: every consumer of the residual stream (the next
 attention projections, the MLP / shared expert + router, the MTP and lm_head) is itself a norm_linear, whose
 prologue normalises on the fly from the L2-resident x; a normed copy from the residual kernel would need all
@@ -70,7 +75,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 SMEM_BYTES = 227 * 1024       # H100/H200 opt-in shared memory per block
 SM_SMEM_BYTES = 228 * 1024    # per SM, shared by its resident CTAs (1 KB of it reserved per CTA)
-SMEM_SLACK = 2 * 1024         # barriers and Mosaic's own scratch, kept free when the ring is sized
+SMEM_SLACK = 4 * 1024         # barriers, 1 KB alignment of swizzled buffers: kept free when sizing the ring
 KINDS = ("linear", "sigmoid", "swiglu")
 DTYPES = ("bfloat16", "float32")
 
