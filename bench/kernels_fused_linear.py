@@ -3,8 +3,9 @@
   python3 -m bench.kernels_fused_linear --out $OUT      (GPU, < 4 min; writes kernels-fused-linear-<device>-<date>.json)
 
 Per case and T in (1, 6, 17): every candidate config (CONFIGS: CTAs per SM and so ring depth per CTA, block_k;
-NO_NORM for linear_residual: block_k 512, streamed x; the ring is auto-sized to the CTA's SMEM share) is first checked against the model's jnp path on the GPU (rel err <= 1e-2 per output; for T > 1 row 2 bitwise
-equal to the T = 1 call on that row with the same config: batch invariance), then timed, as is the XLA baseline
+NO_NORM for linear_residual: block_k 512, streamed x; the ring is auto-sized to the CTA's SMEM share) is first
+checked against the model's jnp path on the GPU (rel err <= 1e-2 per output; for T > 1 row 2 bitwise equal
+to the T = 1 call on that row with the same config: batch invariance), then timed, as is the XLA baseline
 (rms_norm + einsum as the layers write them), with bench_kernels.timeit (profiler span per call, input sets with
 their own weights rotated over > 200 MB: cold L2). T = 1 and 17 sweep every config; T = 6 runs the T = 1 winner
 (and the default). Bytes = weights + x + outputs; `fraction_of_4.3TB/s` = bytes / ceiling / time. A config that
@@ -168,7 +169,8 @@ def main():
       if t == 1 and timed:
         best_t1 = min(timed, key=lambda r: r["time_us"])["config_name"]
   path = bk.write_result(args.out, "kernels-fused-linear", rows, bk.hbm_ceiling())
-  print(f"\nwrote {path} ({time.perf_counter() - start:.0f} s)\n{'name':60s} {'us':>8s} {'xla_us':>8s} {'MB':>7s} {'frac':>5s}")
+  print(f"\nwrote {path} ({time.perf_counter() - start:.0f} s)")
+  print(f"{'name':60s} {'us':>8s} {'xla_us':>8s} {'MB':>7s} {'frac':>5s}")
   for r in rows:
     if "time_us" in r and r.get("baseline_time_us"):
       print(f"{r['name']:60s} {r['time_us']:8.1f} {r['baseline_time_us']:8.1f} {r['bytes'] / 1e6:7.1f} "
