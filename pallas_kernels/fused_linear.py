@@ -2,7 +2,8 @@
 
 Shape legend: T rows (batch folded in, T <= 24 for Ling's K), TR = T rounded so TMA can tile it (T if
 T <= 8 or T % 8 == 0, else the next multiple of 8), TP = TR rounded up to 8 (wgmma N), K reduction width
-(D, or D1 + D2 for two normed inputs), KB = K / BK steps, N_s rows of projection s, BN x BK weight tile.
+(D, or D1 + D2 for two normed inputs), KB = K / BK steps, N_s rows of projection s, BN x BK weight tile,
+G CTAs (persistent grid), R weight-ring slots of one [BN, BK] tile each.
 
 Math (the model's functions are the references; tests compare with them):
   norm_linear:      xn = concat_i rms_norm(x_i, w_i, eps)   (ling_jax.layers.norms: fp32 stats, bf16 rounding of
@@ -18,29 +19,48 @@ Epilogues (`Proj.kind`), each with the model's rounding points:
   The router's selection bias is not added here: route() needs s = sigmoid(logits) for the weights and
   s + bias only to pick; keeping s exact lets the top-k consumer add the bias (one add, no second output).
 
-Kernel plan (one launch; grid = the BN-row tiles of all projections, each CTA one tile of one projection):
-  1. issue the first `stages` weight-tile TMA loads (they depend on no producer), then griddepcontrol.wait
+Bytes moved: every weight once (sum_s N_s K 2, the whole cost at T <= 24), x (T K 2 per CTA, from L2 after the
+first), the outputs. The kernel is a weight stream; what limits it is how many bytes are in flight and for how
+long each SM's stream runs without a gap (Little's law: ~4.3 TB/s x ~1.5 us ~ 6.4 MB in flight, ~50 KB / SM).
+
+Kernel plan (one launch, persistent: G = min(tiles, sms * ctas_per_sm) CTAs; the BN-row tiles of all
+projections are numbered f = 0.. in projection order and CTA c owns tiles c, c + G, c + 2G, ... (static
+round robin: neighbouring CTAs stream neighbouring weight rows at the same time)):
+  1. issue the CTA's first R weight-tile TMA loads (they depend on no producer), then griddepcontrol.wait
      (PDL: the previous kernel's x is only read after it) and griddepcontrol.launch_dependents;
-  2. TMA the whole x [TR, K] into SMEM (resident: [KB, TP, BK] bf16, 128 B swizzle), norm weights alongside;
-  3. prologue (norm_linear): per KB chunk load x^T [BK, TP] (transposed view, WGMMA layout), sum of squares
-     down the columns, r = rsqrt(ss / K + eps); second pass writes xn back in place (bf16, as the model);
-  4. K loop: wgmma(acc[BN, TP], W tile [BN, BK], xn chunk^T [BK, TP]); the ring slot is refilled with step
-     k + stages as soon as its wgmma retired;
+  2. TMA x [TR, K] into SMEM once per CTA (resident: [KB, TP, BK] bf16, 128 B swizzle), norm weights alongside;
+  3. prologue (norm_linear), once per CTA: per KB chunk load x^T [BK, TP] (transposed view, WGMMA layout),
+     sum of squares down the columns, r = rsqrt(ss / K + eps); a second pass writes xn back in place (bf16);
+  4. per owned tile, K loop: wgmma(acc[BN, TP], W tile [BN, BK], xn chunk^T [BK, TP]). The ring is ONE
+     stream over all of the CTA's tiles: load g (tile m, load j of its KB * n_weights) sits in slot g % R, and
+     the slot freed by load g is refilled with load g + R, near a tile's end the NEXT tile's first loads
+     (R <= KB, so g + R lies in tile m or m + 1): the next tile's weights are in flight during this tile's
+     last steps and its epilogue. With R >= 2 n_weights one wgmma group stays in flight (step k is issued
+     before step k - 1's slots are released), so the refill does not wait on the wgmma latency;
   5. epilogue in registers, stored transposed (o_smem [TP, BN]) and TMA'd to out [TR, N_s]: bf16 outputs are
      row-major [T, N], no XLA transpose after the kernel (f32 ones: see `_store`).
-Why not emit_pipeline: it issues its first loads inside the pipeline call, after everything before it; the
-norm needs all of x before the first wgmma, so with emit_pipeline the weight prefetch could not start before
-griddepcontrol.wait nor overlap the prologue. A hand-written ring (ring_tiles x [BN, BK], one barrier per tile)
-does both.
+Ring depth: by default as deep as the CTA's SMEM share allows (T = 1: 10 slots = 160 KB in flight per SM, T = 17:
+5 = 80 KB), so the tail, where only the SMs with one tile more are busy (KDA: 57 of 132), still has MBs in flight.
+Streamed x (`LinearConfig.stream_x`, linear_residual only: no norm needs the whole row): each ring slot also
+carries x's chunk [TP, BK] for its step (same barrier), so x need not fit in SMEM (o_proj K = 4096 at T = 17:
+x is 196 KB); x is re-read from L2 per tile, TP / BN of the weight bytes.
+Why persistent: one CTA per tile (the first version) redid the x load and the norm per tile, ramped its short
+ring up and down per tile and ran 2.4 waves for the 321 KDA tiles. Why not emit_pipeline: its first loads
+are issued inside the pipeline call (the weight prefetch could not start before griddepcontrol.wait nor
+overlap the norm), and it pipelines one tile grid, not a CTA's run over tiles of projections of several kinds.
+Not done: split-K. Projections of few tiles (shared expert + router: 20, o_proj: 40) use only that many SMs;
+a fixed-order split-K needs a cross-CTA handoff (GMEM semaphores, which the CPU interpreter cannot run) or
+a second launch for the reduction, which costs more than it saves at 10-20 MB.
 Why linear_residual does not also return the normed output: every consumer of the residual stream (the next
 attention projections, the MLP / shared expert + router, the MTP and lm_head) is itself a norm_linear, whose
-prologue normalises on the fly from the L2-resident x (K x TP x 2 bytes per CTA); a normed copy from the
-residual kernel would need all N columns of the row in one CTA (a grid-wide reduction), i.e. one more kernel.
-Batch invariance: row t's result uses only row t (column t of every tile), fixed K order, no split-K.
+prologue normalises on the fly from the L2-resident x; a normed copy from the residual kernel would need all
+N columns of the row in one CTA (a grid-wide reduction), i.e. one more kernel.
+Batch invariance: row t's result uses only row t (column t of every tile), one fixed K order, no split-K; the
+grid and the ring depth change which CTA computes a tile and when, never the arithmetic.
 T < TP rows are zero-filled by TMA (out-of-bounds rows), their columns are never stored.
 Limits: T in 9..15 and 17..23 (not a TMA tile multiple) costs an XLA pad of x and a slice of each output;
-bf16 N_s must be <= 64 or a multiple of 64 (the TMA store tiles GMEM), f32 N_s a multiple of 8;
-x resident in SMEM: TP * K * 2 bytes (T = 17, K = 2560: 123 KB) + the ring must fit 227 KB.
+bf16 N_s must be <= 64 or a multiple of 64 (the TMA store tiles GMEM), f32 N_s a multiple of 8; K >= 2 BK;
+resident x: TP * K * 2 bytes (T = 17, K = 2560: 123 KB) + 2 ring slots must fit the CTA's SMEM share.
 """
 from __future__ import annotations
 
@@ -53,7 +73,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-SMEM_BYTES = 227 * 1024   # H100/H200 opt-in shared memory per block
+SMEM_BYTES = 227 * 1024       # H100/H200 opt-in shared memory per block
+SM_SMEM_BYTES = 228 * 1024    # per SM, shared by its resident CTAs (1 KB of it reserved per CTA)
+SMEM_SLACK = 4 * 1024         # barriers, 1 KB alignment of swizzled buffers: kept free when sizing the ring
 KINDS = ("linear", "sigmoid", "swiglu")
 DTYPES = ("bfloat16", "float32")
 
@@ -95,19 +117,27 @@ class Proj:
 
 @dataclasses.dataclass(frozen=True)
 class LinearConfig:
-  """Tiling of the fused projections.
+  """Tiling and grid of the fused projections (none of it changes the arithmetic: batch invariant).
 
   Attributes:
-    block_n: weight rows per CTA (wgmma M; multiple of 64).
-    block_k: reduction tile per ring step (multiple of 64: 128 B swizzle of bf16).
-    ring_bytes: weight bytes in flight per CTA; stages = ring_bytes // tile bytes (>= 2), so a swiglu
-      projection (two tiles per step) keeps the same bytes in flight with half the steps.
+    block_n: weight rows per tile (wgmma M; multiple of 64).
+    block_k: reduction tile per ring slot (multiple of 64: 128 B swizzle of bf16); BK * 2 bytes is the
+      contiguous run read from each weight row per TMA.
+    ring_bytes: weight bytes in flight per CTA (R = ring_bytes // (BN BK 2) slots, at least 2, at most KB);
+      None: as many slots as the CTA's SMEM share holds next to x and the output tile.
+    ctas_per_sm: persistent CTAs per SM (1 or 2); each gets SM_SMEM_BYTES / ctas_per_sm of shared memory.
+    sms: SMs of the target GPU (132 on the H100 / H200 SXM); the grid is min(tiles, sms * ctas_per_sm).
+    stream_x: carry x's chunk in each ring slot instead of keeping x resident (linear_residual only);
+      None: stream when resident x would not leave room for a ring of 4 slots.
     pdl: issue griddepcontrol.wait / launch_dependents (programmatic dependent launch; off in interpret).
     interpret: run in the Mosaic GPU interpreter (CPU tests).
   """
   block_n: int = 64
   block_k: int = 128
-  ring_bytes: int = 64 * 1024
+  ring_bytes: int | None = None
+  ctas_per_sm: int = 1
+  sms: int = 132
+  stream_x: bool | None = None
   pdl: bool = True
   interpret: bool = False
 
@@ -118,23 +148,27 @@ class LinearConfig:
         raise ValueError(f"{name}={v} must be a positive multiple of 64")
     if self.block_n > 256:
       raise ValueError(f"block_n={self.block_n} must be <= 256")
-    if self.ring_tiles < 4:
-      raise ValueError(f"ring_bytes={self.ring_bytes} must hold 4 {self.block_n}x{self.block_k} bf16 tiles "
-                       f"(2 stages of a gate/up pair: {8 * self.block_n * self.block_k} bytes)")
+    if self.ring_bytes is not None and self.ring_bytes < 2 * self.tile_bytes:
+      raise ValueError(f"ring_bytes={self.ring_bytes} must hold 2 {self.block_n}x{self.block_k} bf16 tiles "
+                       f"({2 * self.tile_bytes} bytes)")
+    if self.ctas_per_sm not in (1, 2):
+      raise ValueError(f"ctas_per_sm={self.ctas_per_sm} must be 1 or 2")
+    if self.sms < 1:
+      raise ValueError(f"sms={self.sms} must be >= 1")
 
   @property
-  def ring_tiles(self) -> int:
-    """SMEM ring slots of one [BN, BK] bf16 weight tile."""
-    return self.ring_bytes // (self.block_n * self.block_k * 2)
+  def tile_bytes(self) -> int:
+    return self.block_n * self.block_k * 2
 
-  def stages(self, n_weights: int) -> int:
-    """Ring steps in flight for a projection reading n_weights tiles per step."""
-    return self.ring_tiles // n_weights
+  @property
+  def cta_smem(self) -> int:
+    """Shared memory one CTA may use so that ctas_per_sm of them are resident on an SM."""
+    return min(SMEM_BYTES, SM_SMEM_BYTES // self.ctas_per_sm - 1024)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
-  """Static facts of one call (shapes resolved)."""
+  """Static facts of one call (shapes resolved, grid and ring sized)."""
   rows: int                 # TR: rows of x and of the outputs as the kernel sees them
   tp: int                   # TP: wgmma N
   k_parts: tuple            # K of each input (one norm each)
@@ -143,6 +177,8 @@ class _Plan:
   eps: float
   norm: bool
   residual: bool
+  stream_x: bool
+  ring: int                 # R slots
   cfg: LinearConfig
 
   @property
@@ -150,16 +186,44 @@ class _Plan:
     return sum(self.k_parts) // self.cfg.block_k
 
   def tiles(self):
-    """(first program, last program + 1) of each projection."""
+    """(first flat tile, last + 1) of each projection."""
     out, start = [], 0
     for n in self.n_rows:
       out.append((start, start + pl.cdiv(n, self.cfg.block_n)))
       start = out[-1][1]
     return out
 
+  @property
+  def n_tiles(self) -> int:
+    return self.tiles()[-1][1]
+
+  @property
+  def grid(self) -> int:
+    return min(self.n_tiles, self.cfg.sms * self.cfg.ctas_per_sm)
+
+  @property
+  def defer(self) -> bool:
+    """Keep one wgmma group in flight: needs the slots of two steps held at once (else the ring deadlocks)."""
+    return self.ring >= 2 * max(p.n_weights for p in self.projs)
+
+  def loads(self, s: int) -> int:
+    """Ring loads of one tile of projection s (KB steps of n_weights tiles)."""
+    return self.kb * self.projs[s].n_weights
+
 
 def _swizzled():
   return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+
+def _fixed_smem(tp, k, norm, stream_x, cfg):
+  """SMEM besides the weight ring: resident x (or per-slot x chunks, counted with the ring), the norm
+  weights, the bf16 and f32 output tiles."""
+  x = 0 if stream_x else tp * k * 2
+  return x + (k * 2 if norm else 0) + tp * cfg.block_n * (2 + 4) + SMEM_SLACK
+
+
+def _slot_bytes(tp, stream_x, cfg):
+  return cfg.tile_bytes + (tp * cfg.block_k * 2 if stream_x else 0)
 
 
 # ----------------------------------------------------------------------------- prologue
@@ -228,37 +292,106 @@ def _wait_x(x_bar, plan):
     plgpu.barrier_wait(x_bar.at[b])
 
 
-# ----------------------------------------------------------------------------- GEMM + epilogue
 
 
-def _issue(ws, ring, ring_bar, tile, k, plan):
-  """TMA step k of this tile's weights into ring slot k % stages (one barrier per weight)."""
-  bn, bk, nw = plan.cfg.block_n, plan.cfg.block_k, len(ws)
-  slot = k % plan.cfg.stages(nw)
-  for i, w in enumerate(ws):
-    plgpu.copy_gmem_to_smem(w.at[pl.ds(tile * bn, bn), pl.ds(k * bk, bk)], ring.at[slot * nw + i],
-                            ring_bar.at[slot * nw + i])
+# ----------------------------------------------------------------------------- weight ring + GEMM
 
 
-def _gemm(ws, ring, ring_bar, xs, tile, plan):
-  """acc_i [BN, TP] = W_i[tile rows] @ xn^T over all KB steps (steps < stages were issued already)."""
-  nw, stages = len(ws), plan.cfg.stages(len(ws))
+def _when(cond, body):
+  """pl.when that also takes a static bool (the prefetch's tile and load indices are Python ints)."""
+  if isinstance(cond, bool):
+    if cond:
+      body()
+  else:
+    pl.when(cond)(body)
+
+
+def _div(a, b):
+  return a // b if isinstance(a, int) else lax.div(a, jnp.int32(b))
+
+
+def _rem(a, b):
+  return a % b if isinstance(a, int) else lax.rem(a, jnp.int32(b))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ring:
+  """One CTA's weight stream: load g (its tile m, load j of that tile) lands in slots[g % R] on bars[g % R]."""
+  plan: _Plan
+  ws: tuple           # per projection: its weight ref(s) in GMEM
+  x: object           # x in GMEM (streamed x) or None
+  slots: object       # [R, BN, BK] bf16
+  x_slots: object     # [R, TP, BK] bf16 (streamed x) or None
+  bars: object        # R barriers (1 arrival, 2 with streamed x)
+  cta: object         # c
+
+  def tile(self, m):
+    """Flat tile index of the CTA's m-th tile."""
+    return self.cta + m * self.plan.grid
+
+  @property
+  def n_mine(self):
+    g = self.plan.grid
+    return (self.plan.n_tiles - self.cta + g - 1) // g
+
+
+def _issue_proj(r, s, tile, j, slot):
+  """TMA load j of `tile` (local to projection s): step k = j // n_weights of weight i = j % n_weights."""
+  bn, bk, nw = r.plan.cfg.block_n, r.plan.cfg.block_k, r.plan.projs[s].n_weights
+  k = _div(j, nw)
+  for i, w in enumerate(r.ws[s]):
+    def copy(w=w):
+      plgpu.copy_gmem_to_smem(w.at[pl.ds(tile * bn, bn), pl.ds(k * bk, bk)], r.slots.at[slot], r.bars.at[slot])
+      if r.x is not None:                                             # streamed x: its chunk rides along
+        plgpu.copy_gmem_to_smem(r.x.at[pl.ds(0, r.plan.tp), pl.ds(k * bk, bk)], r.x_slots.at[slot],
+                                r.bars.at[slot])
+    _when(True if nw == 1 else _rem(j, nw) == i, copy)
+
+
+def _issue(r, m, j, slot):
+  """Load j of the CTA's m-th tile, whichever projection it belongs to (nothing past the CTA's last tile)."""
+  f = r.tile(m)
+  for s, (lo, hi) in enumerate(r.plan.tiles()):
+    _when((m < r.n_mine) & (f >= lo) & (f < hi), functools.partial(_issue_proj, r, s, f - lo, j, slot))
+
+
+def _refill(r, s, m, tile, base, k):
+  """Step k's slots are free: refill each with the load R ahead (this tile's, or the next tile's first)."""
+  nw, ring, n_loads = r.plan.projs[s].n_weights, r.plan.ring, r.plan.loads(s)
+  for i in range(nw):
+    slot = lax.rem(base + k * nw + i, jnp.int32(ring))
+    ahead = k * nw + i + ring
+    _when(ahead < n_loads, functools.partial(_issue_proj, r, s, tile, ahead, slot))
+    _when(ahead >= n_loads, functools.partial(_issue, r, m + 1, ahead - n_loads, slot))
+
+
+def _gemm(r, xs, s, m, tile, base):
+  """acc_i [BN, TP] = W_i[tile rows] @ xn^T over the KB steps of the CTA's m-th tile (projection s), whose
+  loads are the ring's base .. base + loads(s) - 1 (issued R ahead). With R >= 2 n_weights (`plan.defer`)
+  one wgmma group stays in flight: step k's wgmmas are issued before step k - 1's slots are released."""
+  plan = r.plan
+  nw, ring = plan.projs[s].n_weights, plan.ring
 
   def scope(*accs):
     def step(k, carry):
-      slot = k % stages
-      for i in range(nw):
-        plgpu.barrier_wait(ring_bar.at[slot * nw + i])
-      for i in range(nw):
-        plgpu.wgmma(accs[i], ring.at[slot * nw + i], xs.at[k].transpose((1, 0)))
-      plgpu.wgmma_wait(0)                                             # slot free: refill it
-
-      @pl.when(k + stages < plan.kb)
-      def _refill():
-        _issue(ws, ring, ring_bar, tile, k + stages, plan)
+      slots = [lax.rem(base + k * nw + i, jnp.int32(ring)) for i in range(nw)]
+      for slot in slots:
+        plgpu.barrier_wait(r.bars.at[slot])
+      for acc, slot in zip(accs, slots):
+        x_chunk = r.x_slots.at[slot] if plan.stream_x else xs.at[k]
+        plgpu.wgmma(acc, r.slots.at[slot], x_chunk.transpose((1, 0)))
+      if plan.defer:
+        plgpu.wgmma_wait(1)                                           # step k - 1 retired: its slots are free
+        _when(k > 0, functools.partial(_refill, r, s, m, tile, base, k - 1))
+      else:
+        plgpu.wgmma_wait(0)
+        _refill(r, s, m, tile, base, k)
       return carry
 
     lax.fori_loop(0, plan.kb, step, 0)
+    if plan.defer:
+      plgpu.wgmma_wait(0)
+      _refill(r, s, m, tile, base, plan.kb - 1)
     return tuple(a[...] for a in accs)
 
   return pl.run_scoped(scope, *[plgpu.ACC((plan.cfg.block_n, plan.tp))] * nw)
@@ -281,29 +414,25 @@ def _epilogue(proj, accs):
   return pin(pin(act * u).astype(bf))
 
 
-def _store(y, out_gmem, res_gmem, tile, plan):
+def _store(y, out_gmem, res_gmem, tile, plan, o_bf, o_f32, res_bar):
   """out[:, tile cols] = y^T (+ residual): a bf16 y [BN, TP] is stored through a transposed [TP, BN] view
   (stmatrix.trans); f32 has no transposed SMEM store, so f32 outputs are written as out^T [N_s, TP]."""
   bn, tp = plan.cfg.block_n, plan.tp
   transposed = out_gmem.dtype == jnp.bfloat16
   cols = pl.ds(tile * bn, bn)
-
-  def scope(o_smem, bar):
-    if res_gmem is not None:                                          # out = residual + bf16(x W^T)
-      plgpu.copy_gmem_to_smem(res_gmem.at[pl.ds(0, tp), cols], o_smem, bar.at[0])
-      plgpu.barrier_wait(bar.at[0])
-      res = o_smem.transpose((1, 0))[...].astype(jnp.float32)
-      o_smem.transpose((1, 0))[...] = (res + y.astype(jnp.float32)).astype(o_smem.dtype)
-    elif transposed:
-      o_smem.transpose((1, 0))[...] = y.astype(o_smem.dtype)
-    else:
-      o_smem[...] = y
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[pl.ds(0, tp), cols] if transposed else out_gmem.at[cols])
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-  shape = (tp, bn) if transposed else (bn, tp)
-  pl.run_scoped(scope, plgpu.SMEM(shape, out_gmem.dtype), plgpu.Barrier(num_barriers=1))
+  o_smem = o_bf if transposed else o_f32
+  if res_gmem is not None:                                            # out = residual + bf16(x W^T)
+    plgpu.copy_gmem_to_smem(res_gmem.at[pl.ds(0, tp), cols], o_bf, res_bar.at[0])
+    plgpu.barrier_wait(res_bar.at[0])
+    res = o_bf.transpose((1, 0))[...].astype(jnp.float32)
+    o_bf.transpose((1, 0))[...] = (res + y.astype(jnp.float32)).astype(o_bf.dtype)
+  elif transposed:
+    o_bf.transpose((1, 0))[...] = y.astype(o_bf.dtype)
+  else:
+    o_f32[...] = y
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[pl.ds(0, tp), cols] if transposed else out_gmem.at[cols])
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)                     # o_smem is the next tile's
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -318,51 +447,59 @@ def _kernel(*refs, plan):
   w_flat, outs = refs[:n_w], refs[n_w:]
   ws, at = [], 0
   for p in plan.projs:
-    ws.append(w_flat[at:at + p.n_weights])
+    ws.append(tuple(w_flat[at:at + p.n_weights]))
     at += p.n_weights
-  j = lax.axis_index("n")
   cfg = plan.cfg
 
-  def scope(ring, ring_bar, xs, x_bar, nw_smem, nw_bar):
-    for s, (lo, hi) in enumerate(plan.tiles()):                       # 1. producer-independent loads
-      @pl.when((j >= lo) & (j < hi))
-      def _prefetch(s=s, lo=lo):
-        for k in range(min(cfg.stages(len(ws[s])), plan.kb)):
-          _issue(ws[s], ring, ring_bar, j - lo, k, plan)
+  def scope(slots, bars, xs, x_bar, nw_smem, nw_bar, o_bf, o_f32, res_bar):
+    r = _Ring(plan, tuple(ws), x_gmems[0] if plan.stream_x else None, slots, xs if plan.stream_x else None,
+              bars, lax.axis_index("n"))
+    for j in range(plan.ring):                                        # 1. producer-independent loads
+      _issue(r, 0, j, j)
     if cfg.pdl and not cfg.interpret:                                 # PDL: x is the producer's output
       plgpu.griddepcontrol_wait()
       plgpu.griddepcontrol_launch_dependents()
-    _load_x(x_gmems, nw_gmems, xs, nw_smem, x_bar, nw_bar, plan)      # 2.
-    if plan.norm:                                                     # 3.
-      _normalize(xs, nw_smem, x_bar, nw_bar, plan)
-    else:
-      _wait_x(x_bar, plan)
-    plgpu.commit_smem()                                               # generic -> async proxy (wgmma)
-    for s, (lo, hi) in enumerate(plan.tiles()):                       # 4. + 5.
-      @pl.when((j >= lo) & (j < hi))
-      def _tile(s=s, lo=lo):
-        accs = _gemm(ws[s], ring, ring_bar, xs, j - lo, plan)
-        _store(_epilogue(plan.projs[s], accs), outs[s], res_gmem, j - lo, plan)
+    if not plan.stream_x:
+      _load_x(x_gmems, nw_gmems, xs, nw_smem, x_bar, nw_bar, plan)    # 2.
+      if plan.norm:                                                   # 3.
+        _normalize(xs, nw_smem, x_bar, nw_bar, plan)
+      else:
+        _wait_x(x_bar, plan)
+      plgpu.commit_smem()                                             # generic -> async proxy (wgmma)
 
-  bn, bk = cfg.block_n, cfg.block_k
+    def tile_step(m, base):                                           # 4. + 5., base: the tile's first load
+      f = r.tile(m)
+      n_loads = jnp.int32(0)
+      for s, (lo, hi) in enumerate(plan.tiles()):
+        mine = (m < r.n_mine) & (f >= lo) & (f < hi)
+
+        @pl.when(mine)
+        def _tile(s=s, lo=lo):
+          accs = _gemm(r, xs, s, m, f - lo, base)
+          _store(_epilogue(plan.projs[s], accs), outs[s], res_gmem, f - lo, plan, o_bf, o_f32, res_bar)
+        n_loads = jnp.where(mine, jnp.int32(plan.loads(s)), n_loads)
+      return base + n_loads
+
+    lax.fori_loop(0, pl.cdiv(plan.n_tiles, plan.grid), tile_step, jnp.int32(0))
+
+  bn, bk, tp = cfg.block_n, cfg.block_k, plan.tp
+  x_smem = (plgpu.SMEM((plan.ring, tp, bk), jnp.bfloat16, transforms=_swizzled()) if plan.stream_x else
+            plgpu.SMEM((plan.kb, tp, bk), jnp.bfloat16, transforms=_swizzled()))
+  g = 1 if plan.stream_x else _x_group(plan.kb)
   pl.run_scoped(
       scope,
-      plgpu.SMEM((cfg.ring_tiles, bn, bk), jnp.bfloat16, transforms=_swizzled()),
-      plgpu.Barrier(num_barriers=cfg.ring_tiles),
-      plgpu.SMEM((plan.kb, plan.tp, bk), jnp.bfloat16, transforms=_swizzled()),
-      plgpu.Barrier(num_arrivals=_x_group(plan.kb), num_barriers=plan.kb // _x_group(plan.kb)),
+      plgpu.SMEM((plan.ring, bn, bk), jnp.bfloat16, transforms=_swizzled()),
+      plgpu.Barrier(num_arrivals=2 if plan.stream_x else 1, num_barriers=plan.ring),
+      x_smem,
+      plgpu.Barrier(num_arrivals=g, num_barriers=1 if plan.stream_x else plan.kb // g),
       plgpu.SMEM((plan.kb if plan.norm else 1, bk), jnp.bfloat16),
-      plgpu.Barrier(num_barriers=n_in))
+      plgpu.Barrier(num_barriers=n_in),
+      plgpu.SMEM((tp, bn), jnp.bfloat16),
+      plgpu.SMEM((bn, tp), jnp.float32),
+      plgpu.Barrier(num_barriers=1))
 
 
 # ----------------------------------------------------------------------------- wrappers
-
-
-def _smem_bytes(plan):
-  """Ring + resident x + norm weights + the output tile (f32 at most)."""
-  cfg, k = plan.cfg, sum(plan.k_parts)
-  ring = cfg.ring_tiles * cfg.block_n * cfg.block_k * 2
-  return ring + plan.tp * k * 2 + (k * 2 if plan.norm else 0) + plan.tp * cfg.block_n * 4
 
 
 def _check(xs, weights, projs, cfg):
@@ -374,6 +511,8 @@ def _check(xs, weights, projs, cfg):
     if x.shape[1] % cfg.block_k:
       raise ValueError(f"K={x.shape[1]} must be a multiple of block_k={cfg.block_k}")
   k = sum(x.shape[1] for x in xs)
+  if k < 2 * cfg.block_k:
+    raise ValueError(f"K={k} must be >= 2 * block_k={cfg.block_k} (a ring of two slots)")
   if len(weights) != len(projs):
     raise ValueError(f"{len(weights)} weights for {len(projs)} projections")
   n_rows = []
@@ -394,14 +533,32 @@ def _check(xs, weights, projs, cfg):
   return rows, max(8, -(-rows // 8) * 8), tuple(n_rows)
 
 
+def _ring_and_stream(tp, k, norm, cfg):
+  """(R ring slots, streamed x?) for the CTA's SMEM share; a clear error when not even 2 slots fit."""
+  stream = cfg.stream_x
+  if stream and norm:
+    raise ValueError("stream_x=True: the norm needs all of x resident; only linear_residual streams x")
+  if stream is None:
+    stream = not norm and _fixed_smem(tp, k, norm, False, cfg) + 4 * cfg.tile_bytes > cfg.cta_smem
+  fixed, slot = _fixed_smem(tp, k, norm, stream, cfg), _slot_bytes(tp, stream, cfg)
+  ring = (cfg.cta_smem - fixed) // slot if cfg.ring_bytes is None else cfg.ring_bytes // cfg.tile_bytes
+  ring = min(ring, k // cfg.block_k)                                  # R <= KB: load g + R is in tile m or m + 1
+  if ring < 2 or fixed + ring * slot > cfg.cta_smem:
+    raise ValueError(f"SMEM: {fixed} B (x [{tp}, {k}] {'streamed' if stream else 'resident'}, outputs) + "
+                     f"{max(ring, 2)} ring slots of {slot} B > {cfg.cta_smem} B per CTA at ctas_per_sm="
+                     f"{cfg.ctas_per_sm}; lower ring_bytes, T or ctas_per_sm, or stream x")
+  return ring, bool(stream)
+
+
 def _call(xs, norm_ws, residual, weights, projs, eps, cfg):
   rows, tp, n_rows = _check(xs, weights, projs, cfg)
-  t = xs[0].shape[0]
+  t, k = xs[0].shape[0], sum(x.shape[1] for x in xs)
+  if norm_ws is not None and cfg.block_k > 256:
+    raise ValueError(f"block_k={cfg.block_k}: the norm weight is loaded as [KB, BK] TMA boxes (<= 256 wide); "
+                     "norm_linear takes block_k <= 256")
+  ring, stream = _ring_and_stream(tp, k, norm_ws is not None, cfg)
   plan = _Plan(rows, tp, tuple(x.shape[1] for x in xs), n_rows, tuple(projs), float(eps),
-               norm_ws is not None, residual is not None, cfg)
-  if _smem_bytes(plan) > SMEM_BYTES:
-    raise ValueError(f"SMEM {_smem_bytes(plan)} B > {SMEM_BYTES}: x [{tp}, {sum(plan.k_parts)}] is resident; "
-                     "lower ring_bytes or T")
+               norm_ws is not None, residual is not None, stream, ring, cfg)
   pad = lambda a: jnp.pad(a, ((0, rows - t), (0, 0))) if rows != t else a
   args = [pad(x) for x in xs]
   if norm_ws is not None:
@@ -414,7 +571,7 @@ def _call(xs, norm_ws, residual, weights, projs, eps, cfg):
               for p, n in zip(projs, n_rows)]
   kernel = plgpu.kernel(
       functools.partial(_kernel, plan=plan), out_type=out_type,
-      grid=(plan.tiles()[-1][1],), grid_names=("n",),
+      grid=(plan.grid,), grid_names=("n",),
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       interpret=plgpu.InterpretGPUParams() if cfg.interpret else None)
   outs = kernel(*args)

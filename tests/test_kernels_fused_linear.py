@@ -130,19 +130,80 @@ def test_config_and_input_errors():
                 projs=(Proj(),), eps=EPS)
 
 
-@pytest.mark.parametrize("t", [1, 6, 17])
+def test_persistent_ring_across_tiles_and_projections():
+  """Fewer CTAs than tiles: sms=2 runs the 5 tiles (q 0-1, beta 2, swiglu 3, router 4) as CTA 0: 0, 2, 4 and
+  CTA 1: 1, 3; the ring runs across tiles of different kinds (1 and 2 weights per step) and R = 4 does not
+  divide a tile's 5 or 10 loads (KB = 5), so refills land mid-step in the next tile; R >= 4 keeps one wgmma
+  group in flight (deferred release). Same values as the model (bitwise for the bf16 outputs, as the
+  one-CTA-per-tile test)."""
+  x, nw, weights = make(11, 6, d=640)
+  refs = model_outputs(x, nw, weights)
+  cfg = LinearConfig(sms=2, ring_bytes=4 * 64 * 128 * 2, interpret=True)
+  outs = norm_linear(x, nw, weights, projs=PROJS, eps=EPS, config=cfg)
+  for o, r in zip(outs, refs):
+    assert o.shape == r.shape and rel_err(o, r) <= 1e-2
+  for o, r in zip(outs[:3], refs[:3]):
+    np.testing.assert_array_equal(np.asarray(o, F32), np.asarray(r, F32))
+
+
+@pytest.mark.parametrize("t", [6, 17])
+def test_linear_residual_streamed_x(t):
+  """stream_x: x's chunk rides in each ring slot (o_proj at T = 17 cannot keep x resident); two CTAs over
+  four tiles; bitwise equal to resident x and to the model's residual + bf16 projection."""
+  k = jax.random.split(jax.random.key(9), 3)
+  o = jax.random.normal(k[0], (t, 512), F32).astype(BF)
+  w = (jax.random.normal(k[1], (256, 512), F32) * 512 ** -0.5).astype(BF)
+  res = (4 * jax.random.normal(k[2], (t, 256), F32)).astype(BF)
+  ref = res + jnp.einsum("btc,dc->btd", o[None], w)[0]
+  streamed = linear_residual(o, w, res, config=LinearConfig(sms=2, ring_bytes=3 * 64 * 128 * 2, stream_x=True,
+                                                            interpret=True))
+  resident = linear_residual(o, w, res, config=LinearConfig(sms=2, stream_x=False, interpret=True))
+  assert streamed.shape == ref.shape and rel_err(streamed, ref) <= 1e-2
+  np.testing.assert_array_equal(np.asarray(streamed, F32), np.asarray(resident, F32))
+  np.testing.assert_array_equal(np.asarray(streamed, F32), np.asarray(ref, F32))
+
+
+def test_ring_and_grid_errors():
+  with pytest.raises(ValueError, match="ctas_per_sm=3"):
+    LinearConfig(ctas_per_sm=3)
+  x, nw, weights = make(0, 2)
+  with pytest.raises(ValueError, match="stream_x=True"):
+    norm_linear(x, nw, weights, projs=PROJS, eps=EPS, config=LinearConfig(stream_x=True, interpret=True))
+  with pytest.raises(ValueError, match="block_k=512"):
+    norm_linear(jnp.zeros((2, 1024), BF), jnp.ones((1024,), BF), (jnp.zeros((64, 1024), BF),), projs=(Proj(),),
+                eps=EPS, config=LinearConfig(block_k=512))
+  with pytest.raises(ValueError, match="K=128 must be >= 2"):
+    norm_linear(x[:, :128], nw[:128], (weights[0][:, :128],), projs=(Proj(),), eps=EPS, config=CFG)
+  with pytest.raises(ValueError, match="SMEM"):   # an explicit ring larger than the CTA's share
+    norm_linear(jnp.zeros((2, 4096), BF), jnp.ones((4096,), BF), (jnp.zeros((64, 4096), BF),), projs=(Proj(),),
+                eps=EPS, config=LinearConfig(ring_bytes=200 * 1024, ctas_per_sm=2))
+
+
+LING = dict(  # name -> (weight shapes, projs) at D = 2560 (K = 4096 for o_proj)
+    kda=([(20480, 2560), (32, 2560)], (Proj(), Proj())),
+    mla=([(6144, 2560), (576, 2560), (32, 2560)], (Proj(), Proj(), Proj("sigmoid"))),
+    dense=([(6144, 2560), (6144, 2560)], (Proj("swiglu", limit=7.0),)),
+    shared=([(768, 2560), (768, 2560), (512, 2560)], (Proj("swiglu", limit=7.0), Proj("sigmoid", logit="float32"))),
+)
+
+
+def _ling_fn(projs, cfg):
+  def f(x, nw, *ws):
+    it = iter(ws)
+    weights = tuple((next(it), next(it)) if p.kind == "swiglu" else next(it) for p in projs)
+    return norm_linear(x, nw, weights, projs=projs, eps=EPS, config=cfg)
+  return f
+
+
+@pytest.mark.parametrize("t", [1, 17])
 def test_lowers_for_cuda_at_ling_shapes(t):
-  """D = 2560: KDA q|k|v|f|g [20480] + b [32] (N = 20512), shared gate/up [768] + router [512], o_proj."""
-  d = 2560
-  kda = lambda x, nw, w, b: norm_linear(x, nw, (w, b), projs=(Proj(), Proj()), eps=EPS)
-  text = lower_cuda(kda, S((t, d), BF), S((d,), BF), S((20480, d), BF), S((32, d), BF))
-  assert text.count("custom_call @mosaic_gpu") == 1 and "wgmma" in text
-  shared = lambda x, nw, g, u, r: norm_linear(
-      x, nw, ((g, u), r), projs=(Proj("swiglu", limit=5.0), Proj("sigmoid", logit="float32")), eps=EPS)
-  lower_cuda(shared, S((t, d), BF), S((d,), BF), S((768, d), BF), S((768, d), BF), S((512, d), BF))
-  if t == 17:  # x [24, 4096] resident (196 KB) + the ring exceeds SMEM: a clear error, T <= 16 lowers
-    with pytest.raises(ValueError, match="SMEM"):
-      lower_cuda(linear_residual, S((t, 4096), BF), S((d, 4096), BF), S((t, d), BF))
-    t = 16
-  text = lower_cuda(linear_residual, S((t, 4096), BF), S((d, 4096), BF), S((t, d), BF))
-  assert text.count("custom_call @mosaic_gpu") == 1
+  """D = 2560: KDA q|k|v|f|g [20480] + b [32], MLA q|kv_a|g, dense and shared gate/up (+ router), and
+  o_proj + residual 4096 -> 2560 (T = 17: x streamed), at the default config and at 2 CTAs / SM (T = 1; at
+  T = 17 the resident x [24, 2560] alone exceeds half an SM) or BK = 256 (T = 17)."""
+  for cfg in (LinearConfig(), LinearConfig(ctas_per_sm=2) if t == 1 else LinearConfig(block_k=256)):
+    for name, (shapes, projs) in LING.items():
+      text = lower_cuda(_ling_fn(projs, cfg), S((t, 2560), BF), S((2560,), BF), *(S(s, BF) for s in shapes))
+      assert text.count("custom_call @mosaic_gpu") == 1 and "wgmma" in text, name
+    res = lambda o, w, r, cfg=cfg: linear_residual(o, w, r, config=cfg)
+    text = lower_cuda(res, S((t, 4096), BF), S((2560, 4096), BF), S((t, 2560), BF))
+    assert text.count("custom_call @mosaic_gpu") == 1
