@@ -162,15 +162,3 @@ def dspark_step(params, dparams, state: DSparkState, cfg: ModelConfig, dcfg: DSp
     limit = verify_length(conf, spec)
     return dspark_step_with_drafts(params, dparams, state, drafts, q, limit, cfg, dcfg, is_greedy=is_greedy,
                                    opts=opts)
-
-
-def dspark_spec(draft_model_path: str, *, verify: str = "static", threshold: float = 0.5):
-    """(SpecConfig, DSparkConfig) from a draft dir: gamma is the draft's block_size."""
-    from ling_jax.dspark import load_config
-
-    dcfg = load_config(draft_model_path)
-    if verify == "confidence" and not dcfg.enable_confidence_head:
-        raise ValueError(f"{draft_model_path}: the confidence verify schedule needs a confidence head "
-                         f"(enable_confidence_head is false)")
-    return SpecConfig("DSPARK", dcfg.block_size, draft_model_path=draft_model_path, dspark_verify=verify,
-                      confidence_threshold=threshold), dcfg

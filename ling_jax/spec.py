@@ -311,3 +311,30 @@ def spec_step(params, state: SpecState, cfg: ModelConfig, *, steps: int, is_gree
     """One NEXTN step: draft -> verify -> commit -> extend. Returns (state, StepOutput)."""
     drafts, q, cache = draft(params, state, cfg, steps=steps, is_greedy=is_greedy, opts=opts)
     return spec_step_with_drafts(params, state, drafts, q, cache, cfg, is_greedy=is_greedy, opts=opts)
+
+
+def spec_from_flags(algorithm: str, num_steps: int | None, eagle_topk: int | None, num_draft_tokens: int | None,
+                    draft_model_path: str | None = None, dspark_verify: str = "static",
+                    confidence_threshold: float = 0.5):
+    """SGLang's --speculative-* flags -> (SpecConfig, DSparkConfig | None). NEXTN defaults: 3 steps, topk 1.
+    DSPARK takes gamma from the draft's config.json (block_size), so the step / draft-token / topk flags are refused
+    with it, as SGLang's DSpark worker has none."""
+    if algorithm != "DSPARK":
+        if draft_model_path is not None:
+            raise ValueError("--speculative-draft-model-path is only for --speculative-algorithm DSPARK")
+        return SpecConfig(algorithm, 3 if num_steps is None else num_steps, 1 if eagle_topk is None else eagle_topk,
+                          num_draft_tokens), None
+    given = [f for f, v in (("--speculative-num-steps", num_steps), ("--speculative-eagle-topk", eagle_topk),
+                            ("--speculative-num-draft-tokens", num_draft_tokens)) if v is not None]
+    if given:
+        raise ValueError(f"DSPARK takes its block size from the draft's config.json: drop {', '.join(given)}")
+    if draft_model_path is None:
+        raise ValueError("--speculative-algorithm DSPARK needs --speculative-draft-model-path DIR")
+    from ling_jax.dspark import load_config
+
+    dcfg = load_config(draft_model_path)
+    if dspark_verify == "confidence" and not dcfg.enable_confidence_head:
+        raise ValueError(f"{draft_model_path}: the confidence verify schedule needs a confidence head "
+                         f"(enable_confidence_head is false)")
+    return SpecConfig("DSPARK", dcfg.block_size, draft_model_path=draft_model_path, dspark_verify=dspark_verify,
+                      confidence_threshold=confidence_threshold), dcfg
