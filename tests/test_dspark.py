@@ -84,12 +84,13 @@ def test_planted_mismatch_commits_plain_state_and_draft_context():
     G, prompt = 4, PROMPTS[1]
     sp, key = SamplingOptions().device(cfg.vocab_size), jax.random.key(0)
     pstate, first, _ = plain_gen.prefill(prompt, sp, key, True)
-    pstep = plain_gen.step_fn(True)
-    tokens, plain_states = [int(first[0])], {int(pstate.target.lengths[0]): pstate.target}
+    pstep = plain_gen.step_fn(True)  # donates its state: keep copies
+    keep = lambda s: jax.tree.map(jnp.copy, s.target)
+    tokens, plain_states = [int(first[0])], {int(pstate.target.lengths[0]): keep(pstate)}
     for _ in range(30):
         pstate, out = pstep(params, pstate)
         tokens.append(int(out.tokens[0, 0]))
-        plain_states[int(pstate.target.lengths[0])] = pstate.target
+        plain_states[int(pstate.target.lengths[0])] = keep(pstate)
     state, bonus, _ = gen.prefill(prompt, sp, key, True)
     step = jax.jit(functools.partial(dspark_step_with_drafts, cfg=cfg, dcfg=dcfg, is_greedy=True))
     # the oracle: the draft context of a fresh causal prefill over the committed tokens (padded to one shape)
