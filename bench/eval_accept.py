@@ -76,10 +76,11 @@ def heldout_loss(cfg, params, tokens: np.ndarray, seq: int, windows: int, batch:
             "heldout_eval_tokens": n * batch * seq}
 
 
-def run_steps(cfg, params, prompts, k: int, new_tokens: int, max_len: int, target_rows=None):
-    spec = SpecConfig("NEXTN", k) if k > 0 else SpecConfig("NONE")
+def run_steps(cfg, params, prompts, k: int, new_tokens: int, max_len: int, target_rows=None, spec=None, draft=None):
+    """NEXTN with k steps (k = 0: plain greedy), or the given DSPARK spec with its draft (k = its block size)."""
+    spec = spec or (SpecConfig("NEXTN", k) if k > 0 else SpecConfig("NONE"))
     gen = Generator(cfg, params, spec=spec, max_len=max_len, dtype=params["embed"].dtype,
-                    opts=RuntimeOptions(numerics=Numerics(target_rows=target_rows)))
+                    opts=RuntimeOptions(numerics=Numerics(target_rows=target_rows)), draft=draft)
     gen.generate(prompts[0], max_new_tokens=2 * spec.draft_tokens + 1, stop_token_ids=())  # compile
     outs, accepts, decode_s, decode_tokens = [], [], 0.0, 0
     for p in prompts:
@@ -89,7 +90,9 @@ def run_steps(cfg, params, prompts, k: int, new_tokens: int, max_len: int, targe
         decode_s += st.total_s - st.ttft_s
         decode_tokens += st.completion_tokens - 1
     a = np.asarray(accepts) if accepts else np.zeros(1)
-    row = {"steps": k, "decode_tokens_per_s": decode_tokens / max(decode_s, 1e-9)}
+    row = {"steps": k, "algorithm": spec.algorithm, "decode_tokens_per_s": decode_tokens / max(decode_s, 1e-9)}
+    if spec.is_dspark:
+        row.update(dspark_verify=spec.dspark_verify, confidence_threshold=spec.confidence_threshold)
     if k > 0:
         row.update({"mean_accept_length": float(a.mean()), "verify_steps": int(a.size),
                     "acceptance_rate_per_position": [float(np.mean(a - 1 >= j)) for j in range(1, k + 1)],
@@ -104,13 +107,18 @@ def plot(rows, path, title):
     import matplotlib.pyplot as plt
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
-    spec = [r for r in rows if r["steps"] > 0]
-    a1.plot([r["steps"] for r in spec], [r["mean_accept_length"] for r in spec], "o-")
+    spec = [r for r in rows if r["steps"] > 0 and r["algorithm"] == "NEXTN"]
+    a1.plot([r["steps"] for r in spec], [r["mean_accept_length"] for r in spec], "o-", label="NEXTN")
+    for r in rows:
+        if r.get("algorithm") == "DSPARK":
+            a1.plot([r["steps"]], [r["mean_accept_length"]], "s", label=f"DSPARK {r['dspark_verify']}")
+    a1.legend(fontsize=7)
     a1.set_xlabel("--speculative-num-steps")
     a1.set_ylabel("mean accept length (incl. bonus)")
     a1.grid(alpha=0.3)
-    for r in spec:
-        a2.plot(range(1, r["steps"] + 1), r["acceptance_rate_per_position"], "o-", label=f"steps={r['steps']}")
+    for r in spec + [r for r in rows if r.get("algorithm") == "DSPARK"]:
+        name = f"steps={r['steps']}" if r["algorithm"] == "NEXTN" else f"DSPARK {r['dspark_verify']}"
+        a2.plot(range(1, r["steps"] + 1), r["acceptance_rate_per_position"], "o-", label=name)
     a2.set_xlabel("draft position j")
     a2.set_ylabel("P(draft j accepted)")
     a2.grid(alpha=0.3)
@@ -147,6 +155,9 @@ def main(argv=None):
                         "8 covers steps <= 7), which makes the bf16 lossless check exact too")
     p.add_argument("--quantization", choices=["fp8"], default=None,
                    help="fp8: also evaluate the weights quantised to block fp8 and compare with the unquantised run")
+    p.add_argument("--dspark", default=None, help="DSpark draft dir: also measure DSPARK (block = its block_size)")
+    p.add_argument("--dspark-verify", default="static,confidence", help="DSpark verify modes to measure")
+    p.add_argument("--dspark-threshold", type=float, default=0.5, help="survival threshold of the confidence mode")
     p.add_argument("--out", default="bench/results")
     a = p.parse_args(argv)
     if a.quantization:
@@ -222,6 +233,22 @@ def evaluate(a, cfg, params) -> dict:
         print(f"steps={k}: accept {row['mean_accept_length']:.3f}, per-position "
               f"{[round(x, 3) for x in row['acceptance_rate_per_position']]}, {row['decode_tokens_per_s']:.1f} tok/s, "
               f"lossless {row['lossless_prompts']}/{len(prompts)}", flush=True)
+    if a.dspark:
+        from ling_jax import dspark as ds
+        from ling_jax.spec import spec_from_flags
+
+        for mode in a.dspark_verify.split(","):
+            spec, dcfg = spec_from_flags("DSPARK", None, None, None, a.dspark, mode, a.dspark_threshold)
+            draft = (dcfg, ds.load_params(dcfg, a.dspark, params["embed"].dtype))
+            row, outs = run_steps(cfg, params, prompts, spec.num_steps, a.new_tokens, max_len, a.target_rows, spec,
+                                  draft)
+            row["lossless_prompts"] = sum(o == b for o, b in zip(outs, base_outs))
+            row["speedup_vs_plain"] = row["decode_tokens_per_s"] / base["decode_tokens_per_s"]
+            rows.append(row)
+            all_outs.append(outs)
+            print(f"DSPARK block {spec.num_steps} {mode}: accept {row['mean_accept_length']:.3f}, per-position "
+                  f"{[round(x, 3) for x in row['acceptance_rate_per_position']]}, {row['decode_tokens_per_s']:.1f} "
+                  f"tok/s, lossless {row['lossless_prompts']}/{len(prompts)}", flush=True)
     dev = jax.devices()[0]
     device = "cpu" if dev.platform == "cpu" else dev.device_kind.replace(" ", "-")
     date = time.strftime("%Y-%m-%d")

@@ -25,11 +25,40 @@ from ling_jax.errors import CheckpointError
 from ling_jax.model import Numerics, RuntimeOptions
 from ling_jax.spec import deterministic_rows
 from ling_jax.runner import DEFAULT_CHUNKED_PREFILL_SIZE, Generator
-from ling_jax.spec import SpecConfig
+from ling_jax.spec import spec_from_flags
 from ling_jax.tokenizer import load_tokenizer
 from ling_jax.weights import load_params, validate_checkpoint
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+
+
+def add_speculative_flags(p: argparse.ArgumentParser) -> None:
+    """SGLang's --speculative-* flags (shared with serve.launch_server); resolved by ling_jax.spec.spec_from_flags."""
+    p.add_argument("--speculative-algorithm", choices=["NEXTN", "DSPARK", "NONE"], default="NONE")
+    p.add_argument("--speculative-num-steps", type=int, default=None, help="NEXTN draft steps (default 3)")
+    p.add_argument("--speculative-eagle-topk", type=int, default=None, help="NEXTN: 1 (chains only)")
+    p.add_argument("--speculative-num-draft-tokens", type=int, default=None, help="NEXTN: num_steps + 1")
+    p.add_argument("--speculative-draft-model-path", default=None, help="DSPARK: the draft checkpoint dir")
+    p.add_argument("--speculative-dspark-verify", choices=["static", "confidence"], default="static",
+                   help="DSPARK: verify the whole block (static, SGLang's deployed config) or the prefix whose "
+                        "confidence survival stays above the threshold (same tokens, shorter accepts)")
+    p.add_argument("--speculative-dspark-confidence-threshold", type=float, default=0.5)
+
+
+def speculative_config(a: argparse.Namespace):
+    """(SpecConfig, DSparkConfig | None) from the parsed flags."""
+    return spec_from_flags(a.speculative_algorithm, a.speculative_num_steps, a.speculative_eagle_topk,
+                           a.speculative_num_draft_tokens, a.speculative_draft_model_path,
+                           a.speculative_dspark_verify, a.speculative_dspark_confidence_threshold)
+
+
+def load_draft(dcfg, spec, dtype):
+    """The DSpark draft (DSparkConfig, params) for Generator(draft=...), None for other algorithms."""
+    if dcfg is None:
+        return None
+    from ling_jax import dspark
+
+    return dcfg, dspark.load_params(dcfg, spec.draft_model_path, dtype)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,10 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fp8: block-fp8 linear weights (DeepSeek-V3 layout), quantising a bf16 checkpoint while it loads")
     p.add_argument("--context-length", type=int, default=None, help="KV cache slots (default: prompt+new+slack)")
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--speculative-algorithm", choices=["NEXTN", "NONE"], default="NONE")
-    p.add_argument("--speculative-num-steps", type=int, default=3)
-    p.add_argument("--speculative-eagle-topk", type=int, default=1)
-    p.add_argument("--speculative-num-draft-tokens", type=int, default=None)
+    add_speculative_flags(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--check-weights", action="store_true",
                    help="before loading, read every tensor of the checkpoint once and reject inf/nan (names the "
@@ -76,9 +102,10 @@ def main(argv=None) -> int:
     try:
         if a.num_continuous_decode_steps < 1:
             raise ValueError(f"--num-continuous-decode-steps must be >= 1, got {a.num_continuous_decode_steps}")
-        spec = SpecConfig(a.speculative_algorithm, a.speculative_num_steps, a.speculative_eagle_topk,
-                          a.speculative_num_draft_tokens)
+        spec, dcfg = speculative_config(a)
         cfg = load_config(a.model)
+        if dcfg is not None:
+            dcfg.check_target(cfg)
         if a.check_weights and not os.path.isdir(a.model):
             raise ValueError(f"--check-weights checks a checkpoint directory; {a.model} is a preset (random weights)")
         if os.path.isdir(a.model):  # names, shapes, dtypes (and with --check-weights the values) before any compile
@@ -96,17 +123,18 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     try:
         params = load_params(cfg, a.model, dtype=DTYPES[a.dtype], seed=a.seed, quantization=a.quantization)
+        draft = load_draft(dcfg, spec, DTYPES[a.dtype])
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    jax.block_until_ready(params)
+    jax.block_until_ready((params, draft))
     load_s = time.perf_counter() - t0
     max_len = a.context_length or max(256, len(prompt) + a.max_new_tokens
                                       + 4 * a.num_continuous_decode_steps * spec.draft_tokens)
     gen = Generator(cfg, params, spec=spec, max_len=max_len, dtype=DTYPES[a.dtype], opts=RuntimeOptions(
         numerics=Numerics(target_rows=deterministic_rows(spec.draft_tokens) if a.enable_deterministic_inference
                           else None)),
-        chunked_prefill_size=a.chunked_prefill_size, decode_steps=a.num_continuous_decode_steps)
+        chunked_prefill_size=a.chunked_prefill_size, draft=draft, decode_steps=a.num_continuous_decode_steps)
     sampling = dict(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
                     repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
                     frequency_penalty=a.frequency_penalty)
@@ -125,6 +153,11 @@ def main(argv=None) -> int:
     result = {"model": a.model, "prompt_ids": prompt, "output_ids": ids, **stats.as_dict(),
               "load_s": load_s, "compile_s": compile_s, "speculative_algorithm": spec.algorithm,
               "speculative_num_steps": spec.num_steps if spec.enabled else 0, "backend": jax.default_backend()}
+    if spec.is_dspark:
+        result |= {"speculative_draft_model_path": spec.draft_model_path, "dspark_verify": spec.dspark_verify,
+                   "dspark_block_size": spec.num_steps}
+    if spec.enabled:  # verify steps that emitted 1..K+1 tokens
+        result["accept_histogram"] = [stats.accept_lengths.count(j) for j in range(1, spec.num_steps + 2)]
     if tok is not None:
         result["text"] = tok.decode(ids)
     if a.json:

@@ -99,6 +99,7 @@ class ForwardOutput(NamedTuple):
     state: DecodeState
     pending: KdaPending | None  # verify only: stacked over KDA layers
     expert_load: jax.Array | None = None  # int32[MoE layers, E] tokens routed to each expert (only when asked)
+    layer_hidden: jax.Array | None = None  # [B, T, len(capture) * D]: residual stream after the captured layers
 
 
 def embed(params, tokens):
@@ -139,10 +140,13 @@ def mla_block(p, x, cache, lengths, cfg: ModelConfig, i: int, *, absorbed: bool,
 
 
 def forward(params, tokens, state: DecodeState, cfg: ModelConfig, *, mode: str, n_valid=None,
-            opts: RuntimeOptions = RuntimeOptions(), expert_load: bool = False) -> ForwardOutput:
+            opts: RuntimeOptions = RuntimeOptions(), expert_load: bool = False,
+            capture: tuple[int, ...] = ()) -> ForwardOutput:
     """tokens [B, T] int32 at positions state.lengths[b] + t. n_valid [B] (prefill/decode): how many of the T
     tokens are real (the rest are padding that leaves the state as it was); defaults to T.
-    expert_load: also count the tokens routed to each expert of each MoE layer (padding included)."""
+    expert_load: also count the tokens routed to each expert of each MoE layer (padding included).
+    capture: target layer ids whose output (the residual stream after layer i, before the final norm; -1 = the
+    embedding) is returned concatenated in `layer_hidden`, in this order (DSpark's context features)."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} not in {MODES}")
     B, T = tokens.shape
@@ -158,8 +162,11 @@ def forward(params, tokens, state: DecodeState, cfg: ModelConfig, *, mode: str, 
     rec, conv, cache = state.kda_recurrent, state.kda_conv, state.mla_cache
     pending, loads = [], []
     x = embed(params, tokens)
+    captured = {-1: x} if -1 in capture else {}
     ki = mi = 0
     for i, p in enumerate(params["layers"]):
+        if i - 1 in capture and i > 0:
+            captured[i - 1] = x
         if cfg.is_mla(i):
             x, cache, *load = mla_block(p, x, cache, state.lengths, cfg, i, absorbed=absorbed, opts=opts,
                                         return_load=expert_load, live_rows=live_rows, layer=mi)
@@ -180,13 +187,19 @@ def forward(params, tokens, state: DecodeState, cfg: ModelConfig, *, mode: str, 
             f, load = f
             loads += [load] if load is not None else []
         x = x + f
+    if len(params["layers"]) - 1 in capture:
+        captured[len(params["layers"]) - 1] = x
     hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    missing = [i for i in capture if i not in captured]
+    if missing:
+        raise ValueError(f"capture layer ids {missing} are outside -1..{len(params['layers']) - 1}")
+    layer_hidden = jnp.concatenate([captured[i] for i in capture], axis=-1) if capture else None
 
     lengths = state.lengths if mode == "verify" else state.lengths + n_valid.astype(jnp.int32)
     new_state = DecodeState(kda_recurrent=rec, kda_conv=conv, mla_cache=cache, lengths=lengths)
     stacked = jax.tree.map(lambda *a: jnp.stack(a), *pending) if pending else None
     load = (jnp.stack(loads) if loads else None) if expert_load else None
-    return ForwardOutput(hidden, new_state, stacked, load)
+    return ForwardOutput(hidden, new_state, stacked, load, layer_hidden)
 
 
 def commit(state: DecodeState, pending: KdaPending, n_accept, opts: RuntimeOptions = RuntimeOptions()) -> DecodeState:

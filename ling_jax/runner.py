@@ -28,6 +28,7 @@ import numpy as np
 
 from ling_jax.config import ModelConfig
 from ling_jax.decode import plain_init, plain_prefill_chunk, plain_step
+from ling_jax.dspark_step import dspark_init, dspark_prefill_chunk, dspark_step
 from ling_jax.model import RuntimeOptions
 from ling_jax.sampling import MAX_TOP_LOGPROBS, SamplingOptions, SamplingParams
 from ling_jax.spec import SpecConfig, spec_init, spec_prefill_chunk, spec_step
@@ -87,13 +88,24 @@ class Generator:
 
     Every request starts from a fresh prefill, so nothing of an earlier request (greedy or sampled) can leak
     into a later one. Compiled programs: init, prefill chunk and step, each once per greedy / sampled.
+    DSPARK: draft = (DSparkConfig, draft params); the programs then take (target params, draft params) as their
+    first argument (`run_params`).
     """
 
     def __init__(self, cfg: ModelConfig, params, *, spec: SpecConfig = SpecConfig("NONE"), max_len: int = 2048,
                  chunked_prefill_size: int = DEFAULT_CHUNKED_PREFILL_SIZE, dtype=jnp.bfloat16,
-                 opts: RuntimeOptions = RuntimeOptions(), decode_steps: int = 1):
-        if spec.enabled and not cfg.mtp_layers:
+                 opts: RuntimeOptions = RuntimeOptions(), draft=None, decode_steps: int = 1):
+        if spec.is_nextn and not cfg.mtp_layers:
             raise ValueError(f"{cfg.name} has no MTP layer: NEXTN speculation needs num_nextn_predict_layers >= 1")
+        if spec.is_dspark != (draft is not None):
+            raise ValueError("a DSpark draft (DSparkConfig, params) is needed exactly when the algorithm is DSPARK")
+        self.dcfg = draft[0] if draft is not None else None
+        if self.dcfg is not None:
+            self.dcfg.check_target(cfg)
+            if spec.num_steps != self.dcfg.block_size:
+                raise ValueError(f"DSpark num_steps={spec.num_steps} must be the draft's block_size "
+                                 f"{self.dcfg.block_size}")
+        self.run_params = (params, draft[1]) if draft is not None else params
         if chunked_prefill_size < 1:
             raise ValueError(f"chunked_prefill_size must be >= 1, got {chunked_prefill_size}")
         if decode_steps < 1:
@@ -116,6 +128,8 @@ class Generator:
     def init_fn(self, is_greedy: bool):
         """(sampling, key) -> the empty state a prefill starts from."""
         kw = dict(cfg=self.cfg, batch=1, slots=self.slots, dtype=self.dtype)
+        if self.spec.is_dspark:
+            return jax.jit(functools.partial(dspark_init, dcfg=self.dcfg, **kw))
         if self.spec.enabled:
             return jax.jit(functools.partial(spec_init, steps=self.K, is_greedy=is_greedy, **kw))
         return jax.jit(functools.partial(plain_init, **kw))
@@ -125,6 +139,9 @@ class Generator:
         """(params, state, tokens int32[1, C], next_token int32[1], n_prompt int32[1]) -> (state, first, logprobs);
         the state is donated."""
         kw = dict(cfg=self.cfg, is_greedy=is_greedy, opts=self.opts)
+        if self.spec.is_dspark:
+            chunk = functools.partial(dspark_prefill_chunk, dcfg=self.dcfg, **kw)
+            return jax.jit(lambda pp, state, *a: chunk(pp[0], pp[1], state, *a), donate_argnums=(1,))
         if self.spec.enabled:
             return jax.jit(functools.partial(spec_prefill_chunk, **kw), donate_argnums=(1,))
         chunk = functools.partial(plain_prefill_chunk, **kw)
@@ -135,7 +152,11 @@ class Generator:
     def step_fn(self, is_greedy: bool):
         """The whole step as ONE jitted program; the state is donated (its buffers are updated in place). With
         decode_steps = N > 1 the program runs N steps and its outputs gain a leading axis [N, ...]."""
-        if self.spec.enabled:
+        if self.spec.is_dspark:
+            dspark = functools.partial(dspark_step, cfg=self.cfg, dcfg=self.dcfg, spec=self.spec, is_greedy=is_greedy,
+                                       opts=self.opts)
+            fn = lambda pp, state: dspark(pp[0], pp[1], state)  # run_params = (target, draft)
+        elif self.spec.enabled:
             fn = functools.partial(spec_step, cfg=self.cfg, steps=self.K, is_greedy=is_greedy, opts=self.opts)
         else:
             fn = functools.partial(plain_step, cfg=self.cfg, is_greedy=is_greedy, opts=self.opts)
@@ -166,7 +187,7 @@ class Generator:
         state = self.init_fn(is_greedy)(sampling, key)
         run = self.prefill_fn(is_greedy)
         for c in range(chunks):
-            state, first, lp = run(self.params, state, tokens[:, c * C : (c + 1) * C], tokens[:, (c + 1) * C],
+            state, first, lp = run(self.run_params, state, tokens[:, c * C : (c + 1) * C], tokens[:, (c + 1) * C],
                                    n_prompt)
         return state, first, lp
 
@@ -212,7 +233,7 @@ class Generator:
             # every step emits at least one token: dispatch while the request is not already sure to be done
             if emitted + N * (in_flight is not None) < max_new_tokens:
                 with jax.transfer_guard("disallow"):
-                    state, out = step(self.params, state)
+                    state, out = step(self.run_params, state)
                 out = (out.tokens, out.n_emit) + ((out.logprobs,) if top_logprobs is not None else ())
                 for a in jax.tree.leaves(out):
                     a.copy_to_host_async()
@@ -289,11 +310,15 @@ def count_compiles():
 
 
 def generate_on_device(cfg: ModelConfig, spec: SpecConfig, n_steps: int, *, is_greedy: bool = True,
-                       opts: RuntimeOptions = RuntimeOptions()) -> Callable:
+                       opts: RuntimeOptions = RuntimeOptions(), dcfg=None) -> Callable:
     """Whole-generation variant for benchmarks: `n_steps` steps inside one lax.while_loop (no host in the
-    loop). Returns jitted f(params, state) -> (state, tokens int32[B, n_steps * (K+1)], count int32[B])."""
+    loop). Returns jitted f(params, state) -> (state, tokens int32[B, n_steps * (K+1)], count int32[B]);
+    for DSPARK (dcfg: its DSparkConfig) params is (target params, draft params)."""
     rows = spec.draft_tokens
-    if spec.enabled:
+    if spec.is_dspark:
+        dstep = functools.partial(dspark_step, cfg=cfg, dcfg=dcfg, spec=spec, is_greedy=is_greedy, opts=opts)
+        step = lambda pp, state: dstep(pp[0], pp[1], state)
+    elif spec.enabled:
         step = functools.partial(spec_step, cfg=cfg, steps=spec.num_steps, is_greedy=is_greedy, opts=opts)
     else:
         step = functools.partial(plain_step, cfg=cfg, is_greedy=is_greedy, opts=opts)

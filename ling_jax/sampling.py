@@ -211,27 +211,37 @@ def logprobs(adjusted, tokens, sp: SamplingParams, is_greedy: bool) -> Logprobs:
     return Logprobs(chosen, top_ids.astype(jnp.int32), top)
 
 
-def greedy_verdict(drafts, target_tokens):
+def greedy_verdict(drafts, target_tokens, limit=None):
     """drafts int32[B, K] (d_1..d_K); target_tokens int32[B, K+1] = argmax at verify rows 0..K.
 
-    d_j is accepted while d_j == target_tokens[j-1] for every earlier j too:
-        n_accept = sum_j prod_{i<=j} [d_i == t_{i-1}]           (0..K)
+    d_j is accepted while d_j == target_tokens[j-1] for every earlier j too, and j <= limit[b] (int32[B] or None:
+    only the first `limit` drafts are proposed; DSpark's confidence schedule):
+        n_accept = sum_j prod_{i<=j} [d_i == t_{i-1}] [i <= limit]           (0..K)
     The committed new tokens are d_1..d_n then the bonus t_n: exactly target_tokens[:, :n+1].
     Returns (n_accept int32[B], bonus int32[B]).
     """
-    match = (drafts == target_tokens[:, :-1]).astype(jnp.int32)
-    n = jnp.sum(jnp.cumprod(match, axis=1), axis=1).astype(jnp.int32)
+    match = (drafts == target_tokens[:, :-1]) & _proposed(drafts, limit)
+    n = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
     bonus = jnp.take_along_axis(target_tokens, n[:, None], axis=1)[:, 0]
     return n, bonus
 
 
-def sampled_verdict(key, drafts, q, p):
+def _proposed(drafts, limit):
+    """bool[B, K]: draft j (1-based j = index + 1) is proposed, j <= limit[b] (all when limit is None)."""
+    if limit is None:
+        return jnp.ones(drafts.shape, bool)
+    return jnp.arange(drafts.shape[1])[None, :] < limit[:, None]
+
+
+def sampled_verdict(key, drafts, q, p, limit=None):
     """Lossless speculative sampling for a chain (Leviathan et al. / Chen et al.).
 
     drafts int32[B, K]; q f32[B, K, V]: the draft distribution each d_j was drawn from;
     p f32[B, K+1, V]: target distributions at verify rows 0..K (row j-1 scores d_j).
     Accept d_j with probability min(1, p_{j-1}(d_j) / q_j(d_j)) while all earlier were accepted; at the first
     rejection j draw the bonus from norm(max(0, p_{j-1} - q_j)); if all K pass, draw it from p_K.
+    limit int32[B] | None: only d_1..d_limit are proposed; when all of them pass the bonus is drawn from p_limit
+    (no draft was sampled there, so nothing is subtracted): the chain simply ends early, still lossless.
     Returns (n_accept int32[B], bonus int32[B]); committed tokens are d_1..d_n then the bonus.
     """
     B, K = drafts.shape
@@ -239,11 +249,12 @@ def sampled_verdict(key, drafts, q, p):
     p_d = jnp.take_along_axis(p[:, :K], drafts[..., None], axis=2)[..., 0]  # [B, K]
     q_d = jnp.take_along_axis(q, drafts[..., None], axis=2)[..., 0]
     u = jax.random.uniform(k_acc, (B, K))
-    accept = (u * q_d < p_d).astype(jnp.int32)  # u < p/q without dividing by q
-    n = jnp.sum(jnp.cumprod(accept, axis=1), axis=1).astype(jnp.int32)
+    accept = (u * q_d < p_d) & _proposed(drafts, limit)  # u < p/q without dividing by q
+    n = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
     q_pad = jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1)  # no draft to subtract after K
     row = lambda a: jnp.take_along_axis(a, n[:, None, None], axis=1)[:, 0]  # [B, V] at row n
-    residual = jnp.maximum(row(p) - row(q_pad), 0.0)
+    q_n = row(q_pad) if limit is None else jnp.where((n < limit)[:, None], row(q_pad), 0.0)
+    residual = jnp.maximum(row(p) - q_n, 0.0)
     mass = jnp.sum(residual, axis=-1, keepdims=True)
     # If p == q exactly the residual is empty; any draw is then correct, fall back to p itself.
     residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), row(p))

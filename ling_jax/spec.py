@@ -41,31 +41,60 @@ from ling_jax.sampling import (Logprobs, SamplingParams, TokenHistory, adjust_lo
 from ling_jax.state import DecodeState, init_state
 
 
+ALGORITHMS = ("NEXTN", "DSPARK", "NONE")
+DSPARK_VERIFY_MODES = ("static", "confidence")
+
+
 @dataclass(frozen=True)
 class SpecConfig:
-    """SGLang's speculative flags. Only chains (topk 1) of NEXTN are supported, as in the seed."""
+    """SGLang's speculative flags. Chains (topk 1) of NEXTN, or DSpark blocks (ling_jax.dspark_step).
+
+    DSPARK: num_steps = gamma = the draft's block_size (from its config.json, not a flag); draft_model_path is the
+    draft dir; dspark_verify "static" verifies the whole block (SGLang's deployed config), "confidence" proposes
+    only the prefix whose survival product prod_j c_j stays >= confidence_threshold (same shapes; output unchanged).
+    """
 
     algorithm: str = "NEXTN"
     num_steps: int = 3
     eagle_topk: int = 1
     num_draft_tokens: int | None = None
+    draft_model_path: str | None = None
+    dspark_verify: str = "static"
+    confidence_threshold: float = 0.5
 
     def __post_init__(self):
-        if self.algorithm not in ("NEXTN", "NONE"):
-            raise ValueError(f"--speculative-algorithm {self.algorithm!r}: supported are NEXTN and NONE")
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"--speculative-algorithm {self.algorithm!r}: supported are {', '.join(ALGORITHMS)}")
         if self.algorithm == "NONE":
             return
-        if not 1 <= self.num_steps <= 8:
-            raise ValueError(f"--speculative-num-steps must be in 1..8, got {self.num_steps}")
+        top = 16 if self.is_dspark else 8
+        if not 1 <= self.num_steps <= top:
+            what = "the DSpark block_size" if self.is_dspark else "--speculative-num-steps"
+            raise ValueError(f"{what} must be in 1..{top}, got {self.num_steps}")
         if self.eagle_topk != 1:
             raise ValueError(f"--speculative-eagle-topk {self.eagle_topk}: only chain drafting (topk 1) is supported")
         if self.num_draft_tokens is not None and self.num_draft_tokens != self.num_steps + 1:
             raise ValueError(f"--speculative-num-draft-tokens must be num_steps + 1 = {self.num_steps + 1} for a "
                              f"chain, got {self.num_draft_tokens}")
+        if self.is_dspark:
+            if self.dspark_verify not in DSPARK_VERIFY_MODES:
+                raise ValueError(f"DSpark verify mode {self.dspark_verify!r} not in {DSPARK_VERIFY_MODES}")
+            if not 0.0 < self.confidence_threshold < 1.0:
+                raise ValueError(f"DSpark confidence threshold must be in (0, 1), got {self.confidence_threshold}")
+        elif self.draft_model_path is not None:
+            raise ValueError("--speculative-draft-model-path is for DSPARK (NEXTN's head is in the target checkpoint)")
 
     @property
     def enabled(self) -> bool:
+        return self.algorithm != "NONE"
+
+    @property
+    def is_nextn(self) -> bool:
         return self.algorithm == "NEXTN"
+
+    @property
+    def is_dspark(self) -> bool:
+        return self.algorithm == "DSPARK"
 
     @property
     def draft_tokens(self) -> int:
@@ -218,12 +247,15 @@ class Verified(NamedTuple):
     hidden: jax.Array  # [B, K+1, D] target hidden states of the verify rows
     logprobs: Logprobs  # of committed[b, j] at verify row j
     history: TokenHistory  # output counts through the new bonus
+    layer_hidden: jax.Array | None = None  # [B, K+1, C] the captured target layers' outputs (DSpark's context)
 
 
 def verify_and_commit(params, state: SpecState, drafts, q, cfg: ModelConfig, *, is_greedy: bool,
-                      opts=RuntimeOptions()) -> Verified:
+                      opts=RuntimeOptions(), capture: tuple[int, ...] = (), limit=None) -> Verified:
     """Target over [bonus, d1..dK]; each row j transformed with the counts of bonus, d_1..d_j; chain verdict;
-    commit n+1 rows."""
+    commit n+1 rows. `state` is any relay state with target, bonus, sampling, history and key (SpecState or
+    dspark_step.DSparkState). capture: target layers returned in layer_hidden; limit int32[B] | None: only
+    d_1..d_limit are proposed (the verdicts' limit)."""
     K = drafts.shape[1]
     rows = jnp.concatenate([state.bonus[:, None], drafts], axis=1)
     live = None
@@ -232,21 +264,22 @@ def verify_and_commit(params, state: SpecState, drafts, q, cfg: ModelConfig, *, 
             raise ValueError(f"target_rows={opts.numerics.target_rows} < {K + 1} verify rows (steps={K})")
         rows = jnp.pad(rows, ((0, 0), (0, opts.numerics.target_rows - K - 1)), mode="edge")
         live = jnp.full((rows.shape[0],), K + 1, jnp.int32)
-    out = forward(params, rows, state.target, cfg, mode="verify", n_valid=live, opts=opts)
+    out = forward(params, rows, state.target, cfg, mode="verify", n_valid=live, opts=opts, capture=capture)
     hidden = out.hidden[:, : K + 1]
     sp = state.sampling
     counts = chain_counts(state.history.output, drafts)  # [B, K+1, V]
     adjusted = adjust_logits(lm_logits(params, hidden, opts), sp, state.history.prompt[:, None], counts)
     if is_greedy:
-        n, bonus = greedy_verdict(drafts, greedy(adjusted))
+        n, bonus = greedy_verdict(drafts, greedy(adjusted), limit)
     else:
-        n, bonus = sampled_verdict(jax.random.fold_in(state.key, 2), drafts, q, probs(adjusted, sp))
+        n, bonus = sampled_verdict(jax.random.fold_in(state.key, 2), drafts, q, probs(adjusted, sp), limit)
     target = commit(out.state, out.pending, n + 1, opts)
     j = jnp.arange(K + 1)[None, :]
     committed = jnp.where(j < n[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), bonus[:, None])
     lp = logprobs(adjusted, committed, sp, is_greedy)
     history = state.history.add_output(committed, j <= n[:, None])
-    return Verified(target, n, bonus, committed, hidden, lp, history)
+    layer_hidden = None if out.layer_hidden is None else out.layer_hidden[:, : K + 1]
+    return Verified(target, n, bonus, committed, hidden, lp, history, layer_hidden)
 
 
 def extend(params, state: SpecState, cache, committed, target_hidden, n, history: TokenHistory, cfg: ModelConfig,
@@ -278,3 +311,30 @@ def spec_step(params, state: SpecState, cfg: ModelConfig, *, steps: int, is_gree
     """One NEXTN step: draft -> verify -> commit -> extend. Returns (state, StepOutput)."""
     drafts, q, cache = draft(params, state, cfg, steps=steps, is_greedy=is_greedy, opts=opts)
     return spec_step_with_drafts(params, state, drafts, q, cache, cfg, is_greedy=is_greedy, opts=opts)
+
+
+def spec_from_flags(algorithm: str, num_steps: int | None, eagle_topk: int | None, num_draft_tokens: int | None,
+                    draft_model_path: str | None = None, dspark_verify: str = "static",
+                    confidence_threshold: float = 0.5):
+    """SGLang's --speculative-* flags -> (SpecConfig, DSparkConfig | None). NEXTN defaults: 3 steps, topk 1.
+    DSPARK takes gamma from the draft's config.json (block_size), so the step / draft-token / topk flags are refused
+    with it, as SGLang's DSpark worker has none."""
+    if algorithm != "DSPARK":
+        if draft_model_path is not None:
+            raise ValueError("--speculative-draft-model-path is only for --speculative-algorithm DSPARK")
+        return SpecConfig(algorithm, 3 if num_steps is None else num_steps, 1 if eagle_topk is None else eagle_topk,
+                          num_draft_tokens), None
+    given = [f for f, v in (("--speculative-num-steps", num_steps), ("--speculative-eagle-topk", eagle_topk),
+                            ("--speculative-num-draft-tokens", num_draft_tokens)) if v is not None]
+    if given:
+        raise ValueError(f"DSPARK takes its block size from the draft's config.json: drop {', '.join(given)}")
+    if draft_model_path is None:
+        raise ValueError("--speculative-algorithm DSPARK needs --speculative-draft-model-path DIR")
+    from ling_jax.dspark import load_config
+
+    dcfg = load_config(draft_model_path)
+    if dspark_verify == "confidence" and not dcfg.enable_confidence_head:
+        raise ValueError(f"{draft_model_path}: the confidence verify schedule needs a confidence head "
+                         f"(enable_confidence_head is false)")
+    return SpecConfig("DSPARK", dcfg.block_size, draft_model_path=draft_model_path, dspark_verify=dspark_verify,
+                      confidence_threshold=confidence_threshold), dcfg

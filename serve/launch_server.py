@@ -29,6 +29,12 @@ import time
 DTYPES = ("bfloat16", "float32")
 
 
+def add_speculative_flags(p: argparse.ArgumentParser) -> None:
+    from ling_jax.generate import add_speculative_flags as add
+
+    add(p)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="ling-jax HTTP server (OpenAI + SGLang-native APIs)")
     p.add_argument("--model-path", required=True, help="preset name (random weights) or HF checkpoint dir")
@@ -36,10 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model id the API reports and accepts (default: the model dir's or preset's name)")
     p.add_argument("--tp-size", type=int, default=1,
                    help="tensor parallel size (> 1 through compile.runner.ShardedGenerator over a ('tp',) mesh)")
-    p.add_argument("--speculative-algorithm", choices=["NEXTN", "NONE"], default="NONE")
-    p.add_argument("--speculative-num-steps", type=int, default=3)
-    p.add_argument("--speculative-eagle-topk", type=int, default=1)
-    p.add_argument("--speculative-num-draft-tokens", type=int, default=None)
+    add_speculative_flags(p)
     p.add_argument("--context-length", type=int, default=None,
                    help="KV cache slots per request (default: what device memory allows after the weights, at most "
                         "the model's max_position_embeddings; ling_jax/memory.py)")
@@ -191,6 +194,11 @@ def make_loader(a: argparse.Namespace, cfg, spec, tokenizer, mesh, shardings, co
         rows = deterministic_rows(spec.draft_tokens) if a.enable_deterministic_inference else None
         kw = dict(spec=spec, max_len=context_length, dtype=dtype,
                   opts=RuntimeOptions(numerics=Numerics(target_rows=rows)), chunked_prefill_size=chunk_size(a))
+        if spec.is_dspark:
+            from ling_jax import dspark
+            from ling_jax.generate import load_draft
+
+            kw["draft"] = load_draft(dspark.load_config(spec.draft_model_path), spec, dtype)
         if mesh is None:
             gen = Generator(cfg, params, **kw)
         else:
@@ -250,16 +258,20 @@ def main(argv=None) -> int:
     import uvicorn
 
     from ling_jax.config import load_config
-    from ling_jax.spec import SpecConfig
     from ling_jax.tokenizer import load_tokenizer
     from serve.http_io import ServeOptions
     from serve.server import create_app
 
     try:
-        spec = SpecConfig(a.speculative_algorithm, a.speculative_num_steps, a.speculative_eagle_topk,
-                          a.speculative_num_draft_tokens)
+        from ling_jax.generate import speculative_config
+
+        spec, dcfg = speculative_config(a)
         cfg = load_config(a.model_path)
-        if spec.enabled and not cfg.mtp_layers:
+        if dcfg is not None:
+            dcfg.check_target(cfg)
+            if a.tp_size > 1 or a.nnodes > 1:
+                raise ValueError("--speculative-algorithm DSPARK runs on one device (--tp-size 1, --nnodes 1)")
+        if spec.is_nextn and not cfg.mtp_layers:
             raise ValueError(f"{a.model_path} has no MTP layer: --speculative-algorithm NEXTN needs one")
         tokenizer = load_tokenizer(a.model_path) if os.path.isdir(a.model_path) else None
         check_checkpoint(a, cfg)
@@ -280,6 +292,9 @@ def main(argv=None) -> int:
     server_args = {k: v for k, v in vars(a).items() if k != "api_key"}
     import jax
 
+    if spec.enabled:  # the resolved values (DSPARK: gamma from the draft's config.json)
+        server_args.update(speculative_num_steps=spec.num_steps, speculative_num_draft_tokens=spec.draft_tokens,
+                           speculative_eagle_topk=1)
     server_args.update(served_model_name=name, tokenizer_path=a.model_path if tokenizer is not None else None,
                        context_length=context_length, chunked_prefill_size=chunk_size(a), vocab_size=cfg.vocab_size,
                        jax_version=jax.__version__,

@@ -23,3 +23,11 @@ def apply_rope_interleaved(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.
     out_even = x_even * cos - x_odd * sin
     out_odd = x_even * sin + x_odd * cos
     return jnp.stack([out_even, out_odd], axis=-1).reshape(x.shape).astype(x.dtype)
+
+
+def apply_rope_half(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE (HF Llama/Qwen3 layout: dim i pairs with i + rot_dim/2), as the DSpark draft's checkpoints
+    store q/k: x [..., rot_dim], cos/sin broadcastable to [..., rot_dim/2]; fp32 inside, returned in x.dtype."""
+    xf = x.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)

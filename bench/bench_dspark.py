@@ -1,0 +1,127 @@
+"""DSpark vs NEXTN step time and tok/s (greedy, batch 1), each step inside one on-device while loop.
+
+  python3 -m bench.bench_dspark --target models/ling-demo --draft models/ling-demo-dspark --out $OUT
+  python3 -m bench.bench_dspark --ling-slice 12 --block-size 16 --out $OUT   # Ling-3.0-flash slice, random weights
+
+Demo pair: the same held-out-free prompt (token ids of a short Python snippet) through NEXTN (--nextn-steps) and
+DSPARK (static and confidence), `--steps` steps per timed loop after a warm-up loop; a check first asserts that both
+loops' greedy tokens equal plain greedy decoding over the same length. tok/s = emitted tokens / loop time; step time
+= loop time / steps. Ling slice: random bf16 weights (layers of Ling-3.0-flash, a random LingDSparkModel-shaped
+draft: hidden 2560, 32 heads of 128, 4 kv heads, intermediate 6144, 5 context layers, markov rank 256); random
+weights give no accept length, so only the step time is measured, and TPOT at accept 4.8 is labelled projected.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench.bench_step import write
+from ling_jax import dspark
+from ling_jax.config import get_preset, load_config
+from ling_jax.runner import Generator, generate_on_device
+from ling_jax.sampling import SamplingOptions
+from ling_jax.spec import SpecConfig
+from ling_jax.weights import init_params, load_params
+
+PROMPT = [int(t) for t in np.random.default_rng(0).integers(5, 4000, 64)]
+
+
+def timed_loop(gen: Generator, prompt, steps: int, reps: int):
+    """(seconds per loop (median), tokens emitted, the emitted ids) of `steps` greedy steps after prefill."""
+    run = generate_on_device(gen.cfg, gen.spec, steps, dcfg=gen.dcfg)
+    sp = SamplingOptions().device(gen.cfg.vocab_size)
+    times, out = [], None
+    for r in range(reps + 1):
+        state, first, _ = gen.prefill(prompt, sp, jax.random.key(0), True)
+        jax.block_until_ready(state)
+        t0 = time.perf_counter()
+        state, buf, count = run(gen.run_params, state)
+        jax.block_until_ready(count)
+        if r:  # the first loop compiles
+            times.append(time.perf_counter() - t0)
+        out = [int(first[0])] + np.asarray(buf[0, : int(count[0])]).tolist()
+    return float(np.median(times)), len(out) - 1, out
+
+
+def demo_rows(a):
+    cfg = load_config(a.target)
+    params = load_params(cfg, a.target, dtype=jnp.bfloat16)
+    dcfg = dspark.load_config(a.draft)
+    draft = (dcfg, dspark.load_params(dcfg, a.draft, jnp.bfloat16))
+    max_len = len(PROMPT) + a.steps * 17 + 64
+    kw = dict(max_len=max_len, dtype=jnp.bfloat16, chunked_prefill_size=64)
+    plain, _ = Generator(cfg, params, **kw).generate(PROMPT, max_new_tokens=a.steps * 2, stop_token_ids=())
+    rows = []
+    runs = [("NEXTN", Generator(cfg, params, spec=SpecConfig("NEXTN", a.nextn_steps), **kw))]
+    for mode in ("static", "confidence"):
+        spec = SpecConfig("DSPARK", dcfg.block_size, draft_model_path=a.draft, dspark_verify=mode)
+        runs.append((f"DSPARK {mode}", Generator(cfg, params, spec=spec, draft=draft, **kw)))
+    base = None
+    for name, gen in runs:
+        t, n, out = timed_loop(gen, PROMPT, a.steps, a.reps)
+        m = min(len(out), len(plain))
+        row = {"name": f"{name} (block {gen.K})" if "DSPARK" in name else f"NEXTN steps={gen.K}",
+               "time_us": 1e6 * t / a.steps, "tokens_per_s": n / t, "accept_length": n / a.steps,
+               "greedy_equals_plain_prefix": out[:m] == plain[:m], "compared_tokens": m}
+        if base is None:
+            base = row
+        else:
+            row.update(baseline=base["name"], baseline_time_us=base["time_us"],
+                       speedup_tokens_per_s=row["tokens_per_s"] / base["tokens_per_s"])
+        rows.append(row)
+        print(f"{row['name']:28s} step {row['time_us']:8.1f} us  accept {row['accept_length']:5.2f}  "
+              f"{row['tokens_per_s']:8.1f} tok/s  lossless-prefix {row['greedy_equals_plain_prefix']}", flush=True)
+    return rows, {"model": a.target, "draft": a.draft}
+
+
+def ling_slice_rows(a):
+    from compile.stages import slice_config
+
+    cfg = slice_config(get_preset("ling3-flash"), a.ling_slice)
+    params = init_params(cfg, 0, jnp.bfloat16)
+    D, H = cfg.hidden_size, cfg.num_attention_heads
+    dcfg = dspark.DSparkConfig(hidden_size=D, num_hidden_layers=a.draft_layers, num_attention_heads=H,
+                               num_key_value_heads=4, head_dim=128, intermediate_size=cfg.intermediate_size,
+                               vocab_size=cfg.vocab_size, block_size=a.block_size,
+                               target_layer_ids=dspark.evenly_spaced_layers(cfg.num_hidden_layers, 5),
+                               num_target_layers=cfg.num_hidden_layers, mask_token_id=1, markov_rank=256)
+    draft = (dcfg, dspark.init_params(dcfg, 0, jnp.bfloat16))
+    kw = dict(max_len=a.ctx + 1024, dtype=jnp.bfloat16, chunked_prefill_size=512)
+    prompt = [int(t) for t in np.random.default_rng(1).integers(5, cfg.vocab_size, a.ctx)]
+    rows = []
+    gens = [("NEXTN", Generator(cfg, params, spec=SpecConfig("NEXTN", a.nextn_steps), **kw)),
+            ("DSPARK static", Generator(cfg, params, spec=SpecConfig("DSPARK", a.block_size), draft=draft, **kw))]
+    for name, gen in gens:
+        t, _, _ = timed_loop(gen, prompt, a.steps, a.reps)
+        step_us = 1e6 * t / a.steps
+        rows.append({"name": f"{name} ({cfg.name}, ctx {a.ctx}, K={gen.K})", "time_us": step_us,
+                     "projected_tpot_us_at_accept_4.8": step_us / 4.8, "projected": True})
+        print(f"{rows[-1]['name']:48s} step {step_us:9.1f} us  TPOT at accept 4.8 (projected) "
+              f"{step_us / 4.8:8.1f} us", flush=True)
+    return rows, {"model": cfg.name, "draft_params": dspark.param_count(dcfg), "ctx": a.ctx}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default="models/ling-demo")
+    ap.add_argument("--draft", default="models/ling-demo-dspark")
+    ap.add_argument("--ling-slice", type=int, default=0, help="> 0: Ling-3.0-flash slice of this many layers")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--draft-layers", type=int, default=2)
+    ap.add_argument("--ctx", type=int, default=8192)
+    ap.add_argument("--nextn-steps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--out", default="bench/results")
+    a = ap.parse_args()
+    rows, meta = ling_slice_rows(a) if a.ling_slice else demo_rows(a)
+    print("wrote", write(a.out, "dspark", rows, meta, jax.devices()[0].device_kind.replace(" ", "-")))
+
+
+if __name__ == "__main__":
+    main()

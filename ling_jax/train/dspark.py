@@ -1,0 +1,241 @@
+"""Train a DSpark draft against a frozen target, online: the target's features are computed in the same program.
+
+    python -m ling_jax.train.dspark --target models/ling-demo --data .data/stdlib --steps 3000 --time-budget 300 \
+        --batch 16 --seq 512 --anchors 32 --block-size 16 --out models/ling-demo-dspark
+
+Shape legend: B windows, T positions, N anchors per window, G block size, V vocab, C context features.
+
+Per step (one jitted program, the draft's params only are differentiated):
+    target:  forward(prefill) over the windows with target_layer_ids captured -> features [B, T, C], logits z [B, T, V]
+             (stop_gradient; nothing is cached on disk)
+    blocks:  N distinct anchors a per window in [0, T-1-G]; block [x_a, MASK...] at positions a..a+G-1 reads the
+             context rows t < a (ling_jax.dspark.block_hidden, the inference function); slot k predicts x_{a+k+1}
+             with logits lm_head(h_k) + W2 W1[x_{a+k}] (teacher-forced Markov input), q_k = softmax
+    loss (DeepSpec's config, position weights w_k = exp(-k / 4), normalised over the slots):
+        0.1 CE(q_k, x_{a+k+1}) + 0.9 L1 = sum_v |q_k - p_k|   (p_k = softmax z_{a+k}, the target's row)
+        + BCE(c_k, alpha_k), alpha_k = 1 - TV(q_k, p_k) = sum_v min(q_k, p_k)  (stop_gradient target: the
+          probability that a sampled slot k is accepted)
+        + acceptance-aware: accept_weight * (1 - E / G), E = sum_k prod_{j<=k} alpha_j, the expected accepted
+          drafts of a block (DeepSpec's tau - 1), differentiated through alpha.
+AdamW (fp32 masters, warmup then cosine), bf16 compute. Outputs in --out: config.json, model.safetensors (bf16, HF
+names), metrics.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from ling_jax import dspark
+from ling_jax.config import ModelConfig, load_config
+from ling_jax.model import forward, lm_logits
+from ling_jax.state import init_state
+from ling_jax.train.data import fixed_windows, random_windows, to_device
+from ling_jax.train.step import training_options
+
+
+@dataclass(frozen=True)
+class DSparkTrainConfig:
+    batch: int = 16
+    seq: int = 512
+    anchors: int = 32
+    ce_weight: float = 0.1
+    l1_weight: float = 0.9
+    confidence_weight: float = 1.0
+    accept_weight: float = 0.5
+    decay_gamma: float = 4.0
+    compute_dtype: str = "bfloat16"
+
+    def __post_init__(self):
+        if self.batch < 1 or self.seq < 2 or self.anchors < 1:
+            raise ValueError(f"batch={self.batch}, seq={self.seq}, anchors={self.anchors}: need >= 1, >= 2, >= 1")
+
+
+def target_features(params, tokens, cfg: ModelConfig, dcfg: dspark.DSparkConfig):
+    """Frozen target over tokens int32[B, T] from a fresh state: (features [B, T, C], logits f32[B, T, V])."""
+    B, T = tokens.shape
+    out = forward(params, tokens, init_state(cfg, B, T, params["embed"].dtype), cfg, mode="prefill",
+                  opts=training_options(), capture=dcfg.target_layer_ids)
+    return jax.lax.stop_gradient(out.layer_hidden), jax.lax.stop_gradient(lm_logits(params, out.hidden))
+
+
+def sample_anchors(key, B: int, T: int, N: int, G: int):
+    """N distinct sorted anchors per row in [0, T-1-G] (so every slot's label x_{a+G} is inside the window)."""
+    n_cand = T - G
+    if n_cand < N:
+        raise ValueError(f"seq {T} leaves {n_cand} anchor positions for block {G}, fewer than anchors={N}")
+    return jnp.sort(jnp.argsort(jax.random.uniform(key, (B, n_cand)), axis=1)[:, :N], axis=1).astype(jnp.int32)
+
+
+def losses(dp, params, tokens, key, cfg: ModelConfig, dcfg: dspark.DSparkConfig, tc: DSparkTrainConfig):
+    """tokens int32[B, T] -> (loss, metrics dict of f32 scalars / [G] vectors)."""
+    dt = jnp.dtype(tc.compute_dtype)
+    dp = jax.tree.map(lambda a: a.astype(dt), dp)
+    B, T = tokens.shape
+    G = dcfg.block_size
+    feats, z = target_features(params, tokens, cfg, dcfg)
+    ctx_k, ctx_v = dspark.context_kv(dp, feats, jnp.broadcast_to(jnp.arange(T), (B, T)), dcfg)
+    anchors = sample_anchors(key, B, T, tc.anchors, G)  # [B, N]
+    idx = anchors[..., None] + jnp.arange(G)  # [B, N, G]: slot k sits at a+k
+    take = jax.vmap(lambda row, i: row[i])  # per window gather
+    prev = take(tokens, idx)  # x_{a+k}: the anchor, then the teacher-forced Markov inputs
+    labels = take(tokens, idx + 1)
+    block = jnp.where(jnp.arange(G) == 0, prev, dcfg.mask_token_id)
+    h = dspark.block_hidden(dp, params["embed"], block, anchors, ctx_k, ctx_v, dcfg)  # [B, N, G, D]
+    logits = lm_logits(params, h) + dspark.markov_bias(dp, prev)  # [B, N, G, V] f32
+    log_q = jax.nn.log_softmax(logits, axis=-1)
+    p = jax.nn.softmax(take(z, idx), axis=-1)  # the target's row a+k predicts x_{a+k+1}
+    q = jnp.exp(log_q)
+    w = jnp.exp(-jnp.arange(G) / tc.decay_gamma)
+    wmean = lambda x: jnp.mean(jnp.sum(x * w, axis=-1) / jnp.sum(w))  # position-weighted mean over [B, N, G]
+    ce = -jnp.take_along_axis(log_q, labels[..., None], axis=-1)[..., 0]
+    l1 = jnp.sum(jnp.abs(q - p), axis=-1)
+    alpha = jnp.clip(1.0 - 0.5 * l1, 0.0, 1.0)  # = sum_v min(q, p)
+    expected = jnp.sum(jnp.cumprod(alpha, axis=-1), axis=-1)  # E[accepted drafts] of each block
+    loss = tc.ce_weight * wmean(ce) + tc.l1_weight * wmean(l1) + tc.accept_weight * (1.0 - jnp.mean(expected) / G)
+    m = {"ce": wmean(ce), "l1": wmean(l1), "expected_accept": 1.0 + jnp.mean(expected)}
+    if "confidence_head" in dp:
+        c_logit = dspark.confidence_logit(dp, h, prev)
+        bce = optax.sigmoid_binary_cross_entropy(c_logit, jax.lax.stop_gradient(alpha))
+        loss = loss + tc.confidence_weight * wmean(bce)
+        m["confidence_bce"] = wmean(bce)
+        m["confidence_abs_error"] = jnp.mean(jnp.abs(jax.nn.sigmoid(c_logit) - alpha))
+    match = (jnp.argmax(logits, -1) == jnp.argmax(p, -1)).astype(jnp.float32)
+    m["greedy_accept"] = 1.0 + jnp.mean(jnp.sum(jnp.cumprod(match, axis=-1), axis=-1))  # teacher-forced estimate
+    m["top1_by_slot"] = jnp.mean(match, axis=(0, 1))
+    m["loss"] = loss
+    return loss, m
+
+
+def make_optimizer(lr: float, steps: int, warmup: int, weight_decay: float, clip: float):
+    sched = optax.warmup_cosine_decay_schedule(0.0, lr, max(1, warmup), max(steps, warmup + 1), lr * 0.1)
+    decay = lambda params: jax.tree.map(lambda a: a.ndim >= 2, params)
+    return optax.chain(optax.clip_by_global_norm(clip), optax.adamw(sched, 0.9, 0.95, weight_decay=weight_decay,
+                                                                    mask=decay))
+
+
+def train_step(dp, opt_state, params, tokens_all, key, cfg, dcfg, tc, tx):
+    k_win, k_anchor = jax.random.split(key)
+    windows = random_windows(tokens_all, k_win, tc.batch, tc.seq - 1)  # [B, seq]
+    (_, m), grads = jax.value_and_grad(losses, has_aux=True)(dp, params, windows, k_anchor, cfg, dcfg, tc)
+    updates, opt_state = tx.update(grads, opt_state, dp)
+    m["grad_norm"] = optax.tree.norm(grads)
+    return optax.apply_updates(dp, updates), opt_state, m
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", default="models/ling-demo", help="the target checkpoint dir (frozen)")
+    p.add_argument("--data", default=".data/stdlib", help="packed corpus with token arrays (ling_jax.train.corpus)")
+    p.add_argument("--out", required=True, help="the draft dir written (config.json, model.safetensors, metrics.json)")
+    p.add_argument("--init", default=None, help="start from this draft dir instead of random weights")
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--time-budget", type=float, default=None, help="seconds of training (after compile); caps --steps")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--anchors", type=int, default=32)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--layers", type=int, default=2, help="draft decoder layers")
+    p.add_argument("--context-layers", type=int, default=5, help="target layers feeding the context (evenly spaced)")
+    p.add_argument("--markov-rank", type=int, default=256)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--accept-weight", type=float, default=0.5)
+    p.add_argument("--compute-dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--eval-windows", type=int, default=32)
+    p.add_argument("--log-every", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def draft_config(a, cfg: ModelConfig) -> dspark.DSparkConfig:
+    if a.init:
+        return dspark.load_config(a.init)
+    return dspark.DSparkConfig(
+        hidden_size=cfg.hidden_size, num_hidden_layers=a.layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=a.kv_heads, head_dim=cfg.hidden_size // cfg.num_attention_heads,
+        intermediate_size=cfg.intermediate_size, rms_norm_eps=cfg.rms_norm_eps, rope_theta=1e6,
+        vocab_size=cfg.vocab_size, block_size=a.block_size,
+        target_layer_ids=dspark.evenly_spaced_layers(cfg.num_hidden_layers, a.context_layers),
+        num_target_layers=cfg.num_hidden_layers, mask_token_id=cfg.pad_token_id, markov_rank=a.markov_rank)
+
+
+def evaluate(ev, dp, params, held: np.ndarray, batch: int) -> dict:
+    sums, n = {}, 0
+    for i in range(0, len(held) - batch + 1, batch):
+        m = jax.device_get(ev(dp, params, jnp.asarray(held[i : i + batch]), jax.random.key(i)))
+        for k, v in m.items():
+            sums[k] = sums.get(k, 0.0) + np.asarray(v, np.float64)
+        n += 1
+    return {f"heldout_{k}": (v / max(n, 1)).tolist() for k, v in sums.items()}
+
+
+def main(argv=None) -> dict:
+    from ling_jax.train import corpus
+    from ling_jax.weights import load_params
+
+    a = build_parser().parse_args(argv)
+    cfg = load_config(a.target)
+    dcfg = draft_config(a, cfg)
+    dcfg.check_target(cfg)
+    tc = DSparkTrainConfig(batch=a.batch, seq=a.seq, anchors=a.anchors, accept_weight=a.accept_weight,
+                           compute_dtype=a.compute_dtype)
+    params = load_params(cfg, a.target, dtype=jnp.dtype(a.compute_dtype))
+    tokens = to_device(corpus.load_tokens(a.data, "train"))
+    held = fixed_windows(corpus.load_tokens(a.data, "heldout"), a.seq - 1, a.eval_windows)
+    dp = dspark.load_params(dcfg, a.init, jnp.float32) if a.init else dspark.init_params(dcfg, a.seed)
+    tx = make_optimizer(a.lr, a.steps, a.warmup, a.weight_decay, 1.0)
+    opt_state = tx.init(dp)
+    step = jax.jit(functools.partial(train_step, cfg=cfg, dcfg=dcfg, tc=tc, tx=tx), donate_argnums=(0, 1))
+    ev = jax.jit(lambda dp, params, w, key: losses(dp, params, w, key, cfg, dcfg, tc)[1])
+    key = jax.random.key(a.seed + 1)
+    rows, total, t0 = [], a.steps, time.perf_counter()
+    t_compile = t_timed = None
+    i = 0
+    while i < total:
+        dp, opt_state, m = step(dp, opt_state, params, tokens, jax.random.fold_in(key, i))
+        i += 1
+        if i == 1:
+            jax.block_until_ready(m)
+            t_compile = time.perf_counter() - t0
+            t_timed = time.perf_counter()
+        if a.time_budget and i == 11:
+            jax.block_until_ready(m)
+            per = (time.perf_counter() - t_timed) / 10
+            total = max(i, min(a.steps, int(a.time_budget / per)))
+        if i % a.log_every == 0 or i == total:
+            r = {"step": i, **{k: np.asarray(v).tolist() for k, v in jax.device_get(m).items()}}
+            rows.append(r)
+            print(f"step {i}/{total}: loss {r['loss']:.4f} ce {r['ce']:.3f} l1 {r['l1']:.3f} "
+                  f"E[accept] {r['expected_accept']:.2f} greedy {r['greedy_accept']:.2f}", flush=True)
+    jax.block_until_ready(dp)
+    train_s = time.perf_counter() - t0
+    final = evaluate(ev, dp, params, held, min(a.batch, len(held)))
+    print(json.dumps({k: v for k, v in final.items() if k != "heldout_top1_by_slot"}), flush=True)
+    dspark.save(dcfg, dp, a.out)
+    report = {"command": "python -m ling_jax.train.dspark " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "device": jax.devices()[0].device_kind, "jax_version": jax.__version__,
+              "date": time.strftime("%Y-%m-%d"), "target": a.target, "draft_params": dspark.param_count(dcfg),
+              "steps": total, "compile_s": t_compile, "train_s": train_s,
+              "step_ms": 1e3 * (train_s - t_compile) / max(total - 1, 1), "final": final, "rows": rows}
+    with open(os.path.join(a.out, "metrics.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"wrote {a.out} ({dspark.param_count(dcfg) / 1e6:.2f}M params, {total} steps, {train_s:.0f} s)")
+    return report
+
+
+if __name__ == "__main__":
+    main()
