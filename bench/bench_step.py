@@ -44,6 +44,7 @@ from compile.runner import constrain
 from compile.sharding import ShardingRules, kernel_calls_for, param_specs, state_shardings, with_shardings
 from compile.stages import Program, slice_config
 from ling_jax.config import get_preset
+from ling_jax.draft_vocab import with_draft_vocab
 from ling_jax.kernel_calls import kernel_calls
 from ling_jax.model import RuntimeOptions
 from ling_jax.sampling import SamplingOptions, TokenHistory
@@ -183,8 +184,9 @@ def byte_model(cfg, mesh, rules, quantization=None):
     return groups, per_expert
 
 
-def floor_bytes(cfg, mesh, rules, mode, K, routing, ctx, quantization=None) -> float:
-    """Bytes one device must move in one step (see module doc). routing: distinct experts per router call."""
+def floor_bytes(cfg, mesh, rules, mode, K, routing, ctx, quantization=None, draft_vocab=None) -> float:
+    """Bytes one device must move in one step (see module doc). routing: distinct experts per router call.
+    draft_vocab: the draft lm_head's rows (ling_jax.draft_vocab; None: the full vocabulary)."""
     g, per_expert = byte_model(cfg, mesh, rules, quantization)
     tp = mesh.devices.size
     D, H, Kd = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
@@ -197,8 +199,9 @@ def floor_bytes(cfg, mesh, rules, mode, K, routing, ctx, quantization=None) -> f
     if mode == "plain":
         return target + lm + experts + 2 * kda_state + len(cfg.mla_layers) * mla_read + D * 2
     passes_mtp = K  # K-1 draft forwards + 1 extend
+    lm_draft = lm if draft_vocab is None else lm * draft_vocab / cfg.vocab_size
     return (target + lm + experts + 3 * kda_state + len(cfg.mla_layers) * mla_read
-            + passes_mtp * (mtp + lm + mla_read) + (K + 1) * 2 * D * 2)
+            + passes_mtp * (mtp + lm_draft + mla_read) + (K + 1) * 2 * D * 2)
 
 
 def census(step, params, state, n_steps, unprofiled_s, logdir, passes: int):
@@ -330,13 +333,21 @@ def model_config(a):
 
 
 def programs(a, cfg, mesh, rules, kernels):
-    """[(mode, K, Program)] of the runs, in order: plain, then each NEXTN --steps."""
+    """[(mode, K, Program, draft vocabulary N or None)] of the runs, in order: plain, each NEXTN --steps, then
+    each NEXTN --steps again with --draft-vocab."""
     out = []
-    for mode, K in [("plain", 0)] + [("nextn", int(k)) for k in a.steps.split(",")]:
-        calls = kernel_calls(kernels, kda_impl=a.kda_impl) if kernels != "reference" else None
-        opts = kernel_calls_for(RuntimeOptions(kernels=calls), mesh, rules)
-        out.append((mode, K, Program(cfg, mode=mode, steps=max(K, 1), max_len=a.ctx + 1024, opts=opts)))
+    calls = kernel_calls(kernels, kda_impl=a.kda_impl) if kernels != "reference" else None
+    opts = kernel_calls_for(RuntimeOptions(kernels=calls), mesh, rules)
+    nextn = [int(k) for k in a.steps.split(",")]
+    for mode, K, dv in ([("plain", 0, None)] + [("nextn", k, None) for k in nextn]
+                        + [("nextn", k, a.draft_vocab) for k in (nextn if a.draft_vocab else [])]):
+        out.append((mode, K, Program(cfg, mode=mode, steps=max(K, 1), max_len=a.ctx + 1024, opts=opts), dv))
     return out
+
+
+def random_draft_vocab(cfg, n: int):
+    """n distinct token ids (a random model has no frequent tokens: any n rows cost the same)."""
+    return np.sort(np.random.default_rng(0).choice(cfg.vocab_size, n, replace=False)).astype(np.int32)
 
 
 def compile_step(prog, mesh, rules, params, plan):
@@ -386,13 +397,13 @@ def time_ttft(a, cfg, params, kernels) -> list[dict]:
 def dry_run(a, cfg, mesh, rules):
     """The plan on CPU with abstract arrays only: layer table, init programs, budget, and each step traced
     (jax.eval_shape) on the abstract (fp8) parameters with the Pallas kernel wiring."""
-    plan = step_budget.budget(cfg, jnp.bfloat16, a.quantization, {f"{m}{K}": p for m, K, p in
+    plan = step_budget.budget(cfg, jnp.bfloat16, a.quantization, {f"{m}{K}": p for m, K, p, _ in
                                                                    programs(a, cfg, mesh, rules, "reference")},
                               int(a.device_gib * 2**30) if a.device_gib else step_budget.H200_ASSUMED_BYTES, 1,
                               "--device-gib" if a.device_gib else "assumed: 0.95 x 139 GiB, one H200")
     step_budget.print_dry_run(cfg, jnp.bfloat16, a.quantization, plan, compile_temp=not a.no_init_compile)
     params = abstract_params(cfg, jnp.bfloat16, quantization=a.quantization)
-    for mode, K, prog in programs(a, cfg, mesh, rules, "pallas" if a.kernels == "auto" else a.kernels):
+    for mode, K, prog, _ in programs(a, cfg, mesh, rules, "pallas" if a.kernels == "auto" else a.kernels):
         t0 = time.perf_counter()
         out = jax.eval_shape(prog.fn(), params, prog.abstract_state())
         print(f"traced {mode}{K} ({len(jax.tree.leaves(out))} output leaves) in {time.perf_counter() - t0:.1f} s")
@@ -429,6 +440,8 @@ def main():
     ap.add_argument("--ttft-chunks", default="1024", help="--chunked-prefill-size values for --ttft (fp8 on one "
                     "H200: the MLA scores of a chunk, 2 x H x chunk x slots x 4 B, and the dequantised expert stacks "
                     "of a layer, 6 GB, share ~12 GiB of headroom)")
+    ap.add_argument("--draft-vocab", type=int, default=None, help="also time each NEXTN step with the draft's "
+                    "lm_head over this many tokens (ling_jax.draft_vocab; e.g. 32768; verification stays full)")
     ap.add_argument("--dry-run", action="store_true", help="print the memory plan, per-layer shapes and init "
                     "programs, and trace each step on abstract arrays; allocate nothing (runs on CPU)")
     ap.add_argument("--device-gib", type=float, default=None, help="--dry-run: the device's bytes (default: one "
@@ -455,10 +468,11 @@ def run_all(a, cfg, tp, mesh, rules):
     bw = ceiling.bytes_per_s
     print(f"HBM ceiling {bw / 1e12:.2f} TB/s ({ceiling.source}; streaming read {ceiling.stream_bytes_per_s / 1e12:.2f},"
           f" XLA copy {ceiling.copy_bytes_per_s / 1e12:.2f})", flush=True)
-    runs = [(m, K, p, a.kernels) for m, K, p in programs(a, cfg, mesh, rules, a.kernels)]
+    runs = [(m, K, p, dv, a.kernels) for m, K, p, dv in programs(a, cfg, mesh, rules, a.kernels)]
     if a.baseline_kernels:
-        runs += [(m, K, p, a.baseline_kernels) for m, K, p in programs(a, cfg, mesh, rules, a.baseline_kernels)]
-    plan = step_budget.budget(cfg, jnp.bfloat16, a.quantization, {f"{m}{K}": p for m, K, p, _ in runs},
+        runs += [(m, K, p, dv, a.baseline_kernels) for m, K, p, dv in programs(a, cfg, mesh, rules,
+                                                                              a.baseline_kernels)]
+    plan = step_budget.budget(cfg, jnp.bfloat16, a.quantization, {f"{m}{K}": p for m, K, p, _, _ in runs},
                               device_memory_bytes(), tp)
     print("memory plan (per device, before allocating):\n  " + "\n  ".join(plan.lines()), flush=True)
     plan.check(what="(weights + state)")
@@ -475,8 +489,10 @@ def run_all(a, cfg, tp, mesh, rules):
     prefix = "step" + ("-" + os.path.basename(os.path.normpath(a.model)) if a.model else "") + f"-kda{a.kda_impl}"
     prefix += f"-{a.quantization}" if a.quantization else ""
     kept = None
-    for mode, K, prog, kernels in runs:
-        kept = run_one(a, cfg, mesh, rules, params, bw, plan, rows, extra, mode, K, prog, kernels, prefix) or kept
+    for mode, K, prog, dv, kernels in runs:
+        p = params if dv is None else with_draft_vocab(params, random_draft_vocab(cfg, dv))
+        kept = run_one(a, cfg, mesh, rules, p, bw, plan, rows, extra, mode, K, prog, kernels, prefix, dv) or kept
+        del p
         os.makedirs(a.out, exist_ok=True)
         write(a.out, prefix + a.tag, rows, extra, device)  # partial results survive a timeout
     if a.ttft:
@@ -495,8 +511,9 @@ def run_all(a, cfg, tp, mesh, rules):
                                                              "ctx": a.ctx}, device))
 
 
-def run_one(a, cfg, mesh, rules, params, bw, plan, rows, extra, mode, K, prog, kernels, prefix):
-    """Compile, time (and census) one step; appends its row. Returns (step, routing) of the main NEXTN 5 step."""
+def run_one(a, cfg, mesh, rules, params, bw, plan, rows, extra, mode, K, prog, kernels, prefix, dv=None):
+    """Compile, time (and census) one step; appends its row. Returns (step, routing) of the main NEXTN 5 step.
+    dv: the draft vocabulary's size when params carry one (ling_jax.draft_vocab)."""
     baseline = kernels != a.kernels
     step, temp = compile_step(prog, mesh, rules, params, plan)
     state = random_state(prog, mesh, rules, a.ctx)
@@ -504,8 +521,9 @@ def run_one(a, cfg, mesh, rules, params, bw, plan, rows, extra, mode, K, prog, k
     tc = time.perf_counter()
     disp: list = []
     t, state = time_chain(step, params, state, reps=a.reps, dispatch=disp)
-    nbytes = floor_bytes(cfg, mesh, rules, mode, K, routing, a.ctx, a.quantization)
+    nbytes = floor_bytes(cfg, mesh, rules, mode, K, routing, a.ctx, a.quantization, dv)
     name = "plain decode step" if mode == "plain" else f"NEXTN step (steps={K}, {K + 1} verify rows)"
+    name += f" [draft vocab {dv}]" if dv else ""
     name += f" [kernels={kernels}]" if baseline else ""
     r = row(name, t, nbytes, bw, distinct_experts_per_router_call=routing, compile_and_time_s=time.perf_counter() - tc,
             kernels=kernels, layer_passes=layer_passes(cfg, mode, K), host_dispatch_us=disp[0] * 1e6,
@@ -518,7 +536,7 @@ def run_one(a, cfg, mesh, rules, params, bw, plan, rows, extra, mode, K, prog, k
     rows.append(r)
     print(f"{name:42s} {t * 1e6:9.1f} us  floor {r['floor_us']:8.1f} us  {100 * r['fraction_of_floor']:5.1f} %  "
           f"({nbytes / 1e9:.3f} GB/device)  host dispatch {disp[0] * 1e6:.0f} us/call", flush=True)
-    if not a.no_census and not baseline and (mode == "plain" or K == 5):
+    if not a.no_census and not baseline and not dv and (mode == "plain" or K == 5):
         c, state = census(step, params, state, 5, t, tempfile.mkdtemp(prefix=f"prof-{mode}{K}-"),
                           layer_passes(cfg, mode, K))
         extra["census"][name] = c
@@ -529,7 +547,7 @@ def run_one(a, cfg, mesh, rules, params, bw, plan, rows, extra, mode, K, prog, k
         with gzip.open(os.path.join(a.out, f"hlo-{prefix}{a.tag}-{mode}{K}.txt.gz"), "wt") as f:
             f.write(step.as_text())
     del state
-    return (step, routing) if mode == "nextn" and K == 5 and not baseline else None
+    return (step, routing) if mode == "nextn" and K == 5 and not baseline and not dv else None
 
 
 if __name__ == "__main__":
