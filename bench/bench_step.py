@@ -3,8 +3,10 @@
   python3 -m bench.bench_step --layers 12 --out $OUT [--spec-parts]     (one H200: a layer slice, random bf16)
   python3 -m bench.bench_step --model models/ling-demo --out $OUT       (the shipped demo model: pure fixed cost)
   python3 -m bench.bench_step --tp 2 --out $OUT                         (two H200: the full model)
+  python3 -m bench.bench_step --quantization fp8 --tp 1 --ttft 8192 --out $OUT   (one H200: the full model in fp8)
+  python3 -m bench.bench_step --quantization fp8 --tp 1 --dry-run       (CPU: its memory plan, see step_budget.py)
 
-Floor = bytes the step must move per device / the one HBM ceiling (bench/ceiling.py: best of a streaming-read
+Floor = bytes the step must move per device (block-fp8 weights: their fp8 bytes + f32 scales) / the one HBM ceiling (bench/ceiling.py: best of a streaming-read
 Pallas kernel over 4 GiB and XLA's copy). Bytes count each dependent pass's weights once: per MoE call the
 DISTINCT experts the actual routing activated x the bytes of one expert, attention/dense/router/shared weights,
 lm_head per lm_head pass, embedding rows, KDA state (plain: read+write; NEXTN: verify read + commit read+write),
@@ -22,7 +24,6 @@ import collections
 import contextlib
 import dataclasses
 import datetime
-import functools
 import glob
 import gzip
 import json
@@ -39,16 +40,20 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from compile.mesh import make_mesh
-from compile.runner import constrain, sharded_params
-from compile.sharding import ShardingRules, kernel_calls_for, param_specs, state_shardings
+from compile.runner import constrain
+from compile.sharding import ShardingRules, kernel_calls_for, param_specs, state_shardings, with_shardings
 from compile.stages import Program, slice_config
 from ling_jax.config import get_preset
+from ling_jax.draft_vocab import with_draft_vocab
 from ling_jax.kernel_calls import kernel_calls
 from ling_jax.model import RuntimeOptions
 from ling_jax.sampling import SamplingOptions, TokenHistory
-from ling_jax.weights import array_spec
+from ling_jax import quant
+from ling_jax.weights import abstract_params, array_spec, get_path, init_params
 
+from bench import step_budget  # noqa: E402
 from bench.ceiling import Ceiling  # noqa: E402
+from ling_jax.memory import device_memory_bytes  # noqa: E402
 
 SEED_NEXTN_US = 4970.0  # SGLang NEXTN step on 4xB200: TPOT 1.53 ms x accept 3.25 (a published reference)
 SEED_ACCEPT = 3.25
@@ -154,13 +159,15 @@ def routing_from(path, cfg, mode, K) -> list[float]:
     return src[:K - 1] + [float(np.mean(src[K - 1:-1]))] * n_moe + src[-1:]
 
 
-def byte_model(cfg, mesh, rules, dtype_bytes=2):
-    """Per-device bytes of each weight group (sharded arrays divided by their mesh axes)."""
+def byte_model(cfg, mesh, rules, quantization=None):
+    """Per-device bytes of each weight group (sharded arrays divided by their mesh axes), counted from the
+    abstract parameter tree: block-fp8 weights as their w8 bytes + f32 scales, the rest in bf16 / f32."""
     specs = param_specs(cfg, rules)
+    params = abstract_params(cfg, jnp.bfloat16, quantization=quantization)
     tp = mesh.devices.size
     groups = collections.Counter()
     for a in array_spec(cfg):
-        n = int(np.prod(a.shape)) * (4 if a.dtype == "float32" else dtype_bytes)
+        n = quant.nbytes(get_path(params, a.path))
         split = tp if any(ax is not None for ax in specs[a.path]) else 1
         name = a.path[-1]
         if a.path[0] in ("embed", "lm_head", "final_norm"):
@@ -170,14 +177,17 @@ def byte_model(cfg, mesh, rules, dtype_bytes=2):
         else:
             key = ("mtp" if a.path[0] == "mtp" else "layer") + f"{a.path[1]}"
         groups[key] += n / split
-    per_expert = 3 * cfg.moe_intermediate_size * cfg.hidden_size * dtype_bytes / (
-        1 if rules.expert_mlp is None else tp)
+    moe = next((a for a in array_spec(cfg) if a.path[-1] == "w_gate"), None)
+    per_expert = 0.0 if moe is None else sum(  # one expert's gate, up and down rows (with their scales)
+        quant.nbytes(get_path(params, moe.path[:-1] + (w,))) for w in ("w_gate", "w_up", "w_down")) / (
+        cfg.num_experts * (1 if rules.expert_mlp is None else tp))
     return groups, per_expert
 
 
-def floor_bytes(cfg, mesh, rules, mode, K, routing, ctx) -> float:
-    """Bytes one device must move in one step (see module doc). routing: distinct experts per router call."""
-    g, per_expert = byte_model(cfg, mesh, rules)
+def floor_bytes(cfg, mesh, rules, mode, K, routing, ctx, quantization=None, draft_vocab=None) -> float:
+    """Bytes one device must move in one step (see module doc). routing: distinct experts per router call.
+    draft_vocab: the draft lm_head's rows (ling_jax.draft_vocab; None: the full vocabulary)."""
+    g, per_expert = byte_model(cfg, mesh, rules, quantization)
     tp = mesh.devices.size
     D, H, Kd = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
     kda_state = len(cfg.kda_layers) * H * Kd * Kd * 4 / tp
@@ -189,8 +199,9 @@ def floor_bytes(cfg, mesh, rules, mode, K, routing, ctx) -> float:
     if mode == "plain":
         return target + lm + experts + 2 * kda_state + len(cfg.mla_layers) * mla_read + D * 2
     passes_mtp = K  # K-1 draft forwards + 1 extend
+    lm_draft = lm if draft_vocab is None else lm * draft_vocab / cfg.vocab_size
     return (target + lm + experts + 3 * kda_state + len(cfg.mla_layers) * mla_read
-            + passes_mtp * (mtp + lm + mla_read) + (K + 1) * 2 * D * 2)
+            + passes_mtp * (mtp + lm_draft + mla_read) + (K + 1) * 2 * D * 2)
 
 
 def census(step, params, state, n_steps, unprofiled_s, logdir, passes: int):
@@ -295,18 +306,112 @@ def write(out_dir, prefix, rows, extra, device, command: str | None = None):
     return path
 
 
-def load_model(a, mesh, rules):
-    """(cfg, params): a checkpoint directory (--model, its own weights) or a preset (random bf16, --layers slice)."""
-    if a.model:
-        from compile.sharding import shardings_for
-        from ling_jax.config import from_hf_config
-        from ling_jax.weights import load_hf_checkpoint
+def load_model(a, mesh, rules, cfg):
+    """params: a checkpoint directory (--model: its own weights, streamed array by array to the device) or random
+    init of the preset (--layers slice), drawn on device array by array: with --quantization fp8 directly in fp8,
+    so the bf16 model never exists (Ling-3.0-flash: 128 GB fp8 on one H200)."""
+    from compile.sharding import shardings_for
+    from ling_jax.weights import load_hf_checkpoint
 
-        cfg = from_hf_config(a.model)
-        return cfg, load_hf_checkpoint(cfg, a.model, jnp.bfloat16, shardings_for(cfg, mesh, rules))
+    every = max(1, len(array_spec(cfg)) // 8)
+    t0 = time.perf_counter()
+    progress = lambda i, n: i % every == 0 and print(f"  params {i}/{n} arrays, {time.perf_counter() - t0:.1f} s",
+                                                     flush=True)
+    if a.model:
+        return load_hf_checkpoint(cfg, a.model, jnp.bfloat16, shardings_for(cfg, mesh, rules), progress,
+                                  a.quantization)
+    return init_params(cfg, 0, jnp.bfloat16, shardings_for(cfg, mesh, rules), a.quantization, progress)
+
+
+def model_config(a):
+    if a.model:
+        from ling_jax.config import from_hf_config
+
+        return from_hf_config(a.model)
     cfg = get_preset(a.preset)
-    cfg = slice_config(cfg, a.layers) if a.layers else cfg
-    return cfg, sharded_params(cfg, mesh, rules, seed=0, dtype=jnp.bfloat16)
+    return slice_config(cfg, a.layers) if a.layers else cfg
+
+
+def programs(a, cfg, mesh, rules, kernels):
+    """[(mode, K, Program, draft vocabulary N or None)] of the runs, in order: plain, each NEXTN --steps, then
+    each NEXTN --steps again with --draft-vocab."""
+    out = []
+    calls = kernel_calls(kernels, kda_impl=a.kda_impl) if kernels != "reference" else None
+    opts = kernel_calls_for(RuntimeOptions(kernels=calls), mesh, rules)
+    nextn = [int(k) for k in a.steps.split(",")]
+    for mode, K, dv in ([("plain", 0, None)] + [("nextn", k, None) for k in nextn]
+                        + [("nextn", k, a.draft_vocab) for k in (nextn if a.draft_vocab else [])]):
+        out.append((mode, K, Program(cfg, mode=mode, steps=max(K, 1), max_len=a.ctx + 1024, opts=opts), dv))
+    return out
+
+
+def random_draft_vocab(cfg, n: int):
+    """n distinct token ids (a random model has no frequent tokens: any n rows cost the same)."""
+    return np.sort(np.random.default_rng(0).choice(cfg.vocab_size, n, replace=False)).astype(np.int32)
+
+
+def compile_step(prog, mesh, rules, params, plan, multi_step: int = 1):
+    """The step compiled ahead of time on the abstract state (nothing allocated for it yet), and XLA's temporaries
+    for it, checked against the memory plan before the state is made. multi_step = N > 1: N steps in one program
+    (lax.scan), so the host dispatches once per N steps (runner.Generator(decode_steps=N))."""
+    fn = prog.fn()
+    if multi_step > 1:
+        fn = functools.partial(lambda p, s, _f, n: jax.lax.scan(lambda c, _: _f(p, c), s, None, length=n),
+                               _f=fn, n=multi_step)
+    step = jax.jit(lambda p, s, _f=fn: constrain(_f(p, s), mesh, rules), donate_argnums=(1,))
+    abstract = prog.abstract_state()
+    compiled = step.lower(params, with_shardings(abstract, state_shardings(abstract, mesh, rules))).compile()
+    mem = compiled.memory_analysis()
+    temp = 0 if mem is None else int(mem.temp_size_in_bytes)
+    print(f"  compiled: XLA temporaries {temp / 2**30:.2f} GiB, headroom after weights + state + temp "
+          f"{plan.headroom(temp) / 2**30:.2f} GiB", flush=True)
+    plan.check(temp, f"for the {prog.mode} step")
+    return compiled, temp
+
+
+def time_ttft(a, cfg, params, kernels) -> list[dict]:
+    """TTFT of one --ttft-token prompt through the serving path (Generator.prefill: fixed-size chunks, one program
+    for every prompt length), per --ttft-chunks; the compile (a short prompt first) is excluded."""
+    from ling_jax.runner import Generator
+    from ling_jax.spec import SpecConfig
+
+    calls = kernel_calls(kernels, kda_impl=a.kda_impl) if kernels != "reference" else None
+    rows, prompt = [], np.random.default_rng(0).integers(2, cfg.vocab_size, a.ttft).tolist()
+    sp, key = SamplingOptions().device(cfg.vocab_size), jax.random.key(0)
+    for chunk in map(int, a.ttft_chunks.split(",")):
+        spec = SpecConfig("NEXTN", 3) if cfg.mtp_layers else SpecConfig("NONE")
+        gen = Generator(cfg, params, spec=spec, max_len=a.ttft + 1024, chunked_prefill_size=chunk,
+                        opts=RuntimeOptions(kernels=calls))
+        tc = time.perf_counter()
+        jax.block_until_ready(gen.prefill(prompt[:8], sp, key, True)[1])  # compiles the one prefill program
+        compile_s, ts = time.perf_counter() - tc, []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            jax.block_until_ready(gen.prefill(prompt, sp, key, True)[1])
+            ts.append(time.perf_counter() - t0)
+        t = float(np.median(ts))
+        rows.append({"name": f"TTFT prompt {a.ttft}, chunk {chunk}", "prompt_tokens": a.ttft, "chunk": chunk,
+                     "ttft_ms": t * 1e3, "prompt_tokens_per_s": a.ttft / t, "compile_s": compile_s})
+        print(f"TTFT prompt {a.ttft} chunk {chunk}: {t * 1e3:.1f} ms ({a.ttft / t:.0f} tok/s; compile "
+              f"{compile_s:.1f} s)", flush=True)
+        del gen
+    return rows
+
+
+def dry_run(a, cfg, mesh, rules):
+    """The plan on CPU with abstract arrays only: layer table, init programs, budget, and each step traced
+    (jax.eval_shape) on the abstract (fp8) parameters with the Pallas kernel wiring."""
+    plan = step_budget.budget(cfg, jnp.bfloat16, a.quantization, {f"{m}{K}": p for m, K, p, _ in
+                                                                   programs(a, cfg, mesh, rules, "reference")},
+                              int(a.device_gib * 2**30) if a.device_gib else step_budget.H200_ASSUMED_BYTES, 1,
+                              "--device-gib" if a.device_gib else "assumed: 0.95 x 139 GiB, one H200")
+    step_budget.print_dry_run(cfg, jnp.bfloat16, a.quantization, plan, compile_temp=not a.no_init_compile)
+    params = abstract_params(cfg, jnp.bfloat16, quantization=a.quantization)
+    for mode, K, prog, _ in programs(a, cfg, mesh, rules, "pallas" if a.kernels == "auto" else a.kernels):
+        t0 = time.perf_counter()
+        out = jax.eval_shape(prog.fn(), params, prog.abstract_state())
+        print(f"traced {mode}{K} ({len(jax.tree.leaves(out))} output leaves) in {time.perf_counter() - t0:.1f} s")
+    plan.check()
 
 
 def main():
@@ -333,75 +438,75 @@ def main():
                     "reference: the XLA-only model) in the same run, as the baseline")
     ap.add_argument("--routing-from", default=None, help="a slice run's step JSON: reuse its mean distinct experts "
                     "per router call (saves compiling a routing-capture copy of the full model)")
+    ap.add_argument("--quantization", default=None, choices=quant.QUANTIZATIONS, help="fp8: the weights "
+                    "quant.fp8_policy picks as block fp8 (random init drawn in fp8; a bf16 --model quantised while "
+                    "it loads; an fp8 checkpoint's tensors are fp8 either way)")
+    ap.add_argument("--ttft", type=int, default=0, help="also time the first token of a prompt of this many tokens "
+                    "(chunked prefill, the serving path; 0: off)")
+    ap.add_argument("--ttft-chunks", default="1024", help="--chunked-prefill-size values for --ttft (fp8 on one "
+                    "H200: the MLA scores of a chunk, 2 x H x chunk x slots x 4 B, and the dequantised expert stacks "
+                    "of a layer, 6 GB, share ~12 GiB of headroom)")
+    ap.add_argument("--draft-vocab", type=int, default=None, help="also time each NEXTN step with the draft's "
+                    "lm_head over this many tokens (ling_jax.draft_vocab; e.g. 32768; verification stays full)")
+    ap.add_argument("--dry-run", action="store_true", help="print the memory plan, per-layer shapes and init "
+                    "programs, and trace each step on abstract arrays; allocate nothing (runs on CPU)")
+    ap.add_argument("--device-gib", type=float, default=None, help="--dry-run: the device's bytes (default: one "
+                    "H200 at XLA_PYTHON_CLIENT_MEM_FRACTION 0.95)")
+    ap.add_argument("--no-init-compile", action="store_true", help="--dry-run: skip compiling the init programs "
+                    "on CPU (their temporaries)")
     a = ap.parse_args()
     if a.model and a.layers:
         ap.error("--layers slices a preset; --model loads a whole checkpoint")
+    if a.spec_parts and a.quantization:
+        ap.error("--spec-parts counts bf16 bytes (bench_spec.byte_model): not with --quantization")
     tp = a.tp or len(jax.devices())
     mesh, rules = make_mesh(tp), ShardingRules.tensor_parallel()
+    cfg = model_config(a)
+    if a.dry_run:
+        return dry_run(a, cfg, mesh, rules)
+    run_all(a, cfg, tp, mesh, rules)
+
+
+def run_all(a, cfg, tp, mesh, rules):
     device = f"{jax.devices()[0].device_kind} x{tp}"
     t0 = time.perf_counter()
     ceiling = Ceiling.measure(jax.devices()[0])
     bw = ceiling.bytes_per_s
     print(f"HBM ceiling {bw / 1e12:.2f} TB/s ({ceiling.source}; streaming read {ceiling.stream_bytes_per_s / 1e12:.2f},"
           f" XLA copy {ceiling.copy_bytes_per_s / 1e12:.2f})", flush=True)
-    cfg, params = load_model(a, mesh, rules)
+    runs = [(m, K, p, dv, a.kernels) for m, K, p, dv in programs(a, cfg, mesh, rules, a.kernels)]
+    if a.baseline_kernels:
+        runs += [(m, K, p, dv, a.baseline_kernels) for m, K, p, dv in programs(a, cfg, mesh, rules,
+                                                                              a.baseline_kernels)]
+    plan = step_budget.budget(cfg, jnp.bfloat16, a.quantization, {f"{m}{K}": p for m, K, p, _, _ in runs},
+                              device_memory_bytes(), tp)
+    print("memory plan (per device, before allocating):\n  " + "\n  ".join(plan.lines()), flush=True)
+    plan.check(what="(weights + state)")
+    params = load_model(a, mesh, rules, cfg)
     jax.block_until_ready(params)
-    print(f"params {cfg.name} TP{tp}: init {time.perf_counter() - t0:.1f} s", flush=True)
+    host = step_budget.host_peak_bytes()
+    print(f"params {cfg.name} TP{tp} quantization={a.quantization}: ready {time.perf_counter() - t0:.1f} s, host peak "
+          f"RSS {'?' if host is None else f'{host / 2**30:.2f} GiB'}", flush=True)
     rows, extra = [], {"hbm_bw_bytes_per_s": bw, **ceiling.summary(), "model": a.model or cfg.name, "tp": tp,
                        "ctx": a.ctx, "census": {}, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+                       "quantization": a.quantization, "memory_plan": plan.lines(), "host_peak_rss_bytes": host,
                        "routing_source": a.routing_from or "captured from this run's router (jnp copy of the step)"}
-    max_len = a.ctx + 1024
     extra["kernels"] = a.kernels
-    runs = [("plain", 0, a.kernels)] + [("nextn", int(k), a.kernels) for k in a.steps.split(",")]
-    if a.baseline_kernels:
-        runs += [(m, k, a.baseline_kernels) for m, k, _ in runs]
     prefix = "step" + ("-" + os.path.basename(os.path.normpath(a.model)) if a.model else "") + f"-kda{a.kda_impl}"
-    for mode, K, kernels in runs:
-        baseline = kernels != a.kernels
-        calls = kernel_calls(kernels, kda_impl=a.kda_impl) if kernels != "reference" else None
-        opts = kernel_calls_for(RuntimeOptions(kernels=calls), mesh, rules)
-        prog = Program(cfg, mode=mode, steps=max(K, 1), max_len=max_len, opts=opts)
-        fn = prog.fn()
-        if a.multi_step > 1:  # N steps in one program: the host dispatches once per N steps
-            fn = functools.partial(lambda p, s, _f, n: jax.lax.scan(lambda c, _: _f(p, c), s, None, length=n),
-                                   _f=fn, n=a.multi_step)
-        step = jax.jit(lambda p, s, _f=fn: constrain(_f(p, s), mesh, rules), donate_argnums=(1,))
-        state = random_state(prog, mesh, rules, a.ctx)
-        routing = routing_from(a.routing_from, cfg, mode, K) if a.routing_from else distinct_experts(prog, params, state)
-        tc = time.perf_counter()
-        disp: list = []
-        t, state = time_chain(step, params, state, reps=a.reps, dispatch=disp)
-        t, disp[0] = t / a.multi_step, disp[0] / a.multi_step
-        nbytes = floor_bytes(cfg, mesh, rules, mode, K, routing, a.ctx)
-        name = "plain decode step" if mode == "plain" else f"NEXTN step (steps={K}, {K + 1} verify rows)"
-        name += f" [kernels={kernels}]" if baseline else ""
-        r = row(name, t, nbytes, bw, distinct_experts_per_router_call=routing, compile_and_time_s=time.perf_counter() - tc,
-                kernels=kernels, layer_passes=layer_passes(cfg, mode, K), host_dispatch_us=disp[0] * 1e6)
-        if baseline:
-            main_row = next(x for x in rows if x["name"] == name.split(" [kernels=")[0])
-            main_row.update(baseline=f"the same step with kernels={kernels}, same run", baseline_time_us=t * 1e6)
-        if mode == "nextn":
-            r["projected_tpot_us_at_seed_accept"] = t * 1e6 / SEED_ACCEPT
-        rows.append(r)
-        print(f"{name:42s} {t * 1e6:9.1f} us  floor {r['floor_us']:8.1f} us  {100 * r['fraction_of_floor']:5.1f} %  "
-              f"({nbytes / 1e9:.3f} GB/device)  host dispatch {disp[0] * 1e6:.0f} us/call", flush=True)
-        if not a.no_census and not baseline and (mode == "plain" or K == 5):
-            c, state = census(step, params, state, 5, t, tempfile.mkdtemp(prefix=f"prof-{mode}{K}-"),
-                              layer_passes(cfg, mode, K))
-            extra["census"][name] = c
-            r["kernels_per_step"] = c.get("kernels_per_step_per_device")
-            r["kernels_per_layer_pass"] = c.get("kernels_per_layer_pass")
-            print(json.dumps({k: v for k, v in c.items() if k != "top_kernels"})[:1500], flush=True)
-        del state
+    prefix += f"-{a.quantization}" if a.quantization else ""
+    kept = None
+    for mode, K, prog, dv, kernels in runs:
+        p = params if dv is None else with_draft_vocab(params, random_draft_vocab(cfg, dv))
+        kept = run_one(a, cfg, mesh, rules, p, bw, plan, rows, extra, mode, K, prog, kernels, prefix, dv) or kept
+        del p
         os.makedirs(a.out, exist_ok=True)
         write(a.out, prefix + a.tag, rows, extra, device)  # partial results survive a timeout
-        if mode == "nextn" and K == 5 and not baseline:
-            kept = (step, routing)
-        if a.dump_hlo and not baseline:  # the optimised HLO of the timed program (what the census counts)
-            state = random_state(prog, mesh, rules, a.ctx)
-            with gzip.open(os.path.join(a.out, f"hlo-{prefix}{a.tag}-{mode}{K}.txt.gz"), "wt") as f:
-                f.write(step.lower(params, state).compile().as_text())
-            del state
+    if a.ttft:
+        try:
+            rows += time_ttft(a, cfg, params, a.kernels)
+        except Exception as e:  # noqa: BLE001  (an OOM of the prefill program must not cost the step rows)
+            rows.append({"name": f"TTFT prompt {a.ttft}", "error": f"{type(e).__name__}: {str(e)[:600]}"})
+            print(f"TTFT failed: {rows[-1]['error']}", flush=True)
     os.makedirs(a.out, exist_ok=True)
     print("wrote", write(a.out, prefix + a.tag, rows, extra, device))
     if a.spec_parts:
@@ -410,6 +515,48 @@ def main():
         srows = bench_spec.run(cfg, mesh, rules, params, bw, a.ctx, a.reps, K=5, fused=kept[0], routing=kept[1])
         print("wrote", write(a.out, "spec" + a.tag, srows, {"hbm_bw_bytes_per_s": bw, "model": cfg.name, "tp": tp,
                                                              "ctx": a.ctx}, device))
+
+
+def run_one(a, cfg, mesh, rules, params, bw, plan, rows, extra, mode, K, prog, kernels, prefix, dv=None):
+    """Compile, time (and census) one step; appends its row. Returns (step, routing) of the main NEXTN 5 step.
+    dv: the draft vocabulary's size when params carry one (ling_jax.draft_vocab)."""
+    baseline = kernels != a.kernels
+    step, temp = compile_step(prog, mesh, rules, params, plan, a.multi_step)
+    state = random_state(prog, mesh, rules, a.ctx)
+    routing = routing_from(a.routing_from, cfg, mode, K) if a.routing_from else distinct_experts(prog, params, state)
+    tc = time.perf_counter()
+    disp: list = []
+    t, state = time_chain(step, params, state, reps=a.reps, dispatch=disp)
+    t, disp[0] = t / a.multi_step, disp[0] / a.multi_step  # per step
+    nbytes = floor_bytes(cfg, mesh, rules, mode, K, routing, a.ctx, a.quantization, dv)
+    name = "plain decode step" if mode == "plain" else f"NEXTN step (steps={K}, {K + 1} verify rows)"
+    name += f" [draft vocab {dv}]" if dv else ""
+    name += f" [kernels={kernels}]" if baseline else ""
+    r = row(name, t, nbytes, bw, distinct_experts_per_router_call=routing, compile_and_time_s=time.perf_counter() - tc,
+            kernels=kernels, layer_passes=layer_passes(cfg, mode, K), host_dispatch_us=disp[0] * 1e6,
+            xla_temp_bytes=temp)
+    if baseline:
+        main_row = next(x for x in rows if x["name"] == name.split(" [kernels=")[0])
+        main_row.update(baseline=f"the same step with kernels={kernels}, same run", baseline_time_us=t * 1e6)
+    if mode == "nextn":
+        r["projected_tpot_us_at_seed_accept"] = t * 1e6 / SEED_ACCEPT
+    rows.append(r)
+    print(f"{name:42s} {t * 1e6:9.1f} us  floor {r['floor_us']:8.1f} us  {100 * r['fraction_of_floor']:5.1f} %  "
+          f"({nbytes / 1e9:.3f} GB/device)  host dispatch {disp[0] * 1e6:.0f} us/call", flush=True)
+    if not a.no_census and not baseline and not dv and (mode == "plain" or K == 5):
+        n = a.multi_step  # the census profiles whole dispatches: n steps each
+        c, state = census(step, params, state, 5, t * n, tempfile.mkdtemp(prefix=f"prof-{mode}{K}-"),
+                          layer_passes(cfg, mode, K) * n)
+        extra["census"][name] = c
+        per_call = c.get("kernels_per_step_per_device")
+        r["kernels_per_step"] = per_call / n if per_call is not None else None
+        r["kernels_per_layer_pass"] = c.get("kernels_per_layer_pass")
+        print(json.dumps({k: v for k, v in c.items() if k != "top_kernels"})[:1500], flush=True)
+    if a.dump_hlo and not baseline:  # the optimised HLO of the timed program (what the census counts)
+        with gzip.open(os.path.join(a.out, f"hlo-{prefix}{a.tag}-{mode}{K}.txt.gz"), "wt") as f:
+            f.write(step.as_text())
+    del state
+    return (step, routing) if mode == "nextn" and K == 5 and not baseline and not dv else None
 
 
 if __name__ == "__main__":

@@ -102,6 +102,38 @@ def take(w, ids):
     return w[ids]
 
 
+def abstract(shape: tuple[int, ...], sharding=None) -> Fp8Weight:
+    """The ShapeDtypeStructs of one block-fp8 weight of `shape` (both parts take the weight's sharding)."""
+    return Fp8Weight(jax.ShapeDtypeStruct(shape, FP8, sharding=sharding),
+                     jax.ShapeDtypeStruct(scale_shape(shape), jnp.float32, sharding=sharding))
+
+
+# Random fp8 weights are drawn in fp8: W8 = e4m3(clip(SPAN z)), z ~ N(0, 1), and one scale per block
+# s = fan_in^-1/2 / SPAN x U(0.8, 1.2), so W = W8 s has the bf16 init's std (fan_in^-1/2) and the scales differ
+# from block to block (a kernel that applies the wrong block's scale gets a different answer). SPAN = 2^6 keeps
+# |z| < 7 inside e4m3's 448; the clip keeps the rare larger draw finite (e4m3fn has no inf).
+RANDOM_SPAN = 64.0
+RANDOM_ROWS_PER_DRAW = 32  # stacked experts are drawn this many at a time: a large f32 draw never exists
+
+
+def random_fp8(key, shape: tuple[int, ...], fan_in: int) -> Fp8Weight:
+    """A random block-fp8 weight [..., N, K] drawn directly in fp8 (no bf16 or f32 copy of the whole array)."""
+    kw, ks = jax.random.split(key)
+    draw = lambda k, s: jnp.clip(RANDOM_SPAN * jax.random.normal(k, s, jnp.float32), -FP8_MAX, FP8_MAX).astype(FP8)
+    if len(shape) == 3 and shape[0] > RANDOM_ROWS_PER_DRAW:  # [E, N, K]: one expert per map step, in batches
+        w8 = jax.lax.map(lambda k: draw(k, shape[1:]), jax.random.split(kw, shape[0]),
+                         batch_size=RANDOM_ROWS_PER_DRAW)
+    else:
+        w8 = draw(kw, shape)
+    s = jax.random.uniform(ks, scale_shape(shape), jnp.float32, 0.8, 1.2) * (fan_in**-0.5 / RANDOM_SPAN)
+    return Fp8Weight(w8, s)
+
+
+def nbytes(w) -> int:
+    """Bytes an array, ShapeDtypeStruct or Fp8Weight of either occupies (fp8 part + its f32 scales)."""
+    return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(w))
+
+
 def quantize_numpy(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The same quantisation on the host (checkpoint writers): -> (w8 float8_e4m3fn, scale_inv float32)."""
     q = quantize(jnp.asarray(w))
@@ -192,5 +224,6 @@ def stored_fp8(spec: dict, where: dict, qcfg: Fp8Config | None, model_dir: str) 
     return out
 
 
-__all__ = ["Fp8Weight", "Fp8Config", "quantize", "dequantize", "dense", "take", "quantize_numpy", "fp8_policy",
+__all__ = ["Fp8Weight", "Fp8Config", "quantize", "dequantize", "dense", "take", "quantize_numpy", "abstract",
+           "random_fp8", "nbytes", "fp8_policy",
            "can_be_fp8", "quantization_config", "read_quantization_config", "stored_fp8", "scale_shape", "BLOCK"]

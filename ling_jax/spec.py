@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from ling_jax.config import ModelConfig
+from ling_jax.draft_vocab import draft_logits
 from ling_jax.model import RuntimeOptions, commit, forward, lm_logits
 from ling_jax.nextn import mtp_forward
 from ling_jax.sampling import (Logprobs, SamplingParams, TokenHistory, adjust_logits, chain_counts, greedy,
@@ -144,8 +145,9 @@ def _row(a, idx):
 
 
 def _choose(params, hidden, history: TokenHistory, sp: SamplingParams, key, is_greedy: bool, opts):
-    """A token from a head's hidden state [B, D] under the request's transform: (token, q | None)."""
-    adjusted = adjust_logits(lm_logits(params, hidden, opts), sp, history.prompt, history.output)
+    """A draft token from the MTP head's hidden state [B, D] under the request's transform: (token, q | None).
+    The draft's logits cover the draft vocabulary (ling_jax.draft_vocab; the full one unless params carry one)."""
+    adjusted = adjust_logits(draft_logits(params, hidden, opts), sp, history.prompt, history.output)
     return pick(key, adjusted, sp, is_greedy)
 
 

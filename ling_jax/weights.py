@@ -207,13 +207,27 @@ def resolve_dtype(info: ArrayInfo, dtype) -> jnp.dtype:
     return jnp.dtype(jnp.float32) if info.dtype == "float32" else jnp.dtype(dtype)
 
 
-def abstract_params(cfg: ModelConfig, dtype=jnp.bfloat16, shardings: Callable | None = None) -> dict:
-    """ShapeDtypeStruct pytree (with shardings when `shardings(info)` is given): no device memory."""
+def check_quantization(quantization: str | None) -> None:
+    if quantization not in (None, *quant.QUANTIZATIONS):
+        raise ValueError(f"quantization={quantization!r} not in {(None, *quant.QUANTIZATIONS)}")
+
+
+def is_fp8(a: ArrayInfo, quantization: str | None) -> bool:
+    """Whether array `a` is block fp8 under `quantization` (quant.fp8_policy of its first HF tensor)."""
+    return quantization == "fp8" and quant.fp8_policy(a.hf[0][0], a.hf_shape)
+
+
+def abstract_params(cfg: ModelConfig, dtype=jnp.bfloat16, shardings: Callable | None = None,
+                    quantization: str | None = None) -> dict:
+    """ShapeDtypeStruct pytree (with shardings when `shardings(info)` is given): no device memory.
+    quantization="fp8": the arrays quant.fp8_policy picks as quant.Fp8Weight(w8, scale_inv) structs."""
+    check_quantization(quantization)
     spec = array_spec(cfg)
-    leaves = [
-        jax.ShapeDtypeStruct(a.shape, resolve_dtype(a, dtype), sharding=shardings(a) if shardings else None)
-        for a in spec
-    ]
+    leaves = []
+    for a in spec:
+        sh = shardings(a) if shardings else None
+        leaves.append(quant.abstract(a.shape, sh) if is_fp8(a, quantization)
+                      else jax.ShapeDtypeStruct(a.shape, resolve_dtype(a, dtype), sharding=sh))
     return unflatten(spec, leaves)
 
 
@@ -237,22 +251,36 @@ def _draw(init: str, shape, dtype, fan_in: int, key):
     return (jax.random.normal(key, shape, jnp.float32) * fan_in**-0.5).astype(dtype)
 
 
-def init_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.bfloat16, shardings: Callable | None = None) -> dict:
+def init_program(a: ArrayInfo, dtype, sharding=None, quantization: str | None = None):
+    """The jitted `key -> array` that draws `a` (an Fp8Weight drawn directly in fp8 when is_fp8(a))."""
+    if is_fp8(a, quantization):
+        sh = None if sharding is None else quant.Fp8Weight(sharding, sharding)
+        return jax.jit(functools.partial(quant.random_fp8, shape=a.shape, fan_in=a.fan_in), out_shardings=sh)
+    dt = resolve_dtype(a, dtype)
+    return jax.jit(functools.partial(_draw, a.init, a.shape, dt, a.fan_in), out_shardings=sharding)
+
+
+def init_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.bfloat16, shardings: Callable | None = None,
+                quantization: str | None = None, progress: Callable | None = None) -> dict:
     """Random parameters drawn on device, each array from its own key (fold_in of a hash of its path), so the
     values depend on neither sharding nor order; each array is born sharded (`shardings(info)`). One small
-    program per distinct (init, shape, dtype, sharding): layers repeat, so a 42-layer model compiles ~30."""
+    program per distinct (init, shape, dtype, sharding): layers repeat, so a 42-layer model compiles ~30.
+    quantization="fp8": the arrays quant.fp8_policy picks are drawn directly in fp8 (quant.random_fp8), array by
+    array, so the bf16 model never exists (Ling-3.0-flash: 128 GB fp8 on one H200, where bf16 needs 255 GB)."""
+    check_quantization(quantization)
     spec = array_spec(cfg)
     base = jax.random.key(seed)
     programs: dict = {}
     leaves = []
-    for a in spec:
-        dt = resolve_dtype(a, dtype)
+    for n, a in enumerate(spec):
         sh = shardings(a) if shardings else None
-        sig = (a.init, a.shape, dt, a.fan_in, sh)
+        sig = (a.init, a.shape, resolve_dtype(a, dtype), a.fan_in, sh, is_fp8(a, quantization))
         if sig not in programs:
-            programs[sig] = jax.jit(functools.partial(_draw, a.init, a.shape, dt, a.fan_in), out_shardings=sh)
+            programs[sig] = init_program(a, dtype, sh, quantization)
         salt = zlib.crc32("/".join(map(str, a.path)).encode()) & 0x7FFFFFFF
         leaves.append(programs[sig](jax.random.fold_in(base, salt)))
+        if progress:
+            progress(n + 1, len(spec))
     return unflatten(spec, leaves)
 
 
@@ -360,8 +388,13 @@ def _reader(where: dict, a: ArrayInfo, shape: tuple[int, ...], dt, suffix: str =
             name = a.hf[0][0] + suffix
             return np.asarray(where[name].tensor(name)[index], dtype=dt)
         parts = range(*index[0].indices(shape[0]))
-        rows = [where[a.hf[i][0] + suffix].tensor(a.hf[i][0] + suffix)[index[1:]] for i in parts]
-        return np.stack(rows).astype(dt)
+        out = None
+        for j, i in enumerate(parts):  # one host buffer: each stacked part is copied (and cast) into its row
+            row = where[a.hf[i][0] + suffix].tensor(a.hf[i][0] + suffix)[index[1:]]
+            if out is None:
+                out = np.empty((len(parts), *row.shape), dt)
+            out[j] = row
+        return out
 
     return read
 
@@ -372,9 +405,12 @@ def load_hf_checkpoint(cfg: ModelConfig, model_dir: str, dtype=jnp.bfloat16, sha
     (jax.make_array_from_callback over numpy memmaps). Weights are cast to `dtype`; A_log, dt_bias and expert_bias
     become float32 whatever they are stored in (a bf16 save stores them in bf16: upcast, see validate_checkpoint).
     Weights the checkpoint stores as block fp8 load as quant.Fp8Weight; quantization="fp8" also quantises the
-    bf16 ones quant.fp8_policy picks, array by array."""
-    if quantization not in (None, *quant.QUANTIZATIONS):
-        raise ValueError(f"quantization={quantization!r} not in {(None, *quant.QUANTIZATIONS)}")
+    bf16 ones quant.fp8_policy picks, array by array.
+
+    Streamed: the model never exists on the host. Each array is read from the memmaps into one host buffer
+    (stacked experts: ~1 GB fp8 for a Ling MoE layer), put on its device(s), and dropped; before the next array
+    is read the previous one's transfer is waited for, so at most two arrays' host buffers are alive at once."""
+    check_quantization(quantization)
     where = validate_checkpoint(cfg, model_dir)
     fp8 = _stored_fp8(cfg, model_dir, where)
     spec = array_spec(cfg)
@@ -386,6 +422,8 @@ def load_hf_checkpoint(cfg: ModelConfig, model_dir: str, dtype=jnp.bfloat16, sha
 
     leaves = []
     for n, a in enumerate(spec):
+        if leaves:  # the previous array's transfer is done: its host buffer can go
+            jax.block_until_ready(leaves[-1])
         names = [name for name, _ in a.hf]
         stored = [name in fp8 for name in names]
         if any(stored) and not all(stored):
@@ -488,13 +526,11 @@ def load_params(cfg: ModelConfig, model: str, *, dtype=jnp.bfloat16, seed: int =
                 quantization: str | None = None):
     """A preset name -> random init (seeded); a directory -> its HF checkpoint (CheckpointError when it does not
     match cfg or cannot be read). quantization="fp8": the weights quant.fp8_policy picks as block fp8 (a
-    checkpoint's fp8 tensors load as fp8 either way)."""
+    checkpoint's fp8 tensors load as fp8 either way; a preset's fp8 arrays are drawn in fp8, see init_params)."""
+    check_quantization(quantization)
     if os.path.isdir(model):
         return load_hf_checkpoint(cfg, model, dtype, shardings, progress, quantization)
-    params = init_params(cfg, seed, dtype, shardings)
-    if quantization not in (None, *quant.QUANTIZATIONS):
-        raise ValueError(f"quantization={quantization!r} not in {(None, *quant.QUANTIZATIONS)}")
-    return quantize_params(cfg, params) if quantization == "fp8" else params
+    return init_params(cfg, seed, dtype, shardings, quantization, progress)
 
 
 def count(cfg: ModelConfig) -> int:

@@ -146,7 +146,7 @@ def memory_context_length(a: argparse.Namespace, cfg, spec) -> int:
 
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[a.dtype]
     n = default_context_length(cfg, dtype, chunk_size(a), device_bytes=device_memory_bytes(), tp=a.tp_size,
-                               nextn=spec.enabled)
+                               nextn=spec.enabled, quantization=a.quantization)
     logging.info("--context-length not given: %d slots fit in memory (max_position_embeddings %d)", n,
                  cfg.max_position_embeddings)
     return n
@@ -164,7 +164,7 @@ def make_loader(a: argparse.Namespace, cfg, spec, tokenizer, mesh, shardings, co
         from tqdm import tqdm
 
         from ling_jax.runner import Generator
-        from ling_jax.weights import array_spec, init_params, load_params, quantize_params
+        from ling_jax.weights import array_spec, init_params, load_params
         from serve.engine import warmup
         from serve.protocol import ModelLimits
 
@@ -176,8 +176,7 @@ def make_loader(a: argparse.Namespace, cfg, spec, tokenizer, mesh, shardings, co
         t0 = time.perf_counter()
         if a.random_weights or not os.path.isdir(a.model_path):
             with tqdm(total=1, desc="random init", unit="model", file=sys.stderr) as bar:
-                params = init_params(cfg, a.seed, dtype, shardings)
-                params = quantize_params(cfg, params) if a.quantization == "fp8" else params
+                params = init_params(cfg, a.seed, dtype, shardings, a.quantization)  # fp8: drawn in fp8
                 jax.block_until_ready(params)
                 bar.update()
         else:
