@@ -24,6 +24,7 @@ import collections
 import contextlib
 import dataclasses
 import datetime
+import functools
 import glob
 import gzip
 import json
