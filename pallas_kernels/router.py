@@ -251,8 +251,8 @@ def _topk_slots_kernel(s_ref, b_ref, *rest, t, g, eg, topk_group, top_k, ap, sca
   plt.store(w_ref.at[pl.ds(0, tp), pl.ds(0, ap)], w, mask=out_mask)
 
   used = jnp.max(taken.astype(jnp.int32), axis=0)                       # [G, EG] 0/1
-  n_active = jnp.sum(used)
   per_group = jnp.sum(used, axis=1)                                     # [G]
+  n_active = jnp.sum(per_group)  # (one axis at a time: a 2-D -> scalar reduce fails under an abstract mesh)
   rank = jnp.cumsum(used, axis=1) - used + (jnp.cumsum(per_group) - per_group)[:, None]
 
   sp = max(2, 1 << p.bit_length())                                      # >= P + 1 slots
