@@ -24,6 +24,7 @@ Shapes (per call, the layers' view; a subclass sees its per-device slices inside
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import jax
@@ -76,6 +77,8 @@ class KernelCalls:
       64, and Triton above that). Every weight tile is multiplied with an [N, BK] x tile, so N = 64 at T = 1 streams
       as many activation bytes through SMEM as the up kernel's weight rows (and the down kernel's h' tiles
       equal its weight tiles): 16 is the T = 1 / T <= 16 candidate, A/B on the GPU before it is the default.
+    moe_tiles: the Mosaic MoE's tiles (a moe_mosaic.MosaicMoeConfig; its n_tokens is replaced by the columns
+      above), None for the kernel's defaults: the bench's A/B of grids (bench/kernels_moe_layer.py).
     """
 
     interpret: bool = False
@@ -86,8 +89,11 @@ class KernelCalls:
     mla_live_prefix: bool = False
     moe_slots: bool = True
     moe_n_tokens: int = 64
+    moe_tiles: _moe_mosaic.MosaicMoeConfig | None = None
 
     def __post_init__(self):
+        if self.moe_tiles is not None and (self.interpret or self.moe_tiles.interpret):
+            raise ValueError("moe_tiles with interpret: the interpreter runs its own test tiles (interpret=True)")
         if self.moe_n_tokens not in (16, 32) and (self.moe_n_tokens <= 0 or self.moe_n_tokens % 64):
             raise ValueError(f"moe_n_tokens={self.moe_n_tokens} must be 16, 32 or a multiple of 64")
         if self.moe_impl not in MOE_IMPLS:
@@ -123,7 +129,7 @@ class KernelCalls:
         kernel's default tiles, or (interpret) the largest of 128 / 64 that divide the dims, 2-deep pipelines."""
         n = self.moe_n_tokens if t <= self.moe_n_tokens else 64
         if not self.interpret:
-            return _moe_mosaic.MosaicMoeConfig(n_tokens=n)
+            return dataclasses.replace(self.moe_tiles or _moe_mosaic.MosaicMoeConfig(), n_tokens=n)
         _, i, d = w_gate.shape
         fit = lambda dim: 128 if dim % 128 == 0 else 64
         return _moe_mosaic.MosaicMoeConfig(block_i=fit(i), block_k=fit(d), block_d=fit(d), block_kd=64,
