@@ -11,9 +11,10 @@ Math (same as `pallas_kernels.moe.moe_reference`; clamp L > 0 only when on):
   out^T = sum_s W_down[e_s] @ h'[s]                                  [D, N] fp32, one accumulator
 
 Kernel plan (the weights are the wgmma M side, the few tokens the N side; no host sync, no limit on E):
-  0. align (XLA on device, no sort): each distinct expert id gets a slot s < n_active in
-     ascending expert order (an expert picked by several tokens, or twice, is read once);
-     wc [S, N] is a one-hot reduction (no scatter, no atomics).
+  0. align, no sort: each distinct expert id gets a slot s < n_active in ascending expert order
+     (an expert picked by several tokens, or twice, is read once); wc [S, N] is a one-hot
+     reduction (no scatter, no atomics). `moe`: in XLA (`_align`, ~6 small kernels + the pad of
+     x); `moe_slots`: the tables come from the router's top-k launch (router.route_slots).
   1. `moe_mgpu_up`, grid (S, I/BI): slot s streams its expert's [BI, D] gate and up rows once
      through a TMA pipeline; epilogue SwiGLU(+clamp) * wc -> h' [S, I, N] bf16. Empty slots exit.
   2. `moe_mgpu_down`, grid (D/BD, KS): one accumulator [BD, N] runs over every active slot in
@@ -27,8 +28,9 @@ T <= 6): rel err vs reference 2.8e-3 to 2.9e-3 (bf16 h' rounding after the weigh
 bit-identical alone and in the batch; T=17 ~356 us for 1.42 GB (~4.0 TB/s), Triton 799 us.
 fp8 weights: moe_mosaic_fp8 runs these same kernels (`run_kernels`) with fp8 tiles, each dequantised before its
 wgmma (`_weight_tile`), one scale per tile from a per-CTA SMEM row.
-Limits: tokens are padded to N = 64 columns (x and h' tiles cost SMEM/L2 traffic, not HBM);
-alignment is a few small XLA reductions (no sort since e3db4e6; the GPU run used the sort); up and down are two launches (no PDL yet).
+Limits: tokens are padded to N columns (64; 16 or 32 for small T: x and h' tiles cost SMEM/L2
+traffic and pipeline slots, not HBM); up and down are two launches (no PDL yet); the split-K
+sum is one XLA fusion (it also takes the caller's residual add).
 """
 from __future__ import annotations
 
@@ -57,7 +59,8 @@ class MosaicMoeConfig:
     split_k: down GEMM: I is cut into this many fixed chunks (one CTA each; partials summed in
       a fixed order, so the result does not depend on the batch).
     down_stages: down GEMM: TMA pipeline depth.
-    n_tokens: token columns N (wgmma N; multiple of 64 so h' tiles take the 128 B swizzle; T <= N).
+    n_tokens: token columns N (wgmma N; 16, 32 or a multiple of 64; T <= N). 64 was the only choice
+      before (h' rows of 128 B); 16 / 32 lower for CUDA at Ling size and run in the interpreter (not yet measured).
     fp8_operand: fp8 weights (moe_mosaic_fp8): where the dequantised bf16 tile goes before its wgmma, "smem"
       (a scratch tile; what the interpreter runs) or "registers" (skips the SMEM store; GPU only).
     interpret: run in the Mosaic GPU interpreter (CPU tests).

@@ -14,6 +14,12 @@ the 2.6 MB gate matvec wants many CTAs, the top-k wants all E scores of a token 
   1. `router_scores`, grid (E/BE): s[T, BE tile] = sigmoid(x @ gate_w[tile].T), fp32.
   2. `router_topk`, grid (T,): per token, on the [G, EG] score tile: group top-2 sums, keep
      topk_group groups, top_k over the kept experts by repeated argmax, normalised weights.
+`route_slots` (the MoE layer's router on the Mosaic MoE path): the same scores launch, which
+also writes x zero-padded to the MoE's N token columns, then ONE program `router_topk_slots`
+for all T tokens ([T', G, EG] tiles, the same selection ops row by row) that also builds the
+Mosaic MoE's slot tables (meta, wc; see _topk_slots_kernel) and applies the routing borrow of
+padding rows: router -> up -> down with no XLA kernel between them. `slots_from_logits` is
+its second launch alone, for a caller that computed the logits in its own kernel.
 Tie rule (same as lax.top_k, which returns the lower index first among equal values): every
 selection (the top-2 inside a group, the kept groups, the final experts) takes the LOWEST
 index among equal values; ids come out in descending score order.
@@ -86,13 +92,18 @@ class RouterConfig:
     if d % self.block_k or e % self.block_e:
       raise ValueError(f"block_k={self.block_k} must divide D={d} and block_e={self.block_e} "
                        f"must divide E={e}")
-    eg = e // n_group if e % n_group == 0 else 0
-    if not eg or eg & (eg - 1) or n_group & (n_group - 1) or eg < 2:
-      raise ValueError(f"E={e} / n_group={n_group} must give a power-of-2 group size >= 2 "
-                       "with a power-of-2 n_group")
-    if not (1 <= topk_group <= n_group and 1 <= top_k <= topk_group * eg):
-      raise ValueError(f"topk_group={topk_group}, top_k={top_k} out of range for "
-                       f"n_group={n_group}, E={e}")
+    check_groups(e, n_group, topk_group, top_k)
+
+
+def check_groups(e, n_group, topk_group, top_k):
+  """The top-k kernels' group structure: power-of-2 groups of a power-of-2 size >= 2."""
+  eg = e // n_group if e % n_group == 0 else 0
+  if not eg or eg & (eg - 1) or n_group & (n_group - 1) or eg < 2:
+    raise ValueError(f"E={e} / n_group={n_group} must give a power-of-2 group size >= 2 "
+                     "with a power-of-2 n_group")
+  if not (1 <= topk_group <= n_group and 1 <= top_k <= topk_group * eg):
+    raise ValueError(f"topk_group={topk_group}, top_k={top_k} out of range for "
+                     f"n_group={n_group}, E={e}")
 
 
 def _scores_kernel(x_ref, g_ref, s_ref, *x_pad, t, tp, cfg, d):
@@ -242,8 +253,8 @@ def _topk_slots_kernel(s_ref, b_ref, *rest, t, g, eg, topk_group, top_k, ap, sca
   col = lax.broadcasted_iota(jnp.int32, (tp, g, eg), 2)
   rows = jnp.broadcast_to(src[:, None, None], (tp, g, eg))   # a gather: the interpreter wants every index an array
   s = plt.load(s_ref.at[rows, grp, col], mask=jnp.broadcast_to(valid[:, None, None], (tp, g, eg)), other=0.0)
-  if from_logits:
-    s = jax.nn.sigmoid(s)
+  if from_logits:  # the scores kernel's sigmoid (Triton has no logistic)
+    s = 1.0 / (1.0 + jnp.exp(-s))
   taken, ids, w = _topk_rows(s, b_ref[...], valid, g=g, eg=eg, topk_group=topk_group, top_k=top_k,
                              ap=ap, scale=scale, norm=norm)
   out_mask = valid[:, None] & (lax.broadcasted_iota(jnp.int32, (tp, ap), 1) < top_k)
@@ -389,7 +400,7 @@ def slots_from_logits(logits, expert_bias, live_rows=None, *, n_group, topk_grou
   projection kernel): one launch (sigmoid, top-k, slot tables); x_pad is None."""
   cfg = config or RouterConfig()
   t, e = logits.shape
-  cfg.check(cfg.block_k, e, n_group, topk_group, top_k)
+  check_groups(e, n_group, topk_group, top_k)
   tables = _slot_tables(logits.astype(jnp.float32), expert_bias, live_rows, n_group=n_group,
                         topk_group=topk_group, top_k=top_k, routed_scaling_factor=routed_scaling_factor,
                         norm_topk_prob=norm_topk_prob, n_tokens=n_tokens, has_shared=has_shared,
