@@ -108,22 +108,23 @@ def check_groups(e, n_group, topk_group, top_k):
 
 def _scores_kernel(x_ref, g_ref, s_ref, *x_pad, t, tp, cfg, d):
   """s[:, tile] = sigmoid(x @ gate_w[tile].T): [T', BK] x [BE, BK] tiles, fp32 accumulate.
-  x_pad (route_slots): program 0 also copies x, zero-padded to N rows, out: the MoE kernels' TMA operand."""
+  x_pad (route_slots): the programs also copy x, zero-padded to N rows, out (the MoE kernels' TMA operand);
+  K step kb is copied by program kb mod (E/BE), so no one program writes all N x D."""
   be, bk = cfg.block_e, cfg.block_k
   e0 = pl.program_id(0) * be
   rows = lax.broadcasted_iota(jnp.int32, (tp, 1), 0) < t               # [T', 1]
   prec = lax.Precision.HIGHEST if x_ref.dtype == jnp.float32 else None
   if x_pad:  # (program_id is read here: the interpreter does not discharge it inside the loop body)
-    n, first = x_pad[0].shape[0], pl.program_id(0) == 0
-    below = lambda m: first & (lax.broadcasted_iota(jnp.int32, (tp, bk), 0) < m)
+    n, pid, nprog = x_pad[0].shape[0], pl.program_id(0), pl.num_programs(0)
+    below = lambda kb, m: (lax.broadcasted_iota(jnp.int32, (tp, bk), 0) < m) & (lax.rem(kb, nprog) == pid)
 
   def k_step(kb, acc):
     xb = plt.load(x_ref.at[pl.ds(0, tp), pl.ds(kb * bk, bk)],
                   mask=jnp.broadcast_to(rows, (tp, bk)), other=0.0)
     if x_pad:  # rows T..T'-1 are the zeros the masked load gave
-      plt.store(x_pad[0].at[pl.ds(0, tp), pl.ds(kb * bk, bk)], xb, mask=below(n))
+      plt.store(x_pad[0].at[pl.ds(0, tp), pl.ds(kb * bk, bk)], xb, mask=below(kb, n))
       for r0 in range(tp, n, tp):                                     # rows T'..N-1
-        plt.store(x_pad[0].at[pl.ds(r0, tp), pl.ds(kb * bk, bk)], jnp.zeros_like(xb), mask=below(n - r0))
+        plt.store(x_pad[0].at[pl.ds(r0, tp), pl.ds(kb * bk, bk)], jnp.zeros_like(xb), mask=below(kb, n - r0))
     gb = g_ref[pl.ds(e0, be), pl.ds(kb * bk, bk)]                      # [BE, BK]
     return acc + plt.dot(xb, gb, trans_b=True, precision=prec)
 

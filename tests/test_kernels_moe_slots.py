@@ -47,12 +47,12 @@ def router_inputs(seed, t, d, e):
   return x, gate_w, jax.random.normal(k[2], (e,), jnp.float32) * 0.05
 
 
-@pytest.mark.parametrize("t,live,n", [(1, None, 16), (17, (12,), 64)])
+@pytest.mark.parametrize("t,live,n", [(1, None, 16), (18, (9, 4), 64)])  # 18 rows: 2 sequences of 9
 def test_route_slots_matches_model_routing(t, live, n):
   """ids equal the model's route (borrowed past each sequence's live rows), weights within 1e-6 (fp32 sum
   order of the logits); meta equals and wc matches the XLA slot tables built from the model's routing."""
   cfg = ROUTE_CFG
-  x, gate_w, bias = router_inputs(t, t, 128, cfg.num_experts)
+  x, gate_w, bias = router_inputs(t, t, 256, cfg.num_experts)  # 2 K steps: x_pad copied by programs 0 and 1
   live_rows = None if live is None else jnp.asarray(live, jnp.int32)
   rps = 0 if live is None else t // len(live)
   out = R.route_slots(x, gate_w, bias, live_rows, **route_kw(cfg, n_tokens=n, has_shared=True, rows_per_seq=rps),
