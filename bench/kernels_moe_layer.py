@@ -1,14 +1,14 @@
 """The MoE layer pass at Ling-3.0-flash dims, cold weights: the chain of before vs the router-built slot tables.
 
-  python3 bench/kernels_moe_layer.py --out $OUT     (GPU, ~3 min; writes kernels-moe-layer-<device>-<date>.json)
+  python3 bench/kernels_moe_layer.py --out $OUT     (GPU, ~2-3 min, 11 variants; writes kernels-moe-layer-<device>-<date>.json)
   python3 bench/kernels_moe_layer.py --small        (CPU smoke: tiny dims, interpret mode)
 
 One call = residual + moe_layer(x) as the verify / decode path runs it (live_rows given, the Pallas router, the
 Mosaic MoE): "before" = KernelCalls(moe_slots=False): router scores, router top-k, the routing borrow, ~10 XLA
 kernels of alignment and padding, up, down, the split-K sum + residual; "slots" = KernelCalls(moe_slots=True):
 router scores (+ padded x), top-k + slot tables, up, down, the split-K sum + residual. Each variant also runs at
-the Mosaic MoE's token columns N = 16 / 32 where T fits (KernelCalls.moe_n_tokens) with the default tiles and
-the TILES grids (KernelCalls.moe_tiles): the T = 1 bandwidth A/B.
+the Mosaic MoE's token columns N = 16 / 32 where T fits (KernelCalls.moe_n_tokens) with the default tiles, and at
+T = 1 the TILES grids (KernelCalls.moe_tiles): the T = 1 bandwidth A/B.
 
 Checks before timing, on set 0: rel err vs the model's jnp moe_layer (kernels=None), `equal_to_before` (bitwise
 vs the chain of before at the same N), `batch_invariant` (row 0 alone = row 0 in the batch), `equal_to_n64`
@@ -52,8 +52,8 @@ def variants(t, small):
   n = next((n for n in (16, 32) if t <= n), None)
   if n is not None:
     out += [(f"slots n{n}", dataclasses.replace(base, moe_n_tokens=n))]
-    out += [] if small else [(f"slots n{n} {name}", dataclasses.replace(base, moe_n_tokens=n, moe_tiles=tiles))
-                             for name, tiles in TILES]
+    out += [] if small or t > 1 else [(f"slots n{n} {name}", dataclasses.replace(base, moe_n_tokens=n, moe_tiles=tiles))
+                                      for name, tiles in TILES]  # the grid A/B where the bandwidth is lost: T = 1
   return out
 
 
@@ -67,7 +67,7 @@ def params(key, cfg):
                           down_proj=nrm(k[6], (d, i), 0.02)))
 
 
-def bench(rows, bw, key, small=False, nsets=12):
+def bench(rows, bw, key, small=False, nsets=8):
   cfg = (dataclasses.replace(PRESETS["ling-demo"], hidden_size=256, moe_intermediate_size=128,
                              moe_shared_expert_intermediate_size=128) if small else PRESETS["ling3-flash"])
   nsets = 2 if small else nsets
