@@ -244,6 +244,11 @@ class ShardedKernelCalls(KernelCalls):
         return f(rec_state, inputs, n_accept)
 
 
+    def routed_moe(self, x, gate_w, expert_bias, cfg, experts, shared, **kw):
+        """Not under shard_map yet: each device's slot tables would have to cover its own experts only, so the
+        sharded model routes and calls `moe` as before (the layer falls back on None)."""
+        return None
+
     def route(self, x, gate_w, expert_bias, cfg):
         base = super()
         if self._router_config(x.shape[-1], gate_w.shape[0], cfg) is None:

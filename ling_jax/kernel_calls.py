@@ -16,12 +16,15 @@ Shapes (per call, the layers' view; a subclass sees its per-device slices inside
   kda_decode: kda_verify's arguments with T = 1                           -> (o, rec_state, conv_window)
   route:      x [T, D], gate_w [E, D], expert_bias [E], the model config    -> (ids [T, A] int32, weights [T, A] f32),
               or None when the Pallas router does not fit the dims (the caller routes in jnp)
+  routed_moe: route's arguments, the experts (w_gate, w_up, w_down), shared, live_rows [B] or None
+                                                                           -> (y [T, D] f32, ids [T, A]) or None
   kda_prefill: q, k [B, T, H, K] (q scaled), v [B, T, H, V], g [B, T, H, K], beta [B, T, H], state
               [B, H, K, V]                                                -> (o [B, T, H, V] f32, state)
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import jax
@@ -66,6 +69,16 @@ class KernelCalls:
       T = 17; bench/results/kernels-head-mla-h200-2026-12-01.json): its blocks are re-read per 128-column slice.
     kda_pallas_prefill: chunked prefill runs the Pallas chunked kernel instead of the model's jnp form. Off by
       default: on H200 it took 5.6 ms at T=2048 against XLA's 3.3 ms (bench/results/kernels-h200-*-run4).
+    moe_slots: where the Mosaic MoE serves a bf16 call, the router's top-k launch also builds its slot tables
+      (pallas_kernels.router.route_slots -> moe_mosaic.moe_slots): router scores, router top-k + tables, up,
+      down and one fusion (split-K sum + residual add), instead of ~10 XLA kernels of alignment and padding
+      between them. Off: the router and moe calls of before (the A/B of bench/kernels_moe_mosaic.py --layer).
+    moe_n_tokens: the Mosaic MoE's token columns N (16, 32 or a multiple of 64; a call with more tokens uses
+      64, and Triton above that). Every weight tile is multiplied with an [N, BK] x tile, so N = 64 at T = 1 streams
+      as many activation bytes through SMEM as the up kernel's weight rows (and the down kernel's h' tiles
+      equal its weight tiles): 16 is the T = 1 / T <= 16 candidate, A/B on the GPU before it is the default.
+    moe_tiles: the Mosaic MoE's tiles (a moe_mosaic.MosaicMoeConfig; its n_tokens is replaced by the columns
+      above), None for the kernel's defaults: the bench's A/B of grids (bench/kernels_moe_layer.py).
     """
 
     interpret: bool = False
@@ -74,8 +87,15 @@ class KernelCalls:
     kda_fused_decode: bool = False
     kda_pallas_prefill: bool = False
     mla_live_prefix: bool = False
+    moe_slots: bool = True
+    moe_n_tokens: int = 64
+    moe_tiles: _moe_mosaic.MosaicMoeConfig | None = None
 
     def __post_init__(self):
+        if self.moe_tiles is not None and (self.interpret or self.moe_tiles.interpret):
+            raise ValueError("moe_tiles with interpret: the interpreter runs its own test tiles (interpret=True)")
+        if self.moe_n_tokens not in (16, 32) and (self.moe_n_tokens <= 0 or self.moe_n_tokens % 64):
+            raise ValueError(f"moe_n_tokens={self.moe_n_tokens} must be 16, 32 or a multiple of 64")
         if self.moe_impl not in MOE_IMPLS:
             raise ValueError(f"moe_impl={self.moe_impl!r} not in {MOE_IMPLS}")
         if self.kda_impl not in KDA_IMPLS:
@@ -88,19 +108,33 @@ class KernelCalls:
 
     def moe_kernel(self, x, w_gate) -> str:
         """"mosaic" (Hopper TMA + wgmma; bf16/f16, T <= 64, tiles dividing the dims) or "triton"."""
-        if self.interpret:  # the Triton interpreter takes any small tile; Mosaic's default tiles need D, I >= 128
-            if self.moe_impl == "mosaic":
-                raise ValueError("moe_impl='mosaic' with interpret=True: the Mosaic interpreter needs tiles sized "
-                                 "for the test (tests/test_kernels_moe_mosaic.py calls the kernel directly)")
-            return "triton"
+        _, i, d = w_gate.shape
+        if self.interpret:  # the Triton interpreter takes any small tile; Mosaic's need D, I multiples of 64
+            if self.moe_impl != "mosaic":
+                return "triton"
+            if i % 64 or d % 64:
+                raise ValueError(f"moe_impl='mosaic' with interpret=True: the Mosaic interpreter's test tiles need "
+                                 f"D={d} and I={i} multiples of 64")
+            return "mosaic"
         if self.moe_impl != "auto":
             return self.moe_impl
-        _, i, d = w_gate.shape
         try:
-            _moe_mosaic.MosaicMoeConfig().check(x.shape[0], d, i)
+            self._mosaic_moe_config(x.shape[0], w_gate).check(x.shape[0], d, i)
         except ValueError:
             return "triton"
         return "mosaic" if x.dtype in (jnp.bfloat16, jnp.float16) else "triton"
+
+    def _mosaic_moe_config(self, t: int, w_gate):
+        """moe_n_tokens columns where T fits them, else the 64 of before (T > 64 fails its check: Triton); the
+        kernel's default tiles, or (interpret) the largest of 128 / 64 that divide the dims, 2-deep pipelines."""
+        n = self.moe_n_tokens if t <= self.moe_n_tokens else 64
+        if not self.interpret:
+            return dataclasses.replace(self.moe_tiles or _moe_mosaic.MosaicMoeConfig(), n_tokens=n)
+        _, i, d = w_gate.shape
+        fit = lambda dim: 128 if dim % 128 == 0 else 64
+        return _moe_mosaic.MosaicMoeConfig(block_i=fit(i), block_k=fit(d), block_d=fit(d), block_kd=64,
+                                           split_k=2 if i % 128 == 0 else 1, up_stages=2, down_stages=2,
+                                           n_tokens=n, interpret=True)
 
     # Tiles are picked from the shapes the kernel actually sees (a subclass's per-device slice): the kernels'
     # defaults where they divide the dims (full-size Ling), else the largest power of two that does (small
@@ -138,6 +172,28 @@ class KernelCalls:
                              top_k=cfg.num_experts_per_tok, routed_scaling_factor=cfg.routed_scaling_factor,
                              norm_topk_prob=cfg.norm_topk_prob, config=rc)
 
+    def routed_moe(self, x, gate_w, expert_bias, cfg, experts, shared, *, limit: float, shared_limit: float,
+                   live_rows=None, rows_per_seq: int = 0):
+        """Router and MoE with the alignment inside the router's top-k launch (see moe_slots) -> (y [T, D] f32,
+        ids [T, A]), or None where that chain does not apply (moe_slots off, the Mosaic kernel does not serve
+        the call, fp8 weights, a shared width other than I, router tiles that do not fit): the caller routes
+        and calls `moe`. live_rows int32[B] with rows_per_seq = T / B: padding rows borrow routing (as
+        ling_jax.layers.moe.borrow_routing)."""
+        rc = self._router_config(x.shape[-1], gate_w.shape[0], cfg)
+        w_gate, w_up, w_down = experts
+        dense_weights = not any(isinstance(w, Fp8Weight) for w in (*experts, *(shared or ())))
+        if (not self.moe_slots or rc is None or not dense_weights or shared is None
+                or shared[0].shape != w_gate.shape[1:] or self.moe_kernel(x, w_gate) != "mosaic"):
+            return None
+        mcfg = self._mosaic_moe_config(x.shape[0], w_gate)
+        r = _router.route_slots(x, gate_w, expert_bias, live_rows, n_group=cfg.n_group, topk_group=cfg.topk_group,
+                                top_k=cfg.num_experts_per_tok, routed_scaling_factor=cfg.routed_scaling_factor,
+                                norm_topk_prob=cfg.norm_topk_prob, n_tokens=mcfg.n_tokens, has_shared=True,
+                                rows_per_seq=rows_per_seq if live_rows is not None else 0, config=rc)
+        y = _moe_mosaic.moe_slots(r.x_pad, r.meta, r.wc, w_gate, w_up, w_down, t=x.shape[0], limit=limit,
+                                  shared=tuple(shared), shared_limit=shared_limit, config=mcfg)
+        return y.astype(jnp.float32), r.ids
+
     def _fp8_mosaic(self, x, experts, shared) -> bool:
         """Whether the fp8-weight Mosaic kernel serves this call: every weight block fp8, the bf16 Mosaic kernel's
         tiles fit (moe_kernel), and the shared expert rides as slot P (its width equals I)."""
@@ -159,7 +215,7 @@ class KernelCalls:
         shared = None if shared is None else tuple(dense(w, x.dtype) for w in shared)
         if self.moe_kernel(x, w_gate) == "mosaic":
             out = _moe_mosaic.moe(x, ids, weights, w_gate, w_up, w_down, limit=limit, shared=shared,
-                                  shared_limit=shared_limit)
+                                  shared_limit=shared_limit, config=self._mosaic_moe_config(x.shape[0], w_gate))
         else:
             out = _moe_triton.moe(x, ids, weights, w_gate, w_up, w_down, limit=limit, shared=shared,
                                   shared_limit=shared_limit, config=self._triton_moe_config(w_gate))

@@ -11,9 +11,10 @@ Math (same as `pallas_kernels.moe.moe_reference`; clamp L > 0 only when on):
   out^T = sum_s W_down[e_s] @ h'[s]                                  [D, N] fp32, one accumulator
 
 Kernel plan (the weights are the wgmma M side, the few tokens the N side; no host sync, no limit on E):
-  0. align (XLA on device, no sort): each distinct expert id gets a slot s < n_active in
-     ascending expert order (an expert picked by several tokens, or twice, is read once);
-     wc [S, N] is a one-hot reduction (no scatter, no atomics).
+  0. align, no sort: each distinct expert id gets a slot s < n_active in ascending expert order
+     (an expert picked by several tokens, or twice, is read once); wc [S, N] is a one-hot
+     reduction (no scatter, no atomics). `moe`: in XLA (`_align`, ~6 small kernels + the pad of
+     x); `moe_slots`: the tables come from the router's top-k launch (router.route_slots).
   1. `moe_mgpu_up`, grid (S, I/BI): slot s streams its expert's [BI, D] gate and up rows once
      through a TMA pipeline; epilogue SwiGLU(+clamp) * wc -> h' [S, I, N] bf16. Empty slots exit.
   2. `moe_mgpu_down`, grid (D/BD, KS): one accumulator [BD, N] runs over every active slot in
@@ -27,8 +28,9 @@ T <= 6): rel err vs reference 2.8e-3 to 2.9e-3 (bf16 h' rounding after the weigh
 bit-identical alone and in the batch; T=17 ~356 us for 1.42 GB (~4.0 TB/s), Triton 799 us.
 fp8 weights: moe_mosaic_fp8 runs these same kernels (`run_kernels`) with fp8 tiles, each dequantised before its
 wgmma (`_weight_tile`), one scale per tile from a per-CTA SMEM row.
-Limits: tokens are padded to N = 64 columns (x and h' tiles cost SMEM/L2 traffic, not HBM);
-alignment is a few small XLA reductions (no sort since e3db4e6; the GPU run used the sort); up and down are two launches (no PDL yet).
+Limits: tokens are padded to N columns (64; 16 or 32 for small T: x and h' tiles cost SMEM/L2
+traffic and pipeline slots, not HBM); up and down are two launches (no PDL yet); the split-K
+sum is one XLA fusion (it also takes the caller's residual add).
 """
 from __future__ import annotations
 
@@ -57,7 +59,8 @@ class MosaicMoeConfig:
     split_k: down GEMM: I is cut into this many fixed chunks (one CTA each; partials summed in
       a fixed order, so the result does not depend on the batch).
     down_stages: down GEMM: TMA pipeline depth.
-    n_tokens: token columns N (wgmma N; multiple of 64 so h' tiles take the 128 B swizzle; T <= N).
+    n_tokens: token columns N (wgmma N; 16, 32 or a multiple of 64; T <= N). 64 was the only choice
+      before (h' rows of 128 B); 16 / 32 lower for CUDA at Ling size and run in the interpreter (not yet measured).
     fp8_operand: fp8 weights (moe_mosaic_fp8): where the dequantised bf16 tile goes before its wgmma, "smem"
       (a scratch tile; what the interpreter runs) or "registers" (skips the SMEM store; GPU only).
     interpret: run in the Mosaic GPU interpreter (CPU tests).
@@ -74,10 +77,12 @@ class MosaicMoeConfig:
   interpret: bool = False
 
   def __post_init__(self):
-    for name in ("block_i", "block_k", "block_d", "block_kd", "n_tokens"):
+    for name in ("block_i", "block_k", "block_d", "block_kd"):
       v = getattr(self, name)
       if v <= 0 or v % 64:
         raise ValueError(f"{name}={v} must be a positive multiple of 64")
+    if self.n_tokens not in (16, 32) and (self.n_tokens <= 0 or self.n_tokens % 64):
+      raise ValueError(f"n_tokens={self.n_tokens} must be 16, 32 or a positive multiple of 64")
     if self.n_tokens > 256:
       raise ValueError(f"n_tokens={self.n_tokens} must be <= 256 (wgmma N)")
     for name in ("up_stages", "down_stages", "split_k"):
@@ -319,22 +324,48 @@ def moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, limit=0.0, shared=No
   return run_kernels(x, meta, wc, w_gate, w_up, w_down, shared, limit=limit, shared_limit=shared_limit, cfg=cfg)
 
 
-def run_kernels(x, meta, wc, w_gate, w_up, w_down, shared, *, limit, shared_limit, cfg, scales=None):
-  """The up and down launches and the fixed-order sum of the split-K partials, on checked operands.
-  scales (fp8 weights, see moe_mosaic_fp8.scale_tables): (up [S, I/128, R, W], down [D/128, KS, R', W]) f32."""
-  t, d = x.shape
+def moe_slots(x_pad, meta, wc, w_gate, w_up, w_down, *, t, limit=0.0, shared=None, shared_limit=0.0,
+              config=None):
+  """The MoE on slot tables the router already built (pallas_kernels.router.route_slots): x_pad [N, D]
+  (x with zero rows past T), meta [1 + P], wc [P + 1, N] -> [T, D] in x's dtype; the up and down
+  launches and one XLA fusion (the split-K sum, transposed), nothing before them. The shared expert's
+  width must equal I (it rides as slot P)."""
+  cfg = config or MosaicMoeConfig()
+  n, d = x_pad.shape
   e, i, _ = w_gate.shape
-  has_shared, p, n = shared is not None, wc.shape[0] - 1, cfg.n_tokens
+  if n != cfg.n_tokens or wc.shape != (meta.shape[0], n):
+    raise ValueError(f"x_pad {x_pad.shape}, meta {meta.shape}, wc {wc.shape}: expected N = n_tokens = "
+                     f"{cfg.n_tokens} rows and wc [1 + P, N]")
+  if x_pad.dtype not in (jnp.bfloat16, jnp.float16) or w_gate.dtype != x_pad.dtype:
+    raise ValueError(f"x {x_pad.dtype} / weights {w_gate.dtype}: the wgmma path takes bf16 or f16")
+  if shared is not None and shared[0].shape != (i, d):
+    raise ValueError(f"shared gate {shared[0].shape}: slot P needs the routed width I={i}")
+  cfg.check(t, d, i)
+  return run_kernels(None, meta, wc, w_gate, w_up, w_down, shared, limit=limit, shared_limit=shared_limit,
+                     cfg=cfg, x_pad=x_pad, t=t)
+
+
+def run_kernels(x, meta, wc, w_gate, w_up, w_down, shared, *, limit, shared_limit, cfg, scales=None,
+                x_pad=None, t=None):
+  """The up and down launches and the fixed-order sum of the split-K partials, on checked operands.
+  scales (fp8 weights, see moe_mosaic_fp8.scale_tables): (up [S, I/128, R, W], down [D/128, KS, R', W]) f32.
+  x [T, D] is padded here, or x_pad [N, D] comes padded (with t = T)."""
+  n = cfg.n_tokens
+  if x_pad is None:
+    t = x.shape[0]
+    x_pad = jnp.pad(x, ((0, n - t), (0, 0)))                          # [N, D]
+  d = x_pad.shape[1]
+  e, i, _ = w_gate.shape
+  has_shared, p = shared is not None, wc.shape[0] - 1
   fp8 = scales is not None
   up_scales, down_scales = scales if fp8 else ((), ())
-  x_pad = jnp.pad(x, ((0, n - t), (0, 0)))                            # [N, D]
   interp = plgpu.InterpretGPUParams() if cfg.interpret else None
   params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
 
   up = plgpu.kernel(
       functools.partial(_up_kernel, cfg=cfg, d=d, p=p, limit=float(limit),
                         shared_limit=float(shared_limit), has_shared=has_shared, fp8=fp8),
-      out_type=jax.ShapeDtypeStruct((p + 1, i, n), x.dtype),
+      out_type=jax.ShapeDtypeStruct((p + 1, i, n), x_pad.dtype),
       grid=(p + 1, i // cfg.block_i), grid_names=("s", "i"),
       compiler_params=params, interpret=interp)
   h = up(meta, x_pad, wc, *([up_scales] if fp8 else []), w_gate, w_up,
@@ -350,4 +381,4 @@ def run_kernels(x, meta, wc, w_gate, w_up, w_down, shared, *, limit, shared_limi
   out = parts[0]
   for k in range(1, cfg.split_k):                                     # fixed order
     out = out + parts[k]
-  return out[:, :t].T.astype(x.dtype)
+  return out[:, :t].T.astype(x_pad.dtype)

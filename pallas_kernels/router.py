@@ -14,6 +14,12 @@ the 2.6 MB gate matvec wants many CTAs, the top-k wants all E scores of a token 
   1. `router_scores`, grid (E/BE): s[T, BE tile] = sigmoid(x @ gate_w[tile].T), fp32.
   2. `router_topk`, grid (T,): per token, on the [G, EG] score tile: group top-2 sums, keep
      topk_group groups, top_k over the kept experts by repeated argmax, normalised weights.
+`route_slots` (the MoE layer's router on the Mosaic MoE path): the same scores launch, which
+also writes x zero-padded to the MoE's N token columns, then ONE program `router_topk_slots`
+for all T tokens ([T', G, EG] tiles, the same selection ops row by row) that also builds the
+Mosaic MoE's slot tables (meta, wc; see _topk_slots_kernel) and applies the routing borrow of
+padding rows: router -> up -> down with no XLA kernel between them. `slots_from_logits` is
+its second launch alone, for a caller that computed the logits in its own kernel.
 Tie rule (same as lax.top_k, which returns the lower index first among equal values): every
 selection (the top-2 inside a group, the kept groups, the final experts) takes the LOWEST
 index among equal values; ids come out in descending score order.
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -64,6 +71,7 @@ class RouterConfig:
     block_k: reduction tile over D.
     num_warps, num_stages: Triton launch parameters of the score kernel.
     topk_warps: num_warps of the per-token top-k kernel.
+    slots_warps: num_warps of route_slots' one-program top-k + slot-table kernel.
     interpret: run in the Pallas interpreter (CPU tests).
   """
   block_e: int = 16
@@ -71,6 +79,7 @@ class RouterConfig:
   num_warps: int = 4
   num_stages: int = 4
   topk_warps: int = 2
+  slots_warps: int = 4
   interpret: bool = False
 
   def __post_init__(self):
@@ -83,25 +92,39 @@ class RouterConfig:
     if d % self.block_k or e % self.block_e:
       raise ValueError(f"block_k={self.block_k} must divide D={d} and block_e={self.block_e} "
                        f"must divide E={e}")
-    eg = e // n_group if e % n_group == 0 else 0
-    if not eg or eg & (eg - 1) or n_group & (n_group - 1) or eg < 2:
-      raise ValueError(f"E={e} / n_group={n_group} must give a power-of-2 group size >= 2 "
-                       "with a power-of-2 n_group")
-    if not (1 <= topk_group <= n_group and 1 <= top_k <= topk_group * eg):
-      raise ValueError(f"topk_group={topk_group}, top_k={top_k} out of range for "
-                       f"n_group={n_group}, E={e}")
+    check_groups(e, n_group, topk_group, top_k)
 
 
-def _scores_kernel(x_ref, g_ref, s_ref, *, t, tp, cfg, d):
-  """s[:, tile] = sigmoid(x @ gate_w[tile].T): [T', BK] x [BE, BK] tiles, fp32 accumulate."""
+def check_groups(e, n_group, topk_group, top_k):
+  """The top-k kernels' group structure: power-of-2 groups of a power-of-2 size >= 2."""
+  eg = e // n_group if e % n_group == 0 else 0
+  if not eg or eg & (eg - 1) or n_group & (n_group - 1) or eg < 2:
+    raise ValueError(f"E={e} / n_group={n_group} must give a power-of-2 group size >= 2 "
+                     "with a power-of-2 n_group")
+  if not (1 <= topk_group <= n_group and 1 <= top_k <= topk_group * eg):
+    raise ValueError(f"topk_group={topk_group}, top_k={top_k} out of range for "
+                     f"n_group={n_group}, E={e}")
+
+
+def _scores_kernel(x_ref, g_ref, s_ref, *x_pad, t, tp, cfg, d):
+  """s[:, tile] = sigmoid(x @ gate_w[tile].T): [T', BK] x [BE, BK] tiles, fp32 accumulate.
+  x_pad (route_slots): the programs also copy x, zero-padded to N rows, out (the MoE kernels' TMA operand);
+  K step kb is copied by program kb mod (E/BE), so no one program writes all N x D."""
   be, bk = cfg.block_e, cfg.block_k
   e0 = pl.program_id(0) * be
   rows = lax.broadcasted_iota(jnp.int32, (tp, 1), 0) < t               # [T', 1]
   prec = lax.Precision.HIGHEST if x_ref.dtype == jnp.float32 else None
+  if x_pad:  # (program_id is read here: the interpreter does not discharge it inside the loop body)
+    n, pid, nprog = x_pad[0].shape[0], pl.program_id(0), pl.num_programs(0)
+    below = lambda kb, m: (lax.broadcasted_iota(jnp.int32, (tp, bk), 0) < m) & (lax.rem(kb, nprog) == pid)
 
   def k_step(kb, acc):
     xb = plt.load(x_ref.at[pl.ds(0, tp), pl.ds(kb * bk, bk)],
                   mask=jnp.broadcast_to(rows, (tp, bk)), other=0.0)
+    if x_pad:  # rows T..T'-1 are the zeros the masked load gave
+      plt.store(x_pad[0].at[pl.ds(0, tp), pl.ds(kb * bk, bk)], xb, mask=below(kb, n))
+      for r0 in range(tp, n, tp):                                     # rows T'..N-1
+        plt.store(x_pad[0].at[pl.ds(r0, tp), pl.ds(kb * bk, bk)], jnp.zeros_like(xb), mask=below(kb, n - r0))
     gb = g_ref[pl.ds(e0, be), pl.ds(kb * bk, bk)]                      # [BE, BK]
     return acc + plt.dot(xb, gb, trans_b=True, precision=prec)
 
@@ -155,6 +178,122 @@ def _topk_kernel(s_ref, b_ref, ids_ref, w_ref, *, g, eg, topk_group, top_k, ap, 
   plt.store(w_ref.at[t, pl.ds(0, ap)], w * scale, mask=live)
 
 
+def _source_rows(live_ref, *, t, tp, rows_per_seq):
+  """[T'] int32: the row whose routing row r takes. Row r = b * Tb + j of sequence b borrows row
+  b * Tb + min(j, max(live[b], 1) - 1) (ling_jax.layers.moe.borrow_routing); no live_ref: itself."""
+  r = lax.broadcasted_iota(jnp.int32, (tp,), 0)
+  if live_ref is None:
+    return jnp.where(r < t, r, 0)
+  nb = live_ref.shape[0]
+  bp = max(2, 1 << (nb - 1).bit_length())
+  live = plt.load(live_ref.at[pl.ds(0, bp)], mask=lax.broadcasted_iota(jnp.int32, (bp,), 0) < nb,
+                  other=1)
+  seq = r // rows_per_seq
+  live_r = jnp.sum(jnp.where(seq[:, None] == lax.broadcasted_iota(jnp.int32, (tp, bp), 1),
+                             live[None, :], 0), axis=1)                       # live[b] of row r
+  src = seq * rows_per_seq + jnp.minimum(r % rows_per_seq, jnp.maximum(live_r, 1) - 1)
+  return jnp.where(r < t, src, 0)  # padding rows: any in-bounds row (masked)
+
+
+def _topk_rows(s, b, valid, *, g, eg, topk_group, top_k, ap, scale, norm):
+  """_topk_kernel's selection on all rows at once: s [T', G, EG] -> (taken [T', G, EG] bool,
+  ids [T', AP] int32, w [T', AP] f32 normalised and scaled, w_exp [T', G, EG] the same weights
+  placed at their experts). Same ops in the same order as _topk_kernel, row by row."""
+  tp = s.shape[0]
+  sb = s + b[None]
+  col = lax.broadcasted_iota(jnp.int32, (tp, g, eg), 2)
+  flat = lax.broadcasted_iota(jnp.int32, (tp, g, eg), 1) * eg + col
+  m1 = jnp.max(sb, axis=2)                                              # [T', G]
+  i1 = jnp.min(jnp.where(sb == m1[:, :, None], col, eg), axis=2)
+  m2 = jnp.max(jnp.where(col == i1[:, :, None], -jnp.inf, sb), axis=2)
+  gscore = m1 + m2
+  gid = lax.broadcasted_iota(jnp.int32, (tp, g), 1)
+  keep = jnp.zeros((tp, g), jnp.bool_)
+  for _ in range(topk_group):
+    masked_g = jnp.where(keep, -jnp.inf, gscore)
+    mg = jnp.max(masked_g, axis=1)
+    gi = jnp.min(jnp.where(masked_g == mg[:, None], gid, g), axis=1)
+    keep = keep | (gid == gi[:, None])
+  masked = jnp.where(keep[:, :, None], sb, -jnp.inf)
+  taken = jnp.zeros((tp, g, eg), jnp.bool_)
+  slot = lax.broadcasted_iota(jnp.int32, (tp, ap), 1)
+  ids = jnp.zeros((tp, ap), jnp.int32)
+  w = jnp.zeros((tp, ap), jnp.float32)
+  for k in range(top_k):
+    m = jnp.max(jnp.max(jnp.where(taken, -jnp.inf, masked), axis=2), axis=1)
+    hit = jnp.where(~taken & (masked == m[:, None, None]), flat, g * eg)
+    idx = jnp.min(jnp.min(hit, axis=2), axis=1)                         # [T']
+    pick = flat == idx[:, None, None]
+    taken = taken | pick
+    wk = jnp.sum(jnp.sum(jnp.where(pick, s, 0.0), axis=2), axis=1)
+    ids = jnp.where(slot == k, idx[:, None], ids)
+    w = jnp.where(slot == k, wk[:, None], w)
+  taken = taken & valid[:, None, None]
+  den = (jnp.sum(w, axis=1) + 1e-20) if norm else jnp.ones((tp,), jnp.float32)
+  w_norm = w / den[:, None] if norm else w
+  return taken, ids, w_norm * scale
+
+
+def _topk_slots_kernel(s_ref, b_ref, *rest, t, g, eg, topk_group, top_k, ap, scale, norm,
+                       n_cols, has_shared, rows_per_seq, from_logits):
+  """All T tokens in one program: top-k (as _topk_kernel), then the MoE slot tables.
+
+  Outputs (moe_mosaic's layout): meta [1 + P] = (n_active, expert of slot 0..P-1, 0 past
+  n_active), slot r = the r-th smallest distinct expert; wc [P + 1, N] f32, wc[r, c] = token c's
+  routing weight on slot r's expert (0 if not picked), row P the shared expert (1 for c < T).
+  rank[e] = #(picked experts < e) is an exclusive prefix count over the E experts; a pair's slot
+  is rank at its expert (a one-hot reduction); the tables are one-hot sums over the pairs, so
+  every cell is written once, no scatter."""
+  live_ref, ids_ref, w_ref, meta_ref, wc_ref = rest if rows_per_seq else (None, *rest)
+  tp = max(2, 1 << (t - 1).bit_length())
+  p = t * top_k
+  row = lax.broadcasted_iota(jnp.int32, (tp,), 0)
+  valid = row < t
+  src = _source_rows(live_ref, t=t, tp=tp, rows_per_seq=rows_per_seq)
+  grp = lax.broadcasted_iota(jnp.int32, (tp, g, eg), 1)
+  col = lax.broadcasted_iota(jnp.int32, (tp, g, eg), 2)
+  rows = jnp.broadcast_to(src[:, None, None], (tp, g, eg))   # a gather: the interpreter wants every index an array
+  s = plt.load(s_ref.at[rows, grp, col], mask=jnp.broadcast_to(valid[:, None, None], (tp, g, eg)), other=0.0)
+  if from_logits:  # the scores kernel's sigmoid (Triton has no logistic)
+    s = 1.0 / (1.0 + jnp.exp(-s))
+  taken, ids, w = _topk_rows(s, b_ref[...], valid, g=g, eg=eg, topk_group=topk_group, top_k=top_k,
+                             ap=ap, scale=scale, norm=norm)
+  out_mask = valid[:, None] & (lax.broadcasted_iota(jnp.int32, (tp, ap), 1) < top_k)
+  plt.store(ids_ref.at[pl.ds(0, tp), pl.ds(0, ap)], ids, mask=out_mask)
+  plt.store(w_ref.at[pl.ds(0, tp), pl.ds(0, ap)], w, mask=out_mask)
+
+  used = jnp.max(taken.astype(jnp.int32), axis=0)                       # [G, EG] 0/1
+  per_group = jnp.sum(used, axis=1)                                     # [G]
+  n_active = jnp.sum(per_group)  # (one axis at a time: a 2-D -> scalar reduce fails under an abstract mesh)
+  rank = jnp.cumsum(used, axis=1) - used + (jnp.cumsum(per_group) - per_group)[:, None]
+
+  sp = max(2, 1 << p.bit_length())                                      # >= P + 1 slots
+  slot = lax.broadcasted_iota(jnp.int32, (sp, tp), 0)                   # [S', T'] slot r
+  tok = lax.broadcasted_iota(jnp.int32, (sp, tp), 1)                    # token c
+  flat = lax.broadcasted_iota(jnp.int32, (tp, g, eg), 1) * eg + lax.broadcasted_iota(
+      jnp.int32, (tp, g, eg), 2)
+  wc = jnp.zeros((sp, tp), jnp.float32)
+  expert = jnp.zeros((sp, tp), jnp.int32)
+  for k in range(top_k):
+    e_k = jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, (tp, ap), 1) == k, ids, 0), axis=1)
+    w_k = jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, (tp, ap), 1) == k, w, 0.0), axis=1)
+    r_k = jnp.sum(jnp.sum(jnp.where(flat == e_k[:, None, None], rank[None], 0), axis=2), axis=1)
+    hit = (slot == r_k[None, :]) & valid[None, :]                       # [S', T']
+    wc = wc + jnp.where(hit, w_k[None, :], 0.0)                         # one pair per cell
+    shifted = (slot == r_k[None, :] + 1) & valid[None, :]               # meta lane 1 + r: slot r
+    expert = jnp.maximum(expert, jnp.where(shifted, e_k[None, :], 0))
+  if has_shared:
+    wc = jnp.where((slot == p) & valid[None, :], 1.0, wc)
+  rows_ok = slot < p + 1
+  plt.store(wc_ref.at[pl.ds(0, sp), pl.ds(0, tp)], wc, mask=rows_ok & (tok < n_cols))
+  for c0 in range(tp, n_cols, tp):                                      # columns T'..N-1: zeros
+    plt.store(wc_ref.at[pl.ds(0, sp), pl.ds(c0, tp)], jnp.zeros_like(wc),
+              mask=rows_ok & (tok < n_cols - c0))
+  lane = lax.broadcasted_iota(jnp.int32, (sp,), 0)
+  meta = jnp.where(lane == 0, n_active, jnp.max(expert, axis=1))     # 0 past n_active
+  plt.store(meta_ref.at[pl.ds(0, sp)], meta, mask=lane < p + 1)
+
+
 @functools.partial(jax.jit, static_argnames=("n_group", "topk_group", "top_k",
                                              "routed_scaling_factor", "norm_topk_prob",
                                              "config"))
@@ -186,3 +325,85 @@ def route(x, gate_w, expert_bias, *, n_group, topk_group, top_k, routed_scaling_
       interpret=cfg.interpret, name="router_topk",
   )(scores.reshape(t, n_group, eg), expert_bias.astype(jnp.float32).reshape(n_group, eg))
   return ids, w
+
+
+class RoutedSlots(NamedTuple):
+  """The router's outputs for the Mosaic MoE (pallas_kernels.moe_mosaic.moe_slots).
+  ids [T, A] int32, weights [T, A] f32 (as `route`; rows past their sequence's live count borrow);
+  meta [1 + P] int32 and wc [P + 1, N] f32 (moe_mosaic's slot tables); x_pad [N, D] (x, zero rows
+  past T) or None when the caller has only scores."""
+  ids: jax.Array
+  weights: jax.Array
+  meta: jax.Array
+  wc: jax.Array
+  x_pad: jax.Array | None
+
+
+def _slot_tables(scores, expert_bias, live_rows, *, n_group, topk_group, top_k, routed_scaling_factor,
+                 norm_topk_prob, n_tokens, has_shared, rows_per_seq, from_logits, cfg):
+  """One launch of _topk_slots_kernel on scores [T, E] -> (ids, w, meta, wc)."""
+  t, e = scores.shape
+  eg, p = e // n_group, t * top_k
+  if t > n_tokens:
+    raise ValueError(f"T={t} tokens exceed n_tokens={n_tokens}")
+  if live_rows is not None and (not rows_per_seq or live_rows.shape[0] * rows_per_seq != t):
+    raise ValueError(f"live_rows {live_rows.shape} with rows_per_seq={rows_per_seq} must cover T={t}")
+  ap = max(2, 1 << (top_k - 1).bit_length())
+  kern = functools.partial(
+      _topk_slots_kernel, t=t, g=n_group, eg=eg, topk_group=topk_group, top_k=top_k, ap=ap,
+      scale=float(routed_scaling_factor), norm=norm_topk_prob, n_cols=n_tokens, has_shared=has_shared,
+      rows_per_seq=rows_per_seq if live_rows is not None else 0, from_logits=from_logits)
+  live = () if live_rows is None else (live_rows.astype(jnp.int32),)
+  return pl.pallas_call(
+      kern, grid=(1,),
+      out_shape=(jax.ShapeDtypeStruct((t, top_k), jnp.int32), jax.ShapeDtypeStruct((t, top_k), jnp.float32),
+                 jax.ShapeDtypeStruct((1 + p,), jnp.int32), jax.ShapeDtypeStruct((p + 1, n_tokens), jnp.float32)),
+      compiler_params=plt.CompilerParams(num_warps=cfg.slots_warps, num_stages=1),
+      interpret=cfg.interpret, name="router_topk_slots",
+  )(scores.reshape(t, n_group, eg), expert_bias.astype(jnp.float32).reshape(n_group, eg), *live)
+
+
+@functools.partial(jax.jit, static_argnames=("n_group", "topk_group", "top_k", "routed_scaling_factor",
+                                             "norm_topk_prob", "n_tokens", "has_shared", "rows_per_seq",
+                                             "config"))
+def route_slots(x, gate_w, expert_bias, live_rows=None, *, n_group, topk_group, top_k,
+                routed_scaling_factor, norm_topk_prob=True, n_tokens, has_shared, rows_per_seq=0,
+                config=None) -> RoutedSlots:
+  """The router with the MoE alignment in its top-k launch: two launches (scores + x_pad, top-k +
+  slot tables), nothing between them and the MoE kernels. live_rows int32[B] (optional, with
+  rows_per_seq = T / B): rows past a sequence's live count borrow its last live row's routing."""
+  cfg = config or RouterConfig()
+  t, d = x.shape
+  e = gate_w.shape[0]
+  assert gate_w.shape == (e, d) and expert_bias.shape == (e,), (x.shape, gate_w.shape, expert_bias.shape)
+  cfg.check(d, e, n_group, topk_group, top_k)
+  tp = max(16, 1 << (t - 1).bit_length())
+  scores, x_pad = pl.pallas_call(
+      functools.partial(_scores_kernel, t=t, tp=tp, cfg=cfg, d=d), grid=(e // cfg.block_e,),
+      out_shape=(jax.ShapeDtypeStruct((t, e), jnp.float32), jax.ShapeDtypeStruct((n_tokens, d), x.dtype)),
+      compiler_params=plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+      interpret=cfg.interpret, name="router_scores",
+  )(x, gate_w)
+  tables = _slot_tables(scores, expert_bias, live_rows, n_group=n_group, topk_group=topk_group, top_k=top_k,
+                        routed_scaling_factor=routed_scaling_factor, norm_topk_prob=norm_topk_prob,
+                        n_tokens=n_tokens, has_shared=has_shared, rows_per_seq=rows_per_seq,
+                        from_logits=False, cfg=cfg)
+  return RoutedSlots(*tables, x_pad)
+
+
+@functools.partial(jax.jit, static_argnames=("n_group", "topk_group", "top_k", "routed_scaling_factor",
+                                             "norm_topk_prob", "n_tokens", "has_shared", "rows_per_seq",
+                                             "config"))
+def slots_from_logits(logits, expert_bias, live_rows=None, *, n_group, topk_group, top_k,
+                      routed_scaling_factor, norm_topk_prob=True, n_tokens, has_shared, rows_per_seq=0,
+                      config=None) -> RoutedSlots:
+  """route_slots for a caller that computed the router logits [T, E] f32 itself (e.g. a fused norm +
+  projection kernel): one launch (sigmoid, top-k, slot tables); x_pad is None."""
+  cfg = config or RouterConfig()
+  t, e = logits.shape
+  check_groups(e, n_group, topk_group, top_k)
+  tables = _slot_tables(logits.astype(jnp.float32), expert_bias, live_rows, n_group=n_group,
+                        topk_group=topk_group, top_k=top_k, routed_scaling_factor=routed_scaling_factor,
+                        norm_topk_prob=norm_topk_prob, n_tokens=n_tokens, has_shared=has_shared,
+                        rows_per_seq=rows_per_seq, from_logits=True, cfg=cfg)
+  return RoutedSlots(*tables, None)

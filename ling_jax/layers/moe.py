@@ -118,6 +118,14 @@ def moe_layer(p, x, cfg, *, routed_limit: float, shared_limit: float, router_fp3
     shape = x.shape
     xt = x.reshape(-1, shape[-1])
     gate_w = dense(p["gate_w"], x.dtype)
+    sh = p["shared"]
+    if kernels is not None and not router_fp32:  # router -> up -> down, the expert alignment inside the router
+        fused = kernels.routed_moe(xt, gate_w, p["expert_bias"], cfg, (p["w_gate"], p["w_up"], p["w_down"]),
+                                   (sh["gate_proj"], sh["up_proj"], sh["down_proj"]), limit=routed_limit,
+                                   shared_limit=shared_limit, live_rows=live_rows, rows_per_seq=shape[-2])
+        if fused is not None:
+            y = fused[0].astype(x.dtype).reshape(shape)
+            return (y, expert_load(fused[1], cfg.num_experts)) if return_load else y
     routed = None
     if kernels is not None and not router_fp32:  # one fused Pallas router (matvec + sigmoid + grouped top-k)
         routed = kernels.route(xt, gate_w, p["expert_bias"], cfg)
@@ -127,7 +135,6 @@ def moe_layer(p, x, cfg, *, routed_limit: float, shared_limit: float, router_fp3
     if live_rows is not None:
         ids, w = borrow_routing(ids, w, live_rows, shape[:-1])
     if kernels is not None:  # reads only the activated experts, each once; the shared expert rides along
-        sh = p["shared"]
         y = kernels.moe(xt, ids, w, p["w_gate"], p["w_up"], p["w_down"], limit=routed_limit,
                        shared=(sh["gate_proj"], sh["up_proj"], sh["down_proj"]), shared_limit=shared_limit)
         y = y.astype(x.dtype).reshape(shape)
