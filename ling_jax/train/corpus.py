@@ -239,6 +239,8 @@ def main(argv=None):
     p.add_argument("--near-threshold", type=float, default=0.7, help="MinHash Jaccard of a near-duplicate")
     p.add_argument("--tokenizer", default=None, help="a dir with tokenizer.json: also write the token arrays")
     p.add_argument("--compress", action="store_true", help="write the token arrays as .npy.xz")
+    p.add_argument("--tokens-out", default=None, help="write the token arrays here (default: --out), e.g. a folder "
+                   "holding only them, to carry to another machine")
     a = p.parse_args(argv)
     if not os.path.exists(os.path.join(a.out, CORPUS_FILE)):
         cap = int(a.package_cap_mb * 1e6) if a.package_cap_mb else None
@@ -250,7 +252,9 @@ def main(argv=None):
         from ling_jax.tokenizer import load_tokenizer
 
         tok = load_tokenizer(a.tokenizer)
-        info.update(tokenize_splits(corpus, tok, a.out, tok.eos_ids[0], a.compress))
+        tokens_out = a.tokens_out or a.out
+        os.makedirs(tokens_out, exist_ok=True)
+        info.update(tokenize_splits(corpus, tok, tokens_out, tok.eos_ids[0], a.compress))
     print(json.dumps(info, indent=1))
 
 
