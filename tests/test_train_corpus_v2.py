@@ -117,7 +117,7 @@ def test_trainer_cli_exports_a_sharded_checkpoint_the_device_can_return(tmp_path
     files = sorted(os.listdir(out))
     assert len(files) <= 8 and "model.safetensors.index.json" in files, files
     shards = [f for f in files if f.endswith(".safetensors")]
-    assert len(shards) >= 2 and all(os.path.getsize(out / f) <= 1500000 for f in shards)
+    assert len(shards) >= 2 and all(os.path.getsize(out / f) <= 1500000 + 65536 for f in shards)  # + header
     index = json.load(open(out / "model.safetensors.index.json"))
     assert set(index["weight_map"].values()) == set(shards)
     assert rep["summary"]["mtp_phase_steps"] == 3 and any(r.get("phase") == "mtp" for r in rep["rows"])
