@@ -6,11 +6,16 @@ Special tokens take the first ids: <|endoftext|> = 0 (eos, the file separator in
 then the chat roles <|system|>, <|user|>, <|assistant|> = 2, 3, 4. Byte-level: any text round-trips exactly.
 
     python -m ling_jax.train.bpe --corpus .data/stdlib --out models/ling-demo --vocab-size 4096
+    python -m ling_jax.train.bpe --corpus .data/code-v2 --out models/ling-demo-v2 --vocab-size 4096 --sample-mb 24
+
+--sample-mb N trains on a deterministic sample of the train split (files in sha1(path) order until N MB), so a big
+corpus trains in minutes on a small CPU; the merges then apply to the whole corpus like any BPE.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 
@@ -60,6 +65,19 @@ def save(tok, out_dir: str, max_length: int = 8192) -> None:
         json.dump(conf, f, indent=1)
 
 
+def sample(paths: list[str], texts: list[str], max_bytes: int | None) -> list[str]:
+    """All texts when max_bytes is None, else those first in sha1(path) order while they fit in max_bytes."""
+    if max_bytes is None:
+        return list(texts)
+    out, used = [], 0
+    for i in sorted(range(len(paths)), key=lambda i: hashlib.sha1(paths[i].encode()).hexdigest()):
+        n = len(texts[i].encode())
+        if used + n <= max_bytes:
+            out.append(texts[i])
+            used += n
+    return out
+
+
 def main(argv=None):
     from ling_jax.train import corpus
 
@@ -67,9 +85,11 @@ def main(argv=None):
     p.add_argument("--corpus", default=".data/stdlib")
     p.add_argument("--out", default="models/ling-demo")
     p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--sample-mb", type=float, default=None, help="train on a sample of the train split of N MB")
     a = p.parse_args(argv)
     c = corpus.load(a.corpus)
-    tok = train_tokenizer(c.split("train"), a.vocab_size)
+    texts = sample(c.paths("train"), c.split("train"), int(a.sample_mb * 1e6) if a.sample_mb else None)
+    tok = train_tokenizer(texts, a.vocab_size)
     save(tok, a.out)
     print(f"vocab {tok.get_vocab_size()} -> {a.out}/tokenizer.json")
 

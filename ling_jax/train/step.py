@@ -11,7 +11,8 @@ stop_gradient, so only params["mtp"] learns from it). Row t = 0..T-2 feeds (tok_
 Optional chained passes (mtp_chain > 1), as drafting chains the head: pass k feeds (tok_{t+1+k}, h'^(k-1)_t)
 (stop_gradient) and distils z_{t+1+k}; kl = kl_0 + mtp_chain_weight * sum_k>0 kl_k. Each pass attends over its
 own rows (RoPE is relative, so starting its cache at slot 0 is exact for the shifted positions).
-loss = ce + mtp_weight * kl.
+loss = ce + mtp_weight * kl. The optional final distillation phase (mtp_only) freezes the target (stop_gradient on
+its hidden, zero updates and no bias update outside params["mtp"]) and trains the head alone on loss = kl.
 Router balance (DeepSeek-V3 noaux_tc, no auxiliary loss): after each step, for every MoE layer,
     expert_bias += u * sign(mean_e load - load_e)
 with load_e the (token, slot) pairs routed to expert e in this step's forward. The bias only selects experts,
@@ -55,6 +56,7 @@ class StepConfig:
     clip_norm: float = 1.0
     b1: float = 0.9
     b2: float = 0.95
+    mtp_only: bool = False  # the distillation phase: the target is frozen (no update, no bias update), loss = kl
 
 
 class Metrics(NamedTuple):
@@ -108,6 +110,8 @@ def losses(params, windows, cfg: ModelConfig, sc: StepConfig, with_mtp: bool = T
     B, T = inp.shape
     opts = training_options()
     out = forward(p, inp, init_state(cfg, B, T, p["embed"].dtype), cfg, mode="prefill", expert_load=True, opts=opts)
+    if sc.mtp_only:  # frozen target: no backward pass through it
+        out = out._replace(hidden=jax.lax.stop_gradient(out.hidden))
     logits = lm_logits(p, out.hidden, opts)  # [B, T, V] f32
     ce = jnp.mean(jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, labels[..., None], -1)[..., 0])
     loads = [out.expert_load] if out.expert_load is not None else []
@@ -130,7 +134,7 @@ def losses(params, windows, cfg: ModelConfig, sc: StepConfig, with_mtp: bool = T
                     loads.append(mload[None])
             h_in = sg(hm)  # chained drafting feeds the head's own output hidden back in
         kl = kls[0] + sc.mtp_chain_weight * sum(kls[1:])
-    loss = ce + sc.mtp_weight * kl
+    loss = sc.mtp_weight * kl if sc.mtp_only else ce + sc.mtp_weight * kl
     load = jnp.concatenate(loads) if loads else None
     return loss, (Metrics(loss, ce, kl, top1, jnp.float32(0), jnp.float32(0)), load)
 
@@ -143,9 +147,12 @@ def make_optimizer(sc: StepConfig) -> optax.GradientTransformation:
                        optax.add_decayed_weights(sc.weight_decay, decay))
 
 
-def update_bias(params, loads, cfg: ModelConfig, u: float):
-    """expert_bias += u * sign(mean_e load - load_e) for every MoE layer (loads int32[M, E])."""
+def update_bias(params, loads, cfg: ModelConfig, u: float, mtp_only: bool = False):
+    """expert_bias += u * sign(mean_e load - load_e) for every MoE layer (loads int32[M, E]); mtp_only: only the
+    MTP layers' (the target's routing stays as trained)."""
     for j, path in enumerate(moe_layer_paths(cfg)):
+        if mtp_only and path[0] != "mtp":
+            continue
         node = params[path[0]][path[1]]["mlp"]
         load = loads[j].astype(jnp.float32)
         node["expert_bias"] = node["expert_bias"] + u * jnp.sign(jnp.mean(load) - load)
@@ -158,10 +165,12 @@ def train_step(params, opt_state, key, lr, tokens, cfg: ModelConfig, sc: StepCon
     (_, (m, loads)), grads = jax.value_and_grad(losses, has_aux=True)(params, windows, cfg, sc)
     grads = jax.tree.map(lambda g, b: jnp.zeros_like(g) if b else g, grads, bias_mask(cfg))
     updates, opt_state = tx.update(grads, opt_state, params)
+    if sc.mtp_only:  # Adam momentum and weight decay would still move the target: zero its updates
+        updates = {k: (v if k == "mtp" else jax.tree.map(jnp.zeros_like, v)) for k, v in updates.items()}
     params = jax.tree.map(lambda p, u: p - lr * u, params, updates)
     # copy the containers so the bias update never touches the caller's (donated) pytree structure
     params = jax.tree.map(lambda a: a, params)
-    params = update_bias(params, loads, cfg, sc.bias_update)
+    params = update_bias(params, loads, cfg, sc.bias_update, sc.mtp_only)
     loads_f = loads.astype(jnp.float32)
     imbalance = jnp.max(jnp.max(loads_f, -1) / jnp.maximum(jnp.mean(loads_f, -1), 1e-9))
     m = m._replace(grad_norm=optax.tree.norm(grads), max_load=imbalance)

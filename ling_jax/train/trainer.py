@@ -13,6 +13,7 @@ checkpoints (params + optimizer state), metrics.json, loss.png; with --export: c
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -103,6 +104,41 @@ def evaluate(ev, params, windows: np.ndarray, batch: int) -> dict:
     return {f"heldout_{k}": v / max(n, 1) for k, v in sums.items()}
 
 
+def distill_phase(a, cfg, sc: StepConfig, tx, params, opt_state, tokens, step0: int, rows: list, held, eval_batch):
+    """The NEXTN head alone on the final, frozen target (StepConfig.mtp_only): --mtp-steps steps (capped by
+    --mtp-time-budget seconds), LR --mtp-lr with a short warmup then cosine to min_lr_frac. Returns params and the
+    step count run."""
+    msc = dataclasses.replace(sc, mtp_only=True)
+    step_fn, ev = compiled(cfg, msc, tx)
+    key = jax.random.key(a.seed + 2)
+    total, t0, pending, step = a.mtp_steps, time.perf_counter(), [], 0
+    warm = min(50, max(1, total // 10))
+    while step < total:
+        lr = lr_at(step, total, a.mtp_lr, warm, a.min_lr_frac)
+        params, opt_state, m = step_fn(params, opt_state, jax.random.fold_in(key, step), jnp.float32(lr), tokens)
+        pending.append((step, lr, m))
+        step += 1
+        if step == 1:
+            jax.block_until_ready(m)
+            t1 = time.perf_counter()
+            print(f"mtp phase: compiled in {t1 - t0:.1f} s", flush=True)
+        if a.mtp_time_budget and step == 11:
+            jax.block_until_ready(m)
+            dt = (time.perf_counter() - t1) / 10
+            total = max(step, min(total, int((a.mtp_time_budget - (time.perf_counter() - t0)) / dt) + step))
+        if step % a.log_every == 0 or step == total:
+            for s_, l, mm in jax.device_get(pending):
+                rows.append({"step": step0 + s_ + 1, "phase": "mtp", "lr": l,
+                             **{k: float(v) for k, v in mm._asdict().items()}})
+            pending = []
+            r = rows[-1]
+            print(f"mtp step {step}/{total}: kl={r['kl']:.3f} top1={r['mtp_top1']:.3f} ce={r['ce']:.3f}", flush=True)
+    rows.append({"step": step0 + total, "phase": "mtp", **evaluate(ev, params, held, eval_batch)})
+    print(f"mtp phase done: {total} steps in {time.perf_counter() - t0:.1f} s; "
+          + " ".join(f"{k}={v:.4f}" for k, v in rows[-1].items() if k.startswith("heldout")), flush=True)
+    return params, total
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="ling-demo")
@@ -119,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mtp-weight", type=float, default=1.0)
     p.add_argument("--mtp-chain", type=int, default=1, help="MTP passes per window (>1: chained-draft training)")
     p.add_argument("--mtp-chain-weight", type=float, default=0.5)
+    p.add_argument("--mtp-steps", type=int, default=0, help="then distil the NEXTN head alone for N steps")
+    p.add_argument("--mtp-time-budget", type=float, default=None, help="seconds of the NEXTN phase; caps --mtp-steps")
+    p.add_argument("--mtp-lr", type=float, default=1e-3)
     p.add_argument("--bias-update", type=float, default=1e-3)
     p.add_argument("--compute-dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--seed", type=int, default=0)
@@ -195,8 +234,9 @@ def main(argv=None) -> dict:
                 rows.append({"step": s + 1, "lr": l, **{k: float(v) for k, v in mm._asdict().items()}})
             pending = []
             r = rows[-1]
+            tps = sc.batch * sc.seq * max(step - 1, 1) / max(time.perf_counter() - t_start - t_compile, 1e-9)
             pbar.set_postfix(ce=f"{r['ce']:.3f}", kl=f"{r['kl']:.3f}", top1=f"{r['mtp_top1']:.2f}",
-                             load=f"{r['max_load']:.2f}")
+                             load=f"{r['max_load']:.2f}", tok_s=f"{tps / 1e3:.0f}k")
         if (a.eval_every and step % a.eval_every == 0) or step == total:
             rows.append({"step": step, **evaluate(ev, params, held, eval_batch)})
             tqdm.write(f"step {step}: " + " ".join(f"{k}={v:.4f}" for k, v in rows[-1].items() if k != "step"))
@@ -206,12 +246,20 @@ def main(argv=None) -> dict:
     pbar.close()
     jax.block_until_ready(params)
     train_s = time.perf_counter() - t_start
+    mtp_steps = 0
+    if a.mtp_steps:
+        t_mtp = time.perf_counter()
+        params, mtp_steps = distill_phase(a, cfg, sc, tx, params, opt_state, tokens, total, rows, held, eval_batch)
+        mtp_s = time.perf_counter() - t_mtp
     if a.export:
         export(cfg, params, a.export, a.tokenizer, a.max_shard_bytes)
 
-    last_train = [r for r in rows if "ce" in r][-max(1, min(50, total // 10)):]
+    last_train = [r for r in rows if "ce" in r and r.get("phase") != "mtp"][-max(1, min(50, total // 10)):]
     final = {k: float(np.mean([r[k] for r in last_train])) for k in ("ce", "kl", "mtp_top1", "max_load")}
     last_eval = [r for r in rows if "heldout_ce" in r][-1]
+    if mtp_steps:  # the head's train numbers after its own phase
+        last_mtp = [r for r in rows if "kl" in r and r.get("phase") == "mtp"][-max(1, min(50, mtp_steps // 10)):]
+        final["kl"], final["mtp_top1"] = (float(np.mean([r[k] for r in last_mtp])) for k in ("kl", "mtp_top1"))
     tok_per_step = a.batch * a.seq
     timed_steps = max(1, total - 3)
     summary = {
@@ -222,7 +270,8 @@ def main(argv=None) -> dict:
         "tokens_per_s": tok_per_step * timed_steps / max(train_s - t_compile, 1e-9),
         "final_train_ce": final["ce"], "final_train_ppl": math.exp(final["ce"]), "final_train_kl": final["kl"],
         "final_train_mtp_top1": final["mtp_top1"], "final_max_load": final["max_load"],
-        **last_eval, "heldout_ppl": math.exp(last_eval["heldout_ce"]),
+        **{k: v for k, v in last_eval.items() if k.startswith("heldout")}, "heldout_ppl": math.exp(last_eval["heldout_ce"]),
+        "mtp_phase_steps": mtp_steps, "mtp_phase_s": mtp_s if mtp_steps else 0.0,
     }
     date = time.strftime("%Y-%m-%d")
     report = {
