@@ -112,3 +112,68 @@ def test_nextn_greedy_equals_plain_greedy_with_fused_projections():
     assert len(nextn) > 4 + 1, "no draft was accepted: the test would not exercise acceptance"
     n = min(len(plain), len(nextn))
     assert nextn[:n] == plain[:n]
+
+
+def _flash_passes(t: int, calls: KernelCalls):
+    """Functions of one layer pass of Ling-3.0-flash (x [1, t, D] -> x' and states) with these kernel calls, and
+    their abstract arguments."""
+    from compile.stages import slice_config
+    from ling_jax.layers.kda import kda_layer
+    from ling_jax.layers.linear import Normed
+    from ling_jax.model import ffn, mla_block
+    from ling_jax.nextn import mtp_forward
+    from ling_jax.weights import abstract_params
+    from tests.cuda_lowering import S
+
+    cfg = slice_config(get_preset("ling3-flash"), 6)  # layers 0, 1 KDA + dense; 2..4 KDA + MoE; 5 MLA + MoE
+    params = abstract_params(cfg)
+    opts = RuntimeOptions(kernels=calls)
+    H, K, C, BF = cfg.num_attention_heads, cfg.head_dim, cfg.kda_dim, jnp.bfloat16
+    x = S((1, t, cfg.hidden_size), BF)
+    conv, rec = S((1, cfg.short_conv_kernel_size - 1, 3, C), BF), S((1, H, K, K), jnp.float32)
+    cache, lengths = S((1, 1024, cfg.mla_cache_dim), BF), S((1,), jnp.int32)
+    mode = "decode" if t == 1 else "verify"
+
+    def kda_pass(i):
+        def f(p, x, conv, rec):
+            x, conv, rec, pending = kda_layer(p["attn"], Normed(x, p["input_norm"], cfg.rms_norm_eps), conv, rec,
+                                              cfg, mode=mode, n_valid=jnp.ones((1,), jnp.int32), chunked=False,
+                                              kernels=opts.calls, residual=x)
+            return ffn(p, x, cfg, i, opts), conv, rec, pending
+        return f, (params["layers"][i], x, conv, rec)
+
+    def mla_pass(p, x, cache, lengths):
+        return mla_block(p, x, cache, lengths, cfg, 5, absorbed=True, opts=opts)
+
+    def mtp_pass(params, tokens, hidden, cache, lengths):
+        return mtp_forward(params, tokens, hidden, cache, lengths, cfg, absorbed=True, opts=opts)
+
+    return {"kda + dense": kda_pass(0), "kda + moe": kda_pass(2),
+            "mla + moe": (mla_pass, (params["layers"][5], x, cache, lengths)),
+            "mtp": (mtp_pass, (params, S((1, t), jnp.int32), x, cache, lengths))}
+
+
+# Custom calls per layer pass (Mosaic GPU, Triton) and the XLA dots left, at T = 1 (decode: KDA verify + commit) and
+# T = 6 (NEXTN5 verify: the commit runs later). Mosaic: one fused norm + projection kernel per normed input (KDA
+# w_qkvfg | b_proj, MLA q | kv_a | g_proj, dense gate | up, MTP eh_proj) and one projection + residual per output
+# projection (KDA o_proj, MLA dense, dense down_proj), the MoE up / down; Triton: kda_verify / kda_commit, the
+# router's 2 kernels. KDA + dense keeps no dot (every projection is fused); MLA keeps the absorbed attention's 4
+# (q_nope W_uk, scores, context, W_uv). The MoE layers' post-attention norm stays in XLA: the router and the MoE
+# kernel (shared expert included) both read the normed rows.
+PASS_CALLS = {1: {"kda + dense": (4, 2, 0), "kda + moe": (4, 4, 0), "mla + moe": (4, 2, 4), "mtp": (5, 2, 4)},
+              6: {"kda + dense": (4, 1, 0), "kda + moe": (4, 3, 0), "mla + moe": (4, 2, 4), "mtp": (5, 2, 4)}}
+
+
+def _census(text: str) -> tuple:
+    return (text.count("custom_call @mosaic_gpu"), text.count("__gpu$xla.gpu.triton"),
+            text.count("stablehlo.dot_general"))
+
+
+@pytest.mark.parametrize("t", [1, 6])
+def test_flash_layer_passes_lower_for_cuda_with_fused_projections(t):
+    from tests.cuda_lowering import lower_cuda
+
+    got = {name: _census(lower_cuda(f, *args)) for name, (f, args) in _flash_passes(t, KernelCalls()).items()}
+    assert got == PASS_CALLS[t]
+    f, args = _flash_passes(t, KernelCalls(fused_linear=False))["kda + dense"]
+    assert _census(lower_cuda(f, *args)) == (0, PASS_CALLS[t]["kda + dense"][1], 6)  # the 6 projections in XLA
