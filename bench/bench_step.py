@@ -3,6 +3,7 @@
   python3 -m bench.bench_step --layers 12 --out $OUT [--spec-parts]     (one H200: a layer slice, random bf16)
   python3 -m bench.bench_step --model models/ling-demo --out $OUT       (the shipped demo model: pure fixed cost)
   python3 -m bench.bench_step --tp 2 --out $OUT                         (two H200: the full model)
+  ... --baseline-fused-linear          (A/B of KernelCalls.fused_linear in the same run, each with its census)
 
 Floor = bytes the step must move per device / the one HBM ceiling (bench/ceiling.py: best of a streaming-read
 Pallas kernel over 4 GiB and XLA's copy). Bytes count each dependent pass's weights once: per MoE call the
@@ -327,6 +328,10 @@ def main():
     ap.add_argument("--kernels", default="auto", help="RuntimeOptions.kernels (auto: Pallas on GPU, run per "
                     "device under shard_map over TP)")
     ap.add_argument("--kda-impl", default="verify", choices=("chain", "verify"), help="KernelCalls.kda_impl")
+    ap.add_argument("--no-fused-linear", action="store_true", help="KernelCalls.fused_linear=False: the layers' "
+                    "projections in XLA instead of pallas_kernels/fused_linear.py")
+    ap.add_argument("--baseline-fused-linear", action="store_true", help="also time the steps with fused_linear "
+                    "flipped (same kernels otherwise) in the same run, as the baseline")
     ap.add_argument("--baseline-kernels", default=None, help="also time the steps with these kernels (e.g. "
                     "reference: the XLA-only model) in the same run, as the baseline")
     ap.add_argument("--routing-from", default=None, help="a slice run's step JSON: reuse its mean distinct experts "
@@ -334,6 +339,8 @@ def main():
     a = ap.parse_args()
     if a.model and a.layers:
         ap.error("--layers slices a preset; --model loads a whole checkpoint")
+    if a.baseline_kernels and a.baseline_fused_linear:
+        ap.error("one baseline per run: --baseline-kernels or --baseline-fused-linear")
     tp = a.tp or len(jax.devices())
     mesh, rules = make_mesh(tp), ShardingRules.tensor_parallel()
     device = f"{jax.devices()[0].device_kind} x{tp}"
@@ -349,14 +356,18 @@ def main():
                        "ctx": a.ctx, "census": {}, "xla_flags": os.environ.get("XLA_FLAGS", ""),
                        "routing_source": a.routing_from or "captured from this run's router (jnp copy of the step)"}
     max_len = a.ctx + 1024
-    extra["kernels"] = a.kernels
-    runs = [("plain", 0, a.kernels)] + [("nextn", int(k), a.kernels) for k in a.steps.split(",")]
+    fused = not a.no_fused_linear
+    extra.update(kernels=a.kernels, fused_linear=fused)
+    runs = [("plain", 0, a.kernels, fused)] + [("nextn", int(k), a.kernels, fused) for k in a.steps.split(",")]
     if a.baseline_kernels:
-        runs += [(m, k, a.baseline_kernels) for m, k, _ in runs]
-    prefix = "step" + ("-" + os.path.basename(os.path.normpath(a.model)) if a.model else "") + f"-kda{a.kda_impl}"
-    for mode, K, kernels in runs:
-        baseline = kernels != a.kernels
-        calls = kernel_calls(kernels, kda_impl=a.kda_impl) if kernels != "reference" else None
+        runs += [(m, k, a.baseline_kernels, fused) for m, k, _, _ in runs]
+    if a.baseline_fused_linear:
+        runs += [(m, k, kern, not fused) for m, k, kern, _ in runs]
+    prefix = ("step" + ("-" + os.path.basename(os.path.normpath(a.model)) if a.model else "") + f"-kda{a.kda_impl}"
+              + ("" if fused else "-nofl"))
+    for mode, K, kernels, fl in runs:
+        baseline = kernels != a.kernels or fl != fused
+        calls = kernel_calls(kernels, kda_impl=a.kda_impl, fused_linear=fl) if kernels != "reference" else None
         opts = kernel_calls_for(RuntimeOptions(kernels=calls), mesh, rules)
         prog = Program(cfg, mode=mode, steps=max(K, 1), max_len=max_len, opts=opts)
         fn = prog.fn()
@@ -368,18 +379,21 @@ def main():
         t, state = time_chain(step, params, state, reps=a.reps, dispatch=disp)
         nbytes = floor_bytes(cfg, mesh, rules, mode, K, routing, a.ctx)
         name = "plain decode step" if mode == "plain" else f"NEXTN step (steps={K}, {K + 1} verify rows)"
-        name += f" [kernels={kernels}]" if baseline else ""
+        name += f" [kernels={kernels}]" if kernels != a.kernels else ""
+        name += f" [fused_linear={'on' if fl else 'off'}]" if fl != fused else ""
         r = row(name, t, nbytes, bw, distinct_experts_per_router_call=routing, compile_and_time_s=time.perf_counter() - tc,
                 kernels=kernels, layer_passes=layer_passes(cfg, mode, K), host_dispatch_us=disp[0] * 1e6)
         if baseline:
-            main_row = next(x for x in rows if x["name"] == name.split(" [kernels=")[0])
-            main_row.update(baseline=f"the same step with kernels={kernels}, same run", baseline_time_us=t * 1e6)
+            main_row = next(x for x in rows if x["name"] == name.split(" [")[0])
+            what = f"kernels={kernels}" if kernels != a.kernels else f"fused_linear={'on' if fl else 'off'}"
+            main_row.update(baseline=f"the same step with {what}, same run", baseline_time_us=t * 1e6)
         if mode == "nextn":
             r["projected_tpot_us_at_seed_accept"] = t * 1e6 / SEED_ACCEPT
         rows.append(r)
         print(f"{name:42s} {t * 1e6:9.1f} us  floor {r['floor_us']:8.1f} us  {100 * r['fraction_of_floor']:5.1f} %  "
               f"({nbytes / 1e9:.3f} GB/device)  host dispatch {disp[0] * 1e6:.0f} us/call", flush=True)
-        if not a.no_census and not baseline and (mode == "plain" or K == 5):
+        # the census of a fused_linear baseline too: its kernels per layer pass are the A/B's other half
+        if not a.no_census and kernels == a.kernels and (mode == "plain" or K == 5):
             c, state = census(step, params, state, 5, t, tempfile.mkdtemp(prefix=f"prof-{mode}{K}-"),
                               layer_passes(cfg, mode, K))
             extra["census"][name] = c

@@ -100,7 +100,7 @@ def test_nextn_greedy_equals_plain_greedy_with_fused_projections():
     params = init_params(CFG, 3, jnp.bfloat16)
     opts = RuntimeOptions(numerics=Numerics(target_rows=3), kernels=KernelCalls(interpret=True))
     emitted = {}
-    for steps, n_steps in ((0, 8), (2, 4)):
+    for steps, n_steps in ((0, 6), (2, 3)):
         spec = SpecConfig("NEXTN", steps) if steps else SpecConfig("NONE")
         gen = Generator(CFG, params, spec=spec, max_len=64, chunked_prefill_size=8, dtype=jnp.bfloat16, opts=opts)
         state, first, _ = gen.prefill([3, 7, 1, 9, 4], SamplingOptions().device(CFG.vocab_size), jax.random.key(0),
@@ -109,7 +109,7 @@ def test_nextn_greedy_equals_plain_greedy_with_fused_projections():
         _, buf, count = jax.block_until_ready(generate_on_device(CFG, spec, n_steps, opts=opts)(params, state))
         emitted[steps] = [int(first[0])] + [int(t) for t in np.asarray(buf[0, : int(count[0])])]
     plain, nextn = emitted[0], emitted[2]
-    assert len(nextn) > 4 + 1, "no draft was accepted: the test would not exercise acceptance"
+    assert len(nextn) > 1 + 3, "no draft was accepted: the test would not exercise acceptance"
     n = min(len(plain), len(nextn))
     assert nextn[:n] == plain[:n]
 
@@ -177,3 +177,41 @@ def test_flash_layer_passes_lower_for_cuda_with_fused_projections(t):
     assert got == PASS_CALLS[t]
     f, args = _flash_passes(t, KernelCalls(fused_linear=False))["kda + dense"]
     assert _census(lower_cuda(f, *args)) == (0, PASS_CALLS[t]["kda + dense"][1], 6)  # the 6 projections in XLA
+
+
+def test_chooser_falls_back_where_the_kernel_does_not_take_the_call():
+    """KernelCalls.norm_linear / linear_residual return None (the caller's jnp) for fp32, fp8 weights, the field
+    off, and shapes past the kernel's limits (its ValueError: x [24, 8192] does not fit SMEM); a bf16 call that
+    fits returns the outputs in the model's shapes (KDA's [5, C, D] weight -> [B, T, 5, C], b_proj's 4 rows
+    padded for the kernel's store and sliced back). Traced only (eval_shape): nothing runs."""
+    from compile.sharding import ShardedKernelCalls
+    from ling_jax.layers.linear import Normed, Projection
+    from ling_jax.quant import quantize
+    from tests.cuda_lowering import S
+
+    BF = jnp.bfloat16
+    calls = KernelCalls(interpret=True)
+    w5, b = S((5, 128, 256), BF), S((4, 256), BF)
+
+    def norm_linear(calls, x, *ws):
+        return calls.norm_linear(Normed(x, jnp.ones((x.shape[-1],), x.dtype), 1e-6), tuple(map(Projection, ws)))
+
+    shapes = jax.eval_shape(lambda x, w, b: norm_linear(calls, x, w, b), S((1, 3, 256), BF), w5, b)
+    assert [(o.shape, o.dtype) for o in shapes] == [((1, 3, 5, 128), BF), ((1, 3, 4), BF)]
+    F32, q8 = jnp.float32, quantize(jnp.ones((128, 256), BF))
+
+    def none(f, *args):
+        got = []
+        jax.eval_shape(lambda *a: got.append(f(*a) is None), *args)
+        return got == [True]
+
+    assert none(lambda x, w: norm_linear(calls, x, w), S((1, 3, 256), F32), S((128, 256), F32))
+    assert none(lambda x, w: norm_linear(KernelCalls(fused_linear=False), x, w), S((1, 3, 256), BF), S((128, 256), BF))
+    assert none(lambda x, w: norm_linear(calls, x, w), S((1, 24, 8192), BF), S((64, 8192), BF))
+    assert none(lambda x: norm_linear(calls, x, q8), S((1, 3, 256), BF))
+    assert none(lambda o, w, r: calls.linear_residual(o, w, r), S((1, 17, 4096), BF), S((2560, 4096), BF),
+                S((1, 17, 2560), BF))
+    assert not none(lambda o, w, r: calls.linear_residual(o, w, r), S((1, 6, 4096), BF), S((2560, 4096), BF),
+                    S((1, 6, 2560), BF))
+    with pytest.raises(ValueError, match="fused_linear=True"):
+        ShardedKernelCalls(interpret=True, mesh=jax.make_mesh((1,), ("tp",)), fused_linear=True)

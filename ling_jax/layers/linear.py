@@ -65,7 +65,6 @@ class Projection(NamedTuple):
     limit: float = 0.0
 
 
-
 def _einsum(h, w):
     """h [..., D] @ w [N, D]^T -> [..., N] (or w [S, C, D] -> [..., S, C]) in h's dtype (fp8 weights dequantised)."""
     w = dense(w, h.dtype)

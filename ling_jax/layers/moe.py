@@ -11,6 +11,7 @@ Clamp (limit L > 0, routed and shared experts alike): h = min(silu(gate), L) * c
 the SiLU, as SGLang deploys Ling-3.0 (`_swiglu_silu_clamp_mul`). The limits are per layer (config.json
 expert_swiglu_limit_list / share_expert_swiglu_limit_list); HF's remote code ignores them (= apply_swiglu_clamps
 false), but the model was trained with them: on by default.
+(swiglu itself lives in layers/linear.py with the other projection epilogues.)
 """
 
 from __future__ import annotations
