@@ -234,7 +234,8 @@ class KernelCalls:
         are zero-padded rows of the weight (an XLA pad, only where the width does not fit) and sliced off."""
         xs, norm_ws = zip(*h.parts)
         weights = [w for p in projections for w in (p.weight if p.kind == "swiglu" else (p.weight,))]
-        if (not self.fused_linear or any(x.dtype != jnp.bfloat16 for x in xs)
+        # bf16 throughout (a norm weight of another dtype would promote rms_norm's output: not the kernel's math)
+        if (not self.fused_linear or any(a.dtype != jnp.bfloat16 for a in xs + norm_ws)
                 or any(isinstance(w, Fp8Weight) or w.dtype != jnp.bfloat16 for w in weights)):
             return None
         lead = xs[0].shape[:-1]
