@@ -5,6 +5,7 @@
   python3 -m bench.bench_step --tp 2 --out $OUT                         (two H200: the full model)
   python3 -m bench.bench_step --quantization fp8 --tp 1 --ttft 8192 --out $OUT   (one H200: the full model in fp8)
   python3 -m bench.bench_step --quantization fp8 --tp 1 --dry-run       (CPU: its memory plan, see step_budget.py)
+  ... --fused-linear [--baseline-fused-linear]   (KernelCalls.fused_linear on; A/B with it off in the same run)
 
 Floor = bytes the step must move per device (block-fp8 weights: their fp8 bytes + f32 scales) / the one HBM ceiling (bench/ceiling.py: best of a streaming-read
 Pallas kernel over 4 GiB and XLA's copy). Bytes count each dependent pass's weights once: per MoE call the
@@ -333,11 +334,12 @@ def model_config(a):
     return slice_config(cfg, a.layers) if a.layers else cfg
 
 
-def programs(a, cfg, mesh, rules, kernels):
+def programs(a, cfg, mesh, rules, kernels, fused_linear: bool = False):
     """[(mode, K, Program, draft vocabulary N or None)] of the runs, in order: plain, each NEXTN --steps, then
     each NEXTN --steps again with --draft-vocab."""
     out = []
-    calls = kernel_calls(kernels, kda_impl=a.kda_impl) if kernels != "reference" else None
+    calls = (kernel_calls(kernels, kda_impl=a.kda_impl, fused_linear=fused_linear) if kernels != "reference"
+             else None)
     opts = kernel_calls_for(RuntimeOptions(kernels=calls), mesh, rules)
     nextn = [int(k) for k in a.steps.split(",")]
     for mode, K, dv in ([("plain", 0, None)] + [("nextn", k, None) for k in nextn]
@@ -435,6 +437,10 @@ def main():
     ap.add_argument("--kernels", default="auto", help="RuntimeOptions.kernels (auto: Pallas on GPU, run per "
                     "device under shard_map over TP)")
     ap.add_argument("--kda-impl", default="verify", choices=("chain", "verify"), help="KernelCalls.kda_impl")
+    ap.add_argument("--fused-linear", action="store_true", help="KernelCalls.fused_linear=True: the layers' "
+                    "projections through pallas_kernels/fused_linear.py instead of XLA (off by default)")
+    ap.add_argument("--baseline-fused-linear", action="store_true", help="also time the steps with fused_linear "
+                    "flipped (same kernels otherwise) in the same run, as the baseline")
     ap.add_argument("--baseline-kernels", default=None, help="also time the steps with these kernels (e.g. "
                     "reference: the XLA-only model) in the same run, as the baseline")
     ap.add_argument("--routing-from", default=None, help="a slice run's step JSON: reuse its mean distinct experts "
@@ -460,6 +466,8 @@ def main():
         ap.error("--layers slices a preset; --model loads a whole checkpoint")
     if a.spec_parts and a.quantization:
         ap.error("--spec-parts counts bf16 bytes (bench_spec.byte_model): not with --quantization")
+    if a.baseline_kernels and a.baseline_fused_linear:
+        ap.error("one baseline per run: --baseline-kernels or --baseline-fused-linear")
     tp = a.tp or len(jax.devices())
     mesh, rules = make_mesh(tp), ShardingRules.tensor_parallel()
     cfg = model_config(a)
@@ -475,11 +483,14 @@ def run_all(a, cfg, tp, mesh, rules):
     bw = ceiling.bytes_per_s
     print(f"HBM ceiling {bw / 1e12:.2f} TB/s ({ceiling.source}; streaming read {ceiling.stream_bytes_per_s / 1e12:.2f},"
           f" XLA copy {ceiling.copy_bytes_per_s / 1e12:.2f})", flush=True)
-    runs = [(m, K, p, dv, a.kernels) for m, K, p, dv in programs(a, cfg, mesh, rules, a.kernels)]
+    fl = a.fused_linear
+    runs = [(m, K, p, dv, a.kernels, fl) for m, K, p, dv in programs(a, cfg, mesh, rules, a.kernels, fl)]
     if a.baseline_kernels:
-        runs += [(m, K, p, dv, a.baseline_kernels) for m, K, p, dv in programs(a, cfg, mesh, rules,
-                                                                              a.baseline_kernels)]
-    plan = step_budget.budget(cfg, jnp.bfloat16, a.quantization, {f"{m}{K}": p for m, K, p, _, _ in runs},
+        runs += [(m, K, p, dv, a.baseline_kernels, fl) for m, K, p, dv in programs(a, cfg, mesh, rules,
+                                                                                  a.baseline_kernels, fl)]
+    if a.baseline_fused_linear:
+        runs += [(m, K, p, dv, a.kernels, not fl) for m, K, p, dv in programs(a, cfg, mesh, rules, a.kernels, not fl)]
+    plan = step_budget.budget(cfg, jnp.bfloat16, a.quantization, {f"{m}{K}": p for m, K, p, *_ in runs},
                               device_memory_bytes(), tp)
     print("memory plan (per device, before allocating):\n  " + "\n  ".join(plan.lines()), flush=True)
     plan.check(what="(weights + state)")
@@ -492,13 +503,14 @@ def run_all(a, cfg, tp, mesh, rules):
                        "ctx": a.ctx, "census": {}, "xla_flags": os.environ.get("XLA_FLAGS", ""),
                        "quantization": a.quantization, "memory_plan": plan.lines(), "host_peak_rss_bytes": host,
                        "routing_source": a.routing_from or "captured from this run's router (jnp copy of the step)"}
-    extra["kernels"] = a.kernels
+    fused = a.fused_linear
+    extra.update(kernels=a.kernels, fused_linear=fused)
     prefix = "step" + ("-" + os.path.basename(os.path.normpath(a.model)) if a.model else "") + f"-kda{a.kda_impl}"
-    prefix += f"-{a.quantization}" if a.quantization else ""
+    prefix += (f"-{a.quantization}" if a.quantization else "") + ("-fl" if fused else "")
     kept = None
-    for mode, K, prog, dv, kernels in runs:
+    for mode, K, prog, dv, kernels, fl in runs:
         p = params if dv is None else with_draft_vocab(params, random_draft_vocab(cfg, dv))
-        kept = run_one(a, cfg, mesh, rules, p, bw, plan, rows, extra, mode, K, prog, kernels, prefix, dv) or kept
+        kept = run_one(a, cfg, mesh, rules, p, bw, plan, rows, extra, mode, K, prog, kernels, prefix, dv, fl) or kept
         del p
         os.makedirs(a.out, exist_ok=True)
         write(a.out, prefix + a.tag, rows, extra, device)  # partial results survive a timeout
@@ -518,10 +530,12 @@ def run_all(a, cfg, tp, mesh, rules):
                                                              "ctx": a.ctx}, device))
 
 
-def run_one(a, cfg, mesh, rules, params, bw, plan, rows, extra, mode, K, prog, kernels, prefix, dv=None):
+def run_one(a, cfg, mesh, rules, params, bw, plan, rows, extra, mode, K, prog, kernels, prefix, dv=None,
+            fl: bool = False):
     """Compile, time (and census) one step; appends its row. Returns (step, routing) of the main NEXTN 5 step.
-    dv: the draft vocabulary's size when params carry one (ling_jax.draft_vocab)."""
-    baseline = kernels != a.kernels
+    dv: the draft vocabulary's size when params carry one (ling_jax.draft_vocab). fl: its KernelCalls.fused_linear
+    (a baseline when it differs from --fused-linear)."""
+    baseline = kernels != a.kernels or fl != a.fused_linear
     step, temp = compile_step(prog, mesh, rules, params, plan, a.multi_step)
     state = random_state(prog, mesh, rules, a.ctx)
     routing = routing_from(a.routing_from, cfg, mode, K) if a.routing_from else distinct_experts(prog, params, state)
@@ -532,19 +546,22 @@ def run_one(a, cfg, mesh, rules, params, bw, plan, rows, extra, mode, K, prog, k
     nbytes = floor_bytes(cfg, mesh, rules, mode, K, routing, a.ctx, a.quantization, dv)
     name = "plain decode step" if mode == "plain" else f"NEXTN step (steps={K}, {K + 1} verify rows)"
     name += f" [draft vocab {dv}]" if dv else ""
-    name += f" [kernels={kernels}]" if baseline else ""
+    name += f" [kernels={kernels}]" if kernels != a.kernels else ""
+    name += f" [fused_linear={'on' if fl else 'off'}]" if fl != a.fused_linear else ""
     r = row(name, t, nbytes, bw, distinct_experts_per_router_call=routing, compile_and_time_s=time.perf_counter() - tc,
             kernels=kernels, layer_passes=layer_passes(cfg, mode, K), host_dispatch_us=disp[0] * 1e6,
             xla_temp_bytes=temp)
     if baseline:
-        main_row = next(x for x in rows if x["name"] == name.split(" [kernels=")[0])
-        main_row.update(baseline=f"the same step with kernels={kernels}, same run", baseline_time_us=t * 1e6)
+        main_row = next(x for x in rows if x["name"] == name.split(" [kernels=")[0].split(" [fused_linear=")[0])
+        what = f"kernels={kernels}" if kernels != a.kernels else f"fused_linear={'on' if fl else 'off'}"
+        main_row.update(baseline=f"the same step with {what}, same run", baseline_time_us=t * 1e6)
     if mode == "nextn":
         r["projected_tpot_us_at_seed_accept"] = t * 1e6 / SEED_ACCEPT
     rows.append(r)
     print(f"{name:42s} {t * 1e6:9.1f} us  floor {r['floor_us']:8.1f} us  {100 * r['fraction_of_floor']:5.1f} %  "
           f"({nbytes / 1e9:.3f} GB/device)  host dispatch {disp[0] * 1e6:.0f} us/call", flush=True)
-    if not a.no_census and not baseline and not dv and (mode == "plain" or K == 5):
+    # a fused_linear baseline gets its census too: its kernels per layer pass are the A/B's other half
+    if not a.no_census and kernels == a.kernels and not dv and (mode == "plain" or K == 5):
         n = a.multi_step  # the census profiles whole dispatches: n steps each
         c, state = census(step, params, state, 5, t * n, tempfile.mkdtemp(prefix=f"prof-{mode}{K}-"),
                           layer_passes(cfg, mode, K) * n)

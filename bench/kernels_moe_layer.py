@@ -47,7 +47,7 @@ TILES = [("ks6", mm.MosaicMoeConfig(split_k=6)), ("up6 ks6", mm.MosaicMoeConfig(
 def variants(t, small):
   """(name, KernelCalls) for T tokens: before / slots at N = 64; slots at the smallest N in (16, 32) that fits,
   with the default tiles and the TILES candidates."""
-  base = KernelCalls(interpret=True, moe_impl="mosaic") if small else KernelCalls()
+  base = KernelCalls(interpret=True, moe_impl="mosaic", moe_slots=True) if small else KernelCalls(moe_slots=True)
   out = [("before n64", dataclasses.replace(base, moe_slots=False)), ("slots n64", base)]
   n = next((n for n in (16, 32) if t <= n), None)
   if n is not None:

@@ -190,14 +190,21 @@ class ShardedKernelCalls(KernelCalls):
       (read once per device when any pair is remote: up to one expert's bytes wasted), and the same one psum
       combines the devices.
     kda_verify / kda_commit: every head-indexed operand split over "tp"; heads are independent, no collective.
+    fused_linear: not sharded yet (the output projections would need their partial sums reduced before the
+      residual add): the sharded calls run the model's jnp projections, and fused_linear=True is an error.
     """
 
     mesh: Mesh | None = None
     rules: ShardingRules = ShardingRules()
+    fused_linear: bool = False
 
     def __post_init__(self):
         if self.mesh is None:
             raise ValueError("ShardedKernelCalls needs a mesh")
+        if self.fused_linear:
+            raise ValueError("ShardedKernelCalls(fused_linear=True): the fused projections are not run under "
+                             "shard_map yet; use fused_linear=False (the jnp projections, sharded by XLA)")
+        super().__post_init__()
 
     def moe(self, x, ids, weights, w_gate, w_up, w_down, *, limit: float, shared, shared_limit: float):
         rules, base = self.rules, super()
@@ -311,9 +318,11 @@ class ShardedKernelCalls(KernelCalls):
 
 def kernel_calls_for(opts, mesh: Mesh, rules: ShardingRules = ShardingRules()):
     """RuntimeOptions whose Pallas calls run under shard_map on `mesh` (unchanged for 1 device or the jnp path).
-    The per-kernel choices of the options' KernelCalls carry over to the sharded one."""
+    The per-kernel choices of the options' KernelCalls carry over to the sharded one, except fused_linear (not
+    sharded yet: see ShardedKernelCalls), which is off on more than one device."""
     calls = opts.calls
     if mesh.size == 1 or calls is None or isinstance(calls, ShardedKernelCalls):
         return opts
     fields = {f.name: getattr(calls, f.name) for f in dataclasses.fields(KernelCalls)}
+    fields["fused_linear"] = False
     return opts.replace(kernels=ShardedKernelCalls(**fields, mesh=mesh, rules=rules))

@@ -20,6 +20,10 @@ Shapes (per call, the layers' view; a subclass sees its per-device slices inside
                                                                            -> (y [T, D] f32, ids [T, A]) or None
   kda_prefill: q, k [B, T, H, K] (q scaled), v [B, T, H, V], g [B, T, H, K], beta [B, T, H], state
               [B, H, K, V]                                                -> (o [B, T, H, V] f32, state)
+  norm_linear: h a layers.linear.Normed of x [B, T, D] (or of a tuple of inputs), projections of weights
+              [*N_s, D] (swiglu: (gate, up) [F, D])                        -> (y_s [B, T, *N_s], ...) or None
+  linear_residual: o [B, T, K], w [N, K], residual [B, T, N]             -> [B, T, N], or None
+  (None: the kernel does not take the call; the caller runs the model's jnp form)
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from ling_jax.quant import Fp8Weight, dense
 from pallas_kernels import kda_chain as _kda_chain
 from pallas_kernels import kda_decode as _kda_decode
 from pallas_kernels import kda_prefill as _kda_prefill
+from pallas_kernels import fused_linear as _fused_linear
 from pallas_kernels import kda_verify as _kda_verify
 from pallas_kernels import mla_attention as _mla_attention
 from pallas_kernels import moe as _moe_triton
@@ -72,13 +77,24 @@ class KernelCalls:
     moe_slots: where the Mosaic MoE serves a bf16 call, the router's top-k launch also builds its slot tables
       (pallas_kernels.router.route_slots -> moe_mosaic.moe_slots): router scores, router top-k + tables, up,
       down and one fusion (split-K sum + residual add), instead of ~10 XLA kernels of alignment and padding
-      between them. Off: the router and moe calls of before (the A/B of bench/kernels_moe_mosaic.py --layer).
+      between them. Off by default: on the H200 (2026-12-01, bench/kernels_moe_layer.py, Ling dims) the layer at
+      T = 1 took 57.4 us with it against 49.7 us without (4.1 vs 9.3 kernels per call), bitwise equal outputs.
     moe_n_tokens: the Mosaic MoE's token columns N (16, 32 or a multiple of 64; a call with more tokens uses
       64, and Triton above that). Every weight tile is multiplied with an [N, BK] x tile, so N = 64 at T = 1 streams
       as many activation bytes through SMEM as the up kernel's weight rows (and the down kernel's h' tiles
       equal its weight tiles): 16 is the T = 1 / T <= 16 candidate, A/B on the GPU before it is the default.
     moe_tiles: the Mosaic MoE's tiles (a moe_mosaic.MosaicMoeConfig; its n_tokens is replaced by the columns
       above), None for the kernel's defaults: the bench's A/B of grids (bench/kernels_moe_layer.py).
+    fused_linear: the projections of a layer pass through pallas_kernels/fused_linear.py (Mosaic GPU): every
+      projection of one normed input in ONE kernel (the RMSNorm in its prologue, epilogues linear / sigmoid /
+      SwiGLU: KDA's w_qkvfg | b_proj, MLA's q | kv_a | g_proj and q_b, the dense MLP's gate | up, the MTP's
+      eh_proj over [enorm | hnorm]), and the output projections (KDA o_proj, MLA dense, dense down_proj) with the
+      residual add in the epilogue. bf16 activations and dense weights only; a call the kernel does not take (fp32,
+      fp8 weights, widths or rows past its limits, e.g. prefill chunks whose x does not fit its SMEM) runs the jnp.
+      Off by default: the kernel alone beats XLA's norm + einsum for KDA's and MLA's input projections at T <= 6
+      on the H200 (29.6 vs 31.5 us, 15.5 vs 19.0 us) but not for the dense MLP, o_proj + residual (10.2 vs 8.2 us)
+      or T = 17 (bench/results/kernels-fused-linear-h200-2026-12-01-persistent.json), and the wired step was not
+      yet run on the GPU (bench_step --baseline-fused-linear is the A/B, bench.check_gpu_wiring the check).
     """
 
     interpret: bool = False
@@ -87,9 +103,10 @@ class KernelCalls:
     kda_fused_decode: bool = False
     kda_pallas_prefill: bool = False
     mla_live_prefix: bool = False
-    moe_slots: bool = True
+    moe_slots: bool = False
     moe_n_tokens: int = 64
     moe_tiles: _moe_mosaic.MosaicMoeConfig | None = None
+    fused_linear: bool = False
 
     def __post_init__(self):
         if self.moe_tiles is not None and (self.interpret or self.moe_tiles.interpret):
@@ -267,11 +284,67 @@ class KernelCalls:
         return _kda_chain.kda_chain(proj, b_raw, A_log, dt_bias, conv_w, o_norm, conv_window, rec_state,
                                     lower_bound=lower_bound, eps=eps, advance=advance, config=cfg)
 
+    def _linear_config(self):
+        return _fused_linear.LinearConfig(interpret=self.interpret)
+
+    def norm_linear(self, h, projections):
+        """epilogue_s(RMSNorm(x) @ W_s^T) for every projection in one fused kernel (see layers.linear), or None.
+        Weights with several output axes ([S, C, D]) are read as [S*C, D] (a free reshape); output widths the
+        kernel's TMA store cannot tile (e.g. b_proj / g_proj of H = 4 heads, kv_a of 160 rows in small models)
+        are zero-padded rows of the weight (an XLA pad, only where the width does not fit) and sliced off."""
+        xs, norm_ws = zip(*h.parts)
+        weights = [w for p in projections for w in (p.weight if p.kind == "swiglu" else (p.weight,))]
+        # bf16 throughout (a norm weight of another dtype would promote rms_norm's output: not the kernel's math)
+        if (not self.fused_linear or any(a.dtype != jnp.bfloat16 for a in xs + norm_ws)
+                or any(isinstance(w, Fp8Weight) or w.dtype != jnp.bfloat16 for w in weights)):
+            return None
+        lead = xs[0].shape[:-1]
+        flat = tuple(x.reshape(-1, x.shape[-1]) for x in xs)                     # [B*T, D_i]
+        args, projs, widths = [], [], []
+        for p in projections:
+            proj = _fused_linear.Proj(p.kind, limit=p.limit)
+            ws = p.weight if p.kind == "swiglu" else (p.weight,)
+            n_out = ws[0].shape[:-1]
+            n = ws[0].reshape(-1, ws[0].shape[-1]).shape[0]
+            rows = _store_rows(n, proj.out_dtype)
+            ws = tuple(jnp.pad(w.reshape(n, -1), ((0, rows - n), (0, 0))) for w in ws)  # no-op pad where it fits
+            args.append(ws if p.kind == "swiglu" else ws[0])
+            projs.append(proj)
+            widths.append((n, n_out))
+        try:
+            outs = _fused_linear.norm_linear(flat if len(flat) > 1 else flat[0], norm_ws if len(xs) > 1 else
+                                             norm_ws[0], tuple(args), projs=tuple(projs), eps=h.eps,
+                                             config=self._linear_config())
+        except ValueError:  # past the kernel's limits (its message says which): the jnp form serves the call
+            return None
+        return tuple(o[:, :n].reshape(lead + n_out) for o, (n, n_out) in zip(outs, widths))
+
+    def linear_residual(self, o, w, residual):
+        """residual + o @ w^T in one kernel (the residual add in the projection's epilogue), or None."""
+        if (not self.fused_linear or isinstance(w, Fp8Weight)
+                or any(a.dtype != jnp.bfloat16 for a in (o, w, residual))):
+            return None
+        lead = o.shape[:-1]
+        try:
+            out = _fused_linear.linear_residual(o.reshape(-1, o.shape[-1]), w, residual.reshape(-1, w.shape[0]),
+                                                config=self._linear_config())
+        except ValueError:
+            return None
+        return out.reshape(lead + (w.shape[0],))
+
     def kda_prefill(self, q, k, v, g, beta, state):
         config = None
         if self.interpret:
             config = _kda_prefill.KdaPrefillConfig(block_v=min(32, v.shape[-1]), interpret=True)
         return _kda_prefill.kda_prefill(q, k, v, g, beta, state, config=config)
+
+
+def _store_rows(n: int, dtype) -> int:
+    """The output width fused_linear's TMA store tiles (its docstring's limit): bf16 N <= 64 in multiples of 8,
+    else a multiple of 64; f32 a multiple of 8."""
+    if jnp.dtype(dtype) == jnp.float32 or n <= 64:
+        return -(-n // 8) * 8
+    return -(-n // 64) * 64
 
 
 def kernel_calls(choice: str = "auto", **fields) -> KernelCalls | None:

@@ -29,6 +29,7 @@ from ling_jax.config import ModelConfig
 from ling_jax.kernel_calls import CHOICES as KERNEL_CHOICES
 from ling_jax.kernel_calls import KernelCalls, kernel_calls
 from ling_jax.layers.kda import KdaPending, kda_commit, kda_layer
+from ling_jax.layers.linear import Normed
 from ling_jax.layers.mla import mla_layer
 from ling_jax.layers.moe import dense_mlp, moe_layer
 from ling_jax.layers.norms import rms_norm
@@ -115,16 +116,20 @@ def lm_logits(params, hidden, opts: RuntimeOptions = RuntimeOptions()):
 
 
 def ffn(p, x, cfg: ModelConfig, i: int, opts: RuntimeOptions, return_load: bool = False, live_rows=None):
-    """The feed-forward half of layer i (dense or MoE); i indexes the clamp schedule (MTP layers included).
-    return_load: return (y, expert load int32[E] or None for a dense layer).
+    """x + FFN(RMSNorm(x)): the feed-forward half of layer i (dense or MoE; p the block's params); i indexes the
+    clamp schedule (MTP layers included).
+    return_load: return (x', expert load int32[E] or None for a dense layer).
     live_rows: int32[B] or None; rows t >= live_rows[b] are padding and take the routing of the last live row
     (their outputs are discarded; borrowing keeps them from reading any other expert's weights)."""
-    if cfg.is_moe(i):
-        return moe_layer(p, x, cfg, routed_limit=cfg.routed_limit(i), shared_limit=cfg.shared_limit(i),
-                         router_fp32=opts.numerics.router_fp32, return_load=return_load, kernels=opts.calls,
-                         live_rows=live_rows)
-    y = dense_mlp(p, x)  # the clamp lists limit MoE layers' experts only (SGLang); a dense MLP is never clamped
-    return (y, None) if return_load else y
+    h = Normed(x, p["post_norm"], cfg.rms_norm_eps)
+    if cfg.is_moe(i):  # the router and the MoE kernel (shared expert included) both read the normed rows
+        y = moe_layer(p["mlp"], h.value(), cfg, routed_limit=cfg.routed_limit(i), shared_limit=cfg.shared_limit(i),
+                      router_fp32=opts.numerics.router_fp32, return_load=return_load, kernels=opts.calls,
+                      live_rows=live_rows)
+        return (x + y[0], y[1]) if return_load else x + y
+    # the clamp lists limit MoE layers' experts only (SGLang); a dense MLP is never clamped
+    x = dense_mlp(p["mlp"], h, kernels=opts.calls, residual=x)
+    return (x, None) if return_load else x
 
 
 def mla_block(p, x, cache, lengths, cfg: ModelConfig, i: int, *, absorbed: bool, opts: RuntimeOptions,
@@ -132,11 +137,10 @@ def mla_block(p, x, cache, lengths, cfg: ModelConfig, i: int, *, absorbed: bool,
     """A decoder block with gated-MLA attention (target MLA layers and the MTP layer). Returns (x, cache),
     or (x, cache, expert load) with return_load. layer: cache is the stacked [Lm, B, S, F], this block's is
     layer `layer` (see mla_layer)."""
-    a, cache = mla_layer(p["attn"], rms_norm(x, p["input_norm"], cfg.rms_norm_eps), cache, lengths, cfg,
-                         absorbed=absorbed, layer=layer, kernels=opts.calls)
-    x = x + a
-    f = ffn(p["mlp"], rms_norm(x, p["post_norm"], cfg.rms_norm_eps), cfg, i, opts, return_load, live_rows)
-    return (x + f[0], cache, f[1]) if return_load else (x + f, cache)
+    x, cache = mla_layer(p["attn"], Normed(x, p["input_norm"], cfg.rms_norm_eps), cache, lengths, cfg,
+                         absorbed=absorbed, layer=layer, kernels=opts.calls, residual=x)
+    f = ffn(p, x, cfg, i, opts, return_load, live_rows)
+    return (f[0], cache, f[1]) if return_load else (f, cache)
 
 
 def forward(params, tokens, state: DecodeState, cfg: ModelConfig, *, mode: str, n_valid=None,
@@ -173,20 +177,18 @@ def forward(params, tokens, state: DecodeState, cfg: ModelConfig, *, mode: str, 
             loads += [l for l in load if l is not None]
             mi += 1
             continue
-        a, new_conv, new_rec, pend = kda_layer(p["attn"], rms_norm(x, p["input_norm"], cfg.rms_norm_eps),
+        x, new_conv, new_rec, pend = kda_layer(p["attn"], Normed(x, p["input_norm"], cfg.rms_norm_eps),
                                                conv[ki], rec[ki], cfg, mode=mode, n_valid=n_valid, chunked=chunked,
-                                               kernels=opts.calls)
+                                               kernels=opts.calls, residual=x)
         if pend is None:
             conv, rec = conv.at[ki].set(new_conv), rec.at[ki].set(new_rec)
         else:
             pending.append(pend)
         ki += 1
-        x = x + a
-        f = ffn(p["mlp"], rms_norm(x, p["post_norm"], cfg.rms_norm_eps), cfg, i, opts, expert_load, live_rows)
+        x = ffn(p, x, cfg, i, opts, expert_load, live_rows)
         if expert_load:
-            f, load = f
+            x, load = x
             loads += [load] if load is not None else []
-        x = x + f
     if len(params["layers"]) - 1 in capture:
         captured[len(params["layers"]) - 1] = x
     hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)

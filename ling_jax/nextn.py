@@ -13,9 +13,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from ling_jax.config import ModelConfig
+from ling_jax.layers.linear import Normed, Projection, norm_projections
 from ling_jax.layers.norms import rms_norm
 from ling_jax.model import RuntimeOptions, embed, mla_block
-from ling_jax.quant import dense
 
 
 def mtp_forward(params, tokens, hidden, cache, start, cfg: ModelConfig, *, absorbed: bool,
@@ -28,9 +28,9 @@ def mtp_forward(params, tokens, hidden, cache, start, cfg: ModelConfig, *, absor
     if not cfg.mtp_layers:
         raise ValueError(f"{cfg.name} has no MTP layer (num_nextn_predict_layers=0): NEXTN needs one")
     p = params["mtp"][0]
-    e = rms_norm(embed(params, tokens), p["enorm"], cfg.rms_norm_eps)
-    h = rms_norm(hidden.astype(e.dtype), p["hnorm"], cfg.rms_norm_eps)
-    x = jnp.einsum("btc,dc->btd", jnp.concatenate([e, h], axis=-1), dense(p["eh_proj"], e.dtype))
+    e = embed(params, tokens)
+    eh = Normed((e, hidden.astype(e.dtype)), (p["enorm"], p["hnorm"]), cfg.rms_norm_eps)  # [enorm(e) | hnorm(h)]
+    (x,) = norm_projections(eh, (Projection(p["eh_proj"]),), opts.calls)
     x, cache, *load = mla_block(p, x, cache, start, cfg, cfg.mtp_layers[0], absorbed=absorbed, opts=opts,
                                 return_load=expert_load)
     h = rms_norm(x, p["final_norm"], cfg.rms_norm_eps)

@@ -97,7 +97,7 @@ def test_moe_layer_through_slots_matches_model():
   x = jax.random.normal(jax.random.key(1), (1, t, cfg.hidden_size), jnp.float32).astype(BF)
   live = jnp.array([4], jnp.int32)
   kw = dict(routed_limit=0.5, shared_limit=0.7, router_fp32=False, live_rows=live)
-  slots = KernelCalls(interpret=True, moe_impl="mosaic", moe_n_tokens=16)
+  slots = KernelCalls(interpret=True, moe_impl="mosaic", moe_n_tokens=16, moe_slots=True)
   before = dataclasses.replace(slots, moe_slots=False)
   y, load = moe_layer(p, x, cfg, kernels=slots, return_load=True, **kw)
   ref, ref_load = moe_layer(p, x, cfg, kernels=None, return_load=True, **kw)
@@ -120,7 +120,7 @@ def test_slots_chain_is_refused_where_it_does_not_apply():
           tuple(p["shared"][k] for k in ("gate_proj", "up_proj", "down_proj")))
   lim = dict(limit=0.0, shared_limit=0.0)
   assert KernelCalls(interpret=True, moe_impl="mosaic", moe_slots=False).routed_moe(*args, **lim) is None
-  assert KernelCalls(interpret=True).routed_moe(*args, **lim) is None           # Triton serves interpret
+  assert KernelCalls(interpret=True, moe_slots=True).routed_moe(*args, **lim) is None           # Triton serves interpret
   with pytest.raises(ValueError, match="moe_n_tokens=48"):
     KernelCalls(moe_n_tokens=48)
   with pytest.raises(ValueError, match="T=17 tokens exceed n_tokens=16"):
@@ -142,7 +142,7 @@ def test_moe_layer_lowers_for_cuda_with_no_alignment_kernels():
            w_up=S((e, i, d), BF), w_down=S((e, d, i), BF),
            shared=dict(gate_proj=S((i, d), BF), up_proj=S((i, d), BF), down_proj=S((d, i), BF)))
   for t, n in ((1, 16), (6, 64)):
-    kernels = KernelCalls(moe_n_tokens=n)
+    kernels = KernelCalls(moe_n_tokens=n, moe_slots=True)
 
     def layer(p, x, residual, live):
       return residual + moe_layer(p, x, cfg, routed_limit=4.0, shared_limit=5.0, router_fp32=False,

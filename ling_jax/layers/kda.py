@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ling_jax.layers.linear import Projection, linear, norm_projections
 from ling_jax.layers.norms import l2_normalize
-from ling_jax.quant import dense
 
 
 class KdaPending(NamedTuple):
@@ -148,15 +148,21 @@ def kda_chunked(q, k, v, g, beta, state, chunk: int = 64):
 # ---- the layer ---------------------------------------------------------------------------------------------------
 
 
-def kda_project(p, x, conv_window, cfg):
+def kda_projections(p, x, kernels=None):
+    """x [B, T, D] (the normed input, or a layers.linear.Normed) -> (proj [B, T, 5, C]: the q, k, v, f, g streams;
+    b_raw [B, T, H]): the layer's input projections, one fused norm + projection kernel where `kernels` takes it."""
+    return norm_projections(x, (Projection(p["w_qkvfg"]), Projection(p["b_proj"])), kernels)
+
+
+def kda_project(p, x, conv_window, cfg, kernels=None):
     """Projections + short conv + normalisations shared by every mode.
 
-    x [B, T, D] -> (q [B,T,H,K] scaled f32, k [B,T,H,K] f32, v [B,T,H,V] f32, g, beta, qkv_raw [B,T,3,C],
-    out_gate [B,T,C]).
+    x [B, T, D] (or a Normed) -> (q [B,T,H,K] scaled f32, k [B,T,H,K] f32, v [B,T,H,V] f32, g, beta,
+    qkv_raw [B,T,3,C], out_gate [B,T,C]).
     """
     B, T, _ = x.shape
     H, Kd = cfg.num_attention_heads, cfg.head_dim
-    proj = jnp.einsum("btd,scd->btsc", x, dense(p["w_qkvfg"], x.dtype))  # [B, T, 5, C]: q, k, v, f, g streams
+    proj, b_raw = kda_projections(p, x, kernels)  # [B, T, 5, C], [B, T, H]
     qkv_raw = proj[:, :, :3]  # [B, T, 3, C]
     qkv = short_conv(qkv_raw, p["conv_w"][:, :, 0, :], conv_window)  # conv_w [3, C, 1, W]
     # l2norm in fp32, rounded to the activation dtype before the fp32 recurrence (as fla does).
@@ -165,18 +171,19 @@ def kda_project(p, x, conv_window, cfg):
     k = to_act(l2_normalize(qkv[:, :, 1].reshape(B, T, H, Kd)))
     v = qkv[:, :, 2].reshape(B, T, H, Kd).astype(jnp.float32)
     g = kda_gate(proj[:, :, 3].reshape(B, T, H, Kd), p["A_log"], p["dt_bias"], cfg.kda_lower_bound)
-    beta = jax.nn.sigmoid(jnp.einsum("btd,hd->bth", x, dense(p["b_proj"], x.dtype)).astype(jnp.float32))
+    beta = jax.nn.sigmoid(b_raw.astype(jnp.float32))
     out_gate = proj[:, :, 4]
     return q, k, v, g, beta, qkv_raw, out_gate
 
 
-def kda_output(p, o, out_gate, cfg, dtype):
-    """o [B, T, H, V] f32 -> RMSNorm_V(o) * o_norm * sigmoid(g_proj x) -> o_proj -> [B, T, D]."""
+def kda_output(p, o, out_gate, cfg, dtype, kernels=None, residual=None):
+    """o [B, T, H, V] f32 -> RMSNorm_V(o) * o_norm * sigmoid(g_proj x) -> o_proj -> [B, T, D] (+ residual, in the
+    projection's kernel where `kernels` takes it: see layers.linear.linear)."""
     B, T, H, Vd = o.shape
     o = o.astype(dtype).astype(jnp.float32)  # the recurrence hands its output over in the activation dtype
     o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + cfg.rms_norm_eps)
     o = o * p["o_norm"].astype(jnp.float32) * jax.nn.sigmoid(out_gate.astype(jnp.float32)).reshape(B, T, H, Vd)
-    return jnp.einsum("btc,dc->btd", o.reshape(B, T, H * Vd).astype(dtype), dense(p["o_proj"], dtype))
+    return linear(o.reshape(B, T, H * Vd).astype(dtype), p["o_proj"], kernels, residual)
 
 
 def no_op_mask(g, beta, n_valid):
@@ -186,11 +193,10 @@ def no_op_mask(g, beta, n_valid):
     return jnp.where(live[..., None, None], g, 0.0), jnp.where(live[..., None], beta, 0.0)
 
 
-def _kernel_inputs(p, x, conv_window, rec_state):
+def _kernel_inputs(p, x, conv_window, rec_state, kernels=None):
     """The fused KDA kernels' arguments (raw q/k/v/f streams, b, gates, conv weights, states) and the out-gate
     stream, from one projection of x."""
-    proj = jnp.einsum("btd,scd->btsc", x, dense(p["w_qkvfg"], x.dtype))  # [B, T, 5, C]
-    b_raw = jnp.einsum("btd,hd->bth", x, dense(p["b_proj"], x.dtype))
+    proj, b_raw = kda_projections(p, x, kernels)  # [B, T, 5, C], [B, T, H]
     conv_w = p["conv_w"]  # [3, C, 1, W]
     args = (proj[:, :, 0], proj[:, :, 1], proj[:, :, 2], proj[:, :, 3], b_raw, p["A_log"], p["dt_bias"],
             conv_w[0], conv_w[1], conv_w[2], conv_window, rec_state)
@@ -199,7 +205,7 @@ def _kernel_inputs(p, x, conv_window, rec_state):
 
 def _pallas_verify(p, x, conv_window, rec_state, cfg, kernels):
     """The fused Pallas verify kernel: conv + gate + beta + l2norm + delta rule, state read once, not written."""
-    args, proj = _kernel_inputs(p, x, conv_window, rec_state)
+    args, proj = _kernel_inputs(p, x, conv_window, rec_state, kernels)
     o, ci = kernels.kda_verify(*args, lower_bound=cfg.kda_lower_bound)
     return o, KdaPending(proj[:, :, :3], ci.k, ci.v, ci.g, ci.beta), proj[:, :, 4]
 
@@ -207,27 +213,29 @@ def _pallas_verify(p, x, conv_window, rec_state, cfg, kernels):
 def _pallas_decode(p, x, conv_window, rec_state, cfg, kernels):
     """One fused kernel for T = 1: conv + gates + beta + l2norm + delta rule + in-place state update. Every sequence
     must be live (n_valid = 1: plain_step's decode), since the kernel always advances the state."""
-    args, proj = _kernel_inputs(p, x, conv_window, rec_state)
+    args, proj = _kernel_inputs(p, x, conv_window, rec_state, kernels)
     o, new_rec, new_conv = kernels.kda_decode(*args, lower_bound=cfg.kda_lower_bound)
     return o, new_rec, new_conv, proj[:, :, 4]
 
 
-def _pallas_chain(p, x, conv_window, rec_state, cfg, kernels, *, advance: bool):
+def _pallas_chain(p, x, conv_window, rec_state, cfg, kernels, *, advance: bool, residual=None):
     """One kernel for the layer's KDA chain (conv .. output gate); decode (advance) also commits its row.
     Returns kda_layer's (out, conv_window, rec_state, pending)."""
-    proj = jnp.einsum("btd,scd->btsc", x, dense(p["w_qkvfg"], x.dtype))  # [B, T, 5, C]
-    b_raw = jnp.einsum("btd,hd->bth", x, dense(p["b_proj"], x.dtype))
+    proj, b_raw = kda_projections(p, x, kernels)  # [B, T, 5, C], [B, T, H]
     r = kernels.kda_chain(proj, b_raw, p["A_log"], p["dt_bias"], p["conv_w"], p["o_norm"], conv_window, rec_state,
                           lower_bound=cfg.kda_lower_bound, eps=cfg.rms_norm_eps, advance=advance)
-    out = jnp.einsum("btc,dc->btd", r.o, dense(p["o_proj"], x.dtype))
+    out = linear(r.o, p["o_proj"], kernels, residual)
     if advance:
         return out, r.conv_window, r.rec_state, None
     ci = r.commit
     return out, conv_window, rec_state, KdaPending(proj[:, :, :3], ci.k, ci.v, ci.g, ci.beta)
 
 
-def kda_layer(p, x, conv_window, rec_state, cfg, *, mode: str, n_valid, chunked: bool, kernels=None):
-    """One KDA attention block (without the residual).
+def kda_layer(p, x, conv_window, rec_state, cfg, *, mode: str, n_valid, chunked: bool, kernels=None,
+              residual=None):
+    """One KDA attention block: x [B, T, D] the normed input (or a layers.linear.Normed, whose norm the input
+    projection kernel may fold in). Without `residual` the block's output; with it, residual + that output (the
+    add rides in the output projection's kernel).
 
     mode "prefill"/"decode": consume x[:, :n_valid] and return the new (conv_window, rec_state).
     mode "verify": leave both states untouched and return a KdaPending for `kda_commit`.
@@ -236,21 +244,22 @@ def kda_layer(p, x, conv_window, rec_state, cfg, *, mode: str, n_valid, chunked:
     Returns (out [B, T, D], conv_window, rec_state, pending or None).
     """
     if kernels is not None and mode != "prefill" and kernels.kda_impl == "chain":
-        return _pallas_chain(p, x, conv_window, rec_state, cfg, kernels, advance=mode == "decode")
+        return _pallas_chain(p, x, conv_window, rec_state, cfg, kernels, advance=mode == "decode",
+                             residual=residual)
     if kernels is not None and mode == "decode" and kernels.kda_fused_decode:
         o, rec_state, conv_window, out_gate = _pallas_decode(p, x, conv_window, rec_state, cfg, kernels)
-        return kda_output(p, o, out_gate, cfg, x.dtype), conv_window, rec_state, None
+        return kda_output(p, o, out_gate, cfg, x.dtype, kernels, residual), conv_window, rec_state, None
     if kernels is not None and mode != "prefill":  # decode = verify of one row + commit of one row
         o, pending, out_gate = _pallas_verify(p, x, conv_window, rec_state, cfg, kernels)
-        out = kda_output(p, o, out_gate, cfg, x.dtype)
+        out = kda_output(p, o, out_gate, cfg, x.dtype, kernels, residual)
         if mode == "verify":
             return out, conv_window, rec_state, pending
         conv_window, rec_state = kda_commit(conv_window, rec_state, pending, n_valid, kernels=kernels)
         return out, conv_window, rec_state, None
-    q, k, v, g, beta, qkv_raw, out_gate = kda_project(p, x, conv_window, cfg)
+    q, k, v, g, beta, qkv_raw, out_gate = kda_project(p, x, conv_window, cfg, kernels)
     if mode == "verify":
         o, _ = kda_recurrent(q, k, v, g, beta, rec_state)
-        out = kda_output(p, o, out_gate, cfg, x.dtype)
+        out = kda_output(p, o, out_gate, cfg, x.dtype, kernels, residual)
         return out, conv_window, rec_state, KdaPending(qkv_raw, k, v, g, beta)
     g, beta = no_op_mask(g, beta, n_valid)
     if kernels is not None and chunked and kernels.kda_pallas_prefill:
@@ -258,7 +267,7 @@ def kda_layer(p, x, conv_window, rec_state, cfg, *, mode: str, n_valid, chunked:
     else:
         core = kda_chunked if chunked else kda_recurrent
     o, new_state = core(q, k, v, g, beta, rec_state)
-    out = kda_output(p, o, out_gate, cfg, x.dtype)
+    out = kda_output(p, o, out_gate, cfg, x.dtype, kernels, residual)
     return out, slide_window(conv_window, qkv_raw, n_valid), new_state, None
 
 

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ling_jax.layers.linear import Normed, Projection, linear, norm_projections
 from ling_jax.layers.norms import rms_norm
 from ling_jax.layers.rope import apply_rope_interleaved, rope_angles
 from ling_jax.quant import dense
@@ -35,25 +36,32 @@ def _split_kv_b(p, cfg, dtype):
     return w[:, :P], w[:, P:]
 
 
-def mla_queries(p, x, positions, cfg):
-    """x [B, T, D] -> (q_nope [B, T, H, P], q_rope rotated [B, T, H, R])."""
-    B, T, _ = x.shape
+def mla_projections(p, x, cfg, kernels=None):
+    """x [B, T, D] (the normed input, or a layers.linear.Normed) -> (q [B, T, H*(P+R)] (q_a [B, T, Lq] with a
+    q LoRA), c = kv_a_proj(x) [B, T, Lr + R], gate = sigmoid(g_proj x) [B, T, H] f32): the projections of the
+    block's input, one fused norm + projection kernel where `kernels` takes it."""
+    q_w = p["q_proj"] if cfg.q_lora_rank is None else p["q_a_proj"]
+    projs = (Projection(q_w), Projection(p["kv_a_proj_with_mqa"]), Projection(p["g_proj"], "sigmoid"))
+    return norm_projections(x, projs, kernels)
+
+
+def mla_queries(p, q, positions, cfg, kernels=None):
+    """q [B, T, H*(P+R)] (or q_a [B, T, Lq]: then q = q_b_proj(RMSNorm(q_a))) -> (q_nope [B, T, H, P],
+    q_rope rotated [B, T, H, R])."""
+    B, T, _ = q.shape
     H = cfg.num_attention_heads
-    if cfg.q_lora_rank is None:
-        q = jnp.einsum("btd,fd->btf", x, dense(p["q_proj"], x.dtype))
-    else:
-        q_a = rms_norm(jnp.einsum("btd,fd->btf", x, dense(p["q_a_proj"], x.dtype)), p["q_a_layernorm"],
-                       LATENT_NORM_EPS)
-        q = jnp.einsum("btr,fr->btf", q_a, dense(p["q_b_proj"], x.dtype))
+    if cfg.q_lora_rank is not None:
+        q_a = Normed(q, p["q_a_layernorm"], LATENT_NORM_EPS)
+        (q,) = norm_projections(q_a, (Projection(p["q_b_proj"]),), kernels)
     q = q.reshape(B, T, H, cfg.qk_head_dim)
     cos, sin = rope_angles(positions, cfg.qk_rope_head_dim, cfg.rope_theta)  # [B, T, R/2]
     q_rope = apply_rope_interleaved(q[..., cfg.qk_nope_head_dim :], cos[:, :, None], sin[:, :, None])
     return q[..., : cfg.qk_nope_head_dim], q_rope
 
 
-def mla_cache_rows(p, x, positions, cfg):
-    """x [B, T, D] -> cache rows [B, T, Lr + R]: normalised latent and rotated shared rope key."""
-    c = jnp.einsum("btd,fd->btf", x, dense(p["kv_a_proj_with_mqa"], x.dtype))
+def mla_cache_rows(p, c, positions, cfg):
+    """c = kv_a_proj(x) [B, T, Lr + R] -> cache rows [B, T, Lr + R]: normalised latent and rotated shared rope
+    key."""
     latent = rms_norm(c[..., : cfg.kv_lora_rank], p["kv_a_layernorm"], LATENT_NORM_EPS)
     cos, sin = rope_angles(positions, cfg.qk_rope_head_dim, cfg.rope_theta)
     k_rope = apply_rope_interleaved(c[..., cfg.kv_lora_rank :], cos, sin)
@@ -121,9 +129,12 @@ def _softmax(scores, mask):
     return jax.nn.softmax(scores, axis=-1)
 
 
-def mla_layer(p, x, cache, lengths, cfg, *, absorbed: bool, layer: int | None = None, kernels=None):
-    """One gated-MLA block (no residual). x [B, T, D] at positions lengths[b] + t; cache [B, S, Lr + R], or the
-    model's stacked [L, B, S, Lr + R] of which this block owns layer `layer` (read and written in place).
+def mla_layer(p, x, cache, lengths, cfg, *, absorbed: bool, layer: int | None = None, kernels=None,
+              residual=None):
+    """One gated-MLA block. x [B, T, D] the normed input (or a layers.linear.Normed) at positions lengths[b] + t;
+    cache [B, S, Lr + R], or the model's stacked [L, B, S, Lr + R] of which this block owns layer `layer` (read
+    and written in place). Without `residual` the block's output; with it, residual + that output (the add
+    rides in the output projection's kernel).
 
     The new rows are written first so each query sees itself; rows past the committed length (a rejected
     verify position) are overwritten by later steps and never read before that.
@@ -131,12 +142,12 @@ def mla_layer(p, x, cache, lengths, cfg, *, absorbed: bool, layer: int | None = 
     """
     B, T, _ = x.shape
     positions = lengths[:, None].astype(jnp.int32) + jnp.arange(T, dtype=jnp.int32)[None, :]
-    q_nope, q_rope = mla_queries(p, x, positions, cfg)
-    cache = write_cache(cache, mla_cache_rows(p, x, positions, cfg), lengths, layer)
+    q, c, gate = mla_projections(p, x, cfg, kernels)
+    q_nope, q_rope = mla_queries(p, q, positions, cfg, kernels)
+    cache = write_cache(cache, mla_cache_rows(p, c, positions, cfg), lengths, layer)
     if absorbed:
         o = attend_absorbed(p, q_nope, q_rope, cache, positions, cfg, kernels=kernels, layer=layer)
     else:
         o = attend_plain(p, q_nope, q_rope, cache if layer is None else cache[layer], positions, cfg)
-    gate = jax.nn.sigmoid(jnp.einsum("btd,hd->bth", x, dense(p["g_proj"], x.dtype)).astype(jnp.float32))
     o = (o * gate[..., None]).reshape(B, T, -1).astype(x.dtype)
-    return jnp.einsum("btc,dc->btd", o, dense(p["dense"], x.dtype)), cache
+    return linear(o, p["dense"], kernels, residual), cache

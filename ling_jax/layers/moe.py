@@ -11,6 +11,7 @@ Clamp (limit L > 0, routed and shared experts alike): h = min(silu(gate), L) * c
 the SiLU, as SGLang deploys Ling-3.0 (`_swiglu_silu_clamp_mul`). The limits are per layer (config.json
 expert_swiglu_limit_list / share_expert_swiglu_limit_list); HF's remote code ignores them (= apply_swiglu_clamps
 false), but the model was trained with them: on by default.
+(swiglu itself lives in layers/linear.py with the other projection epilogues.)
 """
 
 from __future__ import annotations
@@ -18,31 +19,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ling_jax.layers.linear import Projection, linear, norm_projections, swiglu
 from ling_jax.quant import dense, take
 
 
-def _rounded(a, dtype):
-    """Round an fp32 intermediate to the activation dtype, as the reference computes it (no-op in fp32)."""
-    return a.astype(dtype).astype(jnp.float32)
-
-
-def swiglu(gate, up, limit: float):
-    """gate, up in the activation dtype -> h = min(silu(gate), L) * clip(up, -L, L) in that dtype (no clamp when
-    limit <= 0). silu(gate) is rounded to the activation dtype first, as the reference's act_fn output is."""
-    dt = gate.dtype
-    act, up = _rounded(jax.nn.silu(gate.astype(jnp.float32)), dt), up.astype(jnp.float32)
-    if limit > 0:
-        act, up = jnp.minimum(act, limit), jnp.clip(up, -limit, limit)
-    return (act * up).astype(dt)
-
-
-def dense_mlp(p, x, limit: float = 0.0):
+def dense_mlp(p, x, limit: float = 0.0, *, kernels=None, residual=None):
     """down(act(gate(x)) * up(x)) in the weight dtype; p = {gate_proj [F, D], up_proj [F, D], down_proj [D, F]}
-    (fp8 weights dequantised to x.dtype)."""
-    g = jnp.einsum("...d,fd->...f", x, dense(p["gate_proj"], x.dtype))
-    u = jnp.einsum("...d,fd->...f", x, dense(p["up_proj"], x.dtype))
-    h = swiglu(g, u, limit)
-    return jnp.einsum("...f,df->...d", h, dense(p["down_proj"], x.dtype))
+    (fp8 weights dequantised to x.dtype). x: the normed input, or a layers.linear.Normed (then gate|up is one
+    fused norm + SwiGLU kernel where `kernels` takes it); residual: returns residual + the MLP (see linear)."""
+    (h,) = norm_projections(x, (Projection((p["gate_proj"], p["up_proj"]), "swiglu", limit),), kernels)
+    return linear(h, p["down_proj"], kernels, residual)
 
 
 def router_logits(x, gate_w, *, fp32_weight: bool):
