@@ -222,8 +222,11 @@ def test_chooser_falls_back_where_the_kernel_does_not_take_the_call():
     assert none(lambda x, w: norm_linear(KernelCalls(fused_linear=False), x, w), S((1, 3, 256), BF), S((128, 256), BF))
     assert none(lambda x, w: norm_linear(calls, x, w), S((1, 24, 8192), BF), S((64, 8192), BF))
     assert none(lambda x: norm_linear(calls, x, q8), S((1, 3, 256), BF))
-    assert none(lambda o, w, r: calls.linear_residual(o, w, r), S((1, 17, 4096), BF), S((2560, 4096), BF),
-                S((1, 17, 2560), BF))
+    # o_proj at T = 17 (K = 4096): x no longer fits SMEM resident; the kernel streams it in chunks and takes it
+    assert not none(lambda o, w, r: calls.linear_residual(o, w, r), S((1, 17, 4096), BF), S((2560, 4096), BF),
+                    S((1, 17, 2560), BF))
+    assert none(lambda o, w, r: calls.linear_residual(o, w, r), S((1, 6, 4096), F32), S((2560, 4096), F32),
+                S((1, 6, 2560), F32))
     assert not none(lambda o, w, r: calls.linear_residual(o, w, r), S((1, 6, 4096), BF), S((2560, 4096), BF),
                     S((1, 6, 2560), BF))
     with pytest.raises(ValueError, match="fused_linear=True"):
