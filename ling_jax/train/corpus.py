@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import io
 import json
 import lzma
 import os
@@ -125,7 +126,15 @@ def tokenize_splits(corpus: Corpus, tokenizer, out_dir: str, eos_id: int) -> dic
 
 
 def load_tokens(out_dir: str, split: str) -> np.ndarray:
-    return np.load(os.path.join(out_dir, f"tokens-{split}.npy"))
+    """`tokens-{split}.npy`, or its xz-compressed `.npy.xz`."""
+    path = os.path.join(out_dir, f"tokens-{split}.npy")
+    if os.path.exists(path):
+        return np.load(path)
+    if os.path.exists(path + ".xz"):
+        with open(path + ".xz", "rb") as f:
+            return np.load(io.BytesIO(lzma.decompress(f.read())))
+    raise FileNotFoundError(f"{out_dir}: neither tokens-{split}.npy nor tokens-{split}.npy.xz "
+                            "(python -m ling_jax.train.corpus --tokenizer ... writes them)")
 
 
 def main(argv=None):
