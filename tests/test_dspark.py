@@ -18,13 +18,11 @@ import pytest
 
 from ling_jax import dspark
 from ling_jax.config import get_preset
-from ling_jax.dspark_step import dspark_step, dspark_step_with_drafts
+from ling_jax.dspark_step import draft_block, dspark_step_with_drafts, verify_length
 from ling_jax.errors import CheckpointError
-from ling_jax.model import forward
 from ling_jax.runner import Generator, count_compiles
 from ling_jax.sampling import SamplingOptions, sampled_verdict
 from ling_jax.spec import SpecConfig, spec_from_flags
-from ling_jax.state import init_state
 from ling_jax.weights import init_params, save_hf_checkpoint
 from tests.conftest import rel_err
 
@@ -58,6 +56,13 @@ def generator(block: int, decode_steps: int = 1):
     dcfg = draft_config(cfg, block)
     return Generator(cfg, params, spec=SpecConfig("DSPARK", block), draft=(dcfg, dspark.init_params(dcfg, block)),
                      decode_steps=decode_steps, **KW)
+
+
+@functools.lru_cache(maxsize=None)
+def verify_program():
+    """verify -> verdict -> commit -> project for injected drafts and proposed lengths (block 4, greedy)."""
+    gen = generator(4)
+    return jax.jit(functools.partial(dspark_step_with_drafts, cfg=gen.cfg, dcfg=gen.dcfg, is_greedy=True))
 
 
 @functools.lru_cache(maxsize=None)
@@ -103,14 +108,19 @@ def test_three_steps_per_dispatch_equal_one_step_per_dispatch():
 
 
 def test_confidence_schedule_changes_only_the_verify_length():
-    """Same prefilled state, 16 steps each: the static and the confidence-scheduled relays emit the same token
-    stream as plain greedy; the scheduled one proposed fewer than G drafts at some steps (its length histogram)."""
+    """Same prefilled state, 16 steps each: the static relay (the Generator's step) and the confidence-scheduled one
+    (draft_block -> verify_length -> the verify program) emit the same token stream as plain greedy; the scheduled
+    one proposed fewer than G drafts at some steps (its length histogram)."""
     gen = generator(4)
     sched = SpecConfig("DSPARK", 4, dspark_verify="confidence", confidence_threshold=0.3)
-    steps = (gen.step_fn(True), jax.jit(lambda pp, s: dspark_step(pp[0], pp[1], s, gen.cfg, gen.dcfg, sched,
-                                                                  is_greedy=True)))
+    draft = jax.jit(lambda pp, s: draft_block(pp[0], pp[1], s, gen.dcfg, is_greedy=True))
+
+    def scheduled(pp, state):
+        drafts, q, conf = draft(pp, state)
+        return verify_program()(pp[0], pp[1], state, drafts, q, verify_length(conf, sched))
+
     runs = []
-    for step in steps:
+    for step in (gen.step_fn(True), scheduled):
         state, first, _ = gen.prefill(PROMPTS[0], SamplingOptions().device(12), jax.random.key(0), True)
         out = [int(first[0])]
         for _ in range(16):
@@ -138,11 +148,7 @@ def test_planted_mismatch_commits_plain_state_and_draft_context():
         tokens.append(int(out.tokens[0, 0]))
         plain_states[int(pstate.target.lengths[0])] = keep(pstate)
     state, bonus, _ = gen.prefill(prompt, sp, key, True)
-    step = jax.jit(functools.partial(dspark_step_with_drafts, cfg=cfg, dcfg=dcfg, is_greedy=True))
-    # the oracle: the draft context of a fresh causal prefill over the committed tokens (padded to one shape)
-    ctx_ref = jax.jit(lambda toks: dspark.context_kv(dp, forward(params, toks, init_state(cfg, 1, toks.shape[1],
-                      jnp.float32), cfg, mode="prefill", capture=dcfg.target_layer_ids).layer_hidden,
-                      jnp.arange(toks.shape[1])[None], dcfg))
+    step = verify_program()
     emitted = [int(bonus[0])]
     for j, limit in [(0, 4), (2, 4), (4, 4), (4, 2), (1, 4), (3, 4)]:  # j = first wrong draft; limit = proposed
         pos = len(emitted)
@@ -160,30 +166,34 @@ def test_planted_mismatch_commits_plain_state_and_draft_context():
         assert rel_err(state.target.kda_recurrent, want.kda_recurrent) <= 1e-5
         assert rel_err(state.target.kda_conv, want.kda_conv) <= 1e-5
         assert rel_err(state.target.mla_cache[:, :, :L], want.mla_cache[:, :, :L]) <= 1e-5
-        committed = np.zeros((1, 40), np.int32)
-        committed[0, :L] = prompt + emitted[:-1]  # positions 0..L-1
-        k_ref, v_ref = ctx_ref(jnp.asarray(committed))
-        assert rel_err(state.ctx_k[:, :, :L], k_ref[:, :, :L]) <= 1e-4
-        assert rel_err(state.ctx_v[:, :, :L], v_ref[:, :, :L]) <= 1e-4
+        # the oracle of the draft context: a fresh (chunked) prefill of the committed tokens 0..L-1 as a prompt
+        ref, _, _ = gen.prefill(prompt + emitted[:-1], sp, key, True)
+        assert rel_err(state.ctx_k[:, :, :L], ref.ctx_k[:, :, :L]) <= 1e-4
+        assert rel_err(state.ctx_v[:, :, :L], ref.ctx_v[:, :, :L]) <= 1e-4
 
 
 def test_sampled_verdict_with_limit_reproduces_target_distribution():
     """With only d_1 proposed (limit 1) of K = 3, the token after an accepted d_1 is the bonus drawn from p_1
     (nothing subtracted), so it must follow p_1; the first token follows p_0. N = 200k trials, tolerance > 5 sigma."""
     V, K, N = 6, 3, 200_000
-    ks = jax.random.split(jax.random.key(1), 4)
-    logits = 2 * jax.random.normal(ks[0], (1, K + 1, V))
-    p = jax.nn.softmax(logits, axis=-1)
-    q = jax.nn.softmax(logits[:, :K] + jax.random.normal(ks[1], (1, K, V)), axis=-1)
-    p, q = jnp.broadcast_to(p, (N, K + 1, V)), jnp.broadcast_to(q, (N, K, V))
-    drafts = jax.random.categorical(ks[2], jnp.log(q), axis=-1).astype(jnp.int32)
-    n, bonus = jax.jit(sampled_verdict)(ks[3], drafts, q, p, jnp.ones((N,), jnp.int32))
+
+    @jax.jit
+    def trials(key):
+        ks = jax.random.split(key, 4)
+        logits = 2 * jax.random.normal(ks[0], (1, K + 1, V))
+        p = jax.nn.softmax(logits, axis=-1)
+        q = jax.nn.softmax(logits[:, :K] + jax.random.normal(ks[1], (1, K, V)), axis=-1)
+        p, q = jnp.broadcast_to(p, (N, K + 1, V)), jnp.broadcast_to(q, (N, K, V))
+        drafts = jax.random.categorical(ks[2], jnp.log(q), axis=-1).astype(jnp.int32)
+        return p[0], drafts, sampled_verdict(ks[3], drafts, q, p, jnp.ones((N,), jnp.int32))
+
+    p, drafts, (n, bonus) = jax.device_get(trials(jax.random.key(1)))
     assert int(n.max()) == 1
-    first = np.bincount(np.asarray(jnp.where(n >= 1, drafts[:, 0], bonus)), minlength=V) / N
-    assert np.max(np.abs(first - np.asarray(p[0, 0]))) < 0.006
-    acc = np.asarray(n) == 1
-    second = np.bincount(np.asarray(bonus)[acc], minlength=V) / acc.sum()
-    assert acc.sum() > N // 4 and np.max(np.abs(second - np.asarray(p[0, 1]))) < 0.006 * np.sqrt(N / acc.sum())
+    first = np.bincount(np.where(n >= 1, drafts[:, 0], bonus), minlength=V) / N
+    assert np.max(np.abs(first - p[0])) < 0.006
+    acc = n == 1
+    second = np.bincount(bonus[acc], minlength=V) / acc.sum()
+    assert acc.sum() > N // 4 and np.max(np.abs(second - p[1])) < 0.006 * np.sqrt(N / acc.sum())
 
 
 def test_no_state_pollution_greedy_sampled_greedy():
