@@ -91,10 +91,15 @@ class DSparkConfig:
 
 
 def evenly_spaced_layers(num_target_layers: int, n: int) -> tuple[int, ...]:
-    """DFlash/DSpark's default feature layers: n evenly spaced in [1, num_target_layers - 3]."""
+    """DFlash/DSpark's default feature layers: n evenly spaced in [1, num_target_layers - 3]; a target too shallow
+    for n distinct layers there spaces them over all of its layers [0, num_target_layers - 1]."""
+    if not 1 <= n <= num_target_layers:
+        raise ValueError(f"{n} context layers of a {num_target_layers}-layer target: need 1..{num_target_layers}")
     if n == 1:
         return (num_target_layers // 2,)
     start, end = 1, max(1, num_target_layers - 3)
+    if end - start + 1 < n:
+        start, end = 0, num_target_layers - 1
     return tuple(int(round(start + i * (end - start) / (n - 1))) for i in range(n))
 
 

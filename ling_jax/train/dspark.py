@@ -3,6 +3,10 @@
     python -m ling_jax.train.dspark --target models/ling-demo --data .data/stdlib --steps 3000 --time-budget 300 \
         --batch 16 --seq 512 --anchors 32 --block-size 16 --out models/ling-demo-dspark
 
+--target: a checkpoint dir (config.json + safetensors, e.g. ling_jax.train's --export; its tokenizer is not read:
+the corpus is already token ids). --data: a dir with tokens-{train,heldout}.npy or .npy.xz (uint16 token ids of
+the target's tokenizer, as `python -m ling_jax.train.corpus --tokenizer TARGET [--compress]` writes them).
+
 Shape legend: B windows, T positions, N anchors per window, G block size, V vocab, C context features.
 
 Per step (one jitted program, the draft's params only are differentiated):
@@ -137,7 +141,8 @@ def train_step(dp, opt_state, params, tokens_all, key, cfg, dcfg, tc, tx):
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default="models/ling-demo", help="the target checkpoint dir (frozen)")
-    p.add_argument("--data", default=".data/stdlib", help="packed corpus with token arrays (ling_jax.train.corpus)")
+    p.add_argument("--data", default=".data/stdlib",
+                   help="dir with tokens-{train,heldout}.npy or .npy.xz (ling_jax.train.corpus)")
     p.add_argument("--out", required=True, help="the draft dir written (config.json, model.safetensors, metrics.json)")
     p.add_argument("--init", default=None, help="start from this draft dir instead of random weights")
     p.add_argument("--steps", type=int, default=2000)
@@ -149,7 +154,8 @@ def build_parser():
     p.add_argument("--layers", type=int, default=2, help="draft decoder layers")
     p.add_argument("--context-layers", type=int, default=5, help="target layers feeding the context (evenly spaced)")
     p.add_argument("--markov-rank", type=int, default=256)
-    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--kv-heads", type=int, default=None,
+                   help="draft kv heads (default: the largest divisor of the target's heads that is <= 2)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--weight-decay", type=float, default=0.0)
@@ -164,9 +170,11 @@ def build_parser():
 def draft_config(a, cfg: ModelConfig) -> dspark.DSparkConfig:
     if a.init:
         return dspark.load_config(a.init)
+    H = cfg.num_attention_heads
+    kv_heads = a.kv_heads or max(d for d in (1, 2) if H % d == 0)  # the target's heads: 4 in ling-demo, 5 in v2
     return dspark.DSparkConfig(
-        hidden_size=cfg.hidden_size, num_hidden_layers=a.layers, num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=a.kv_heads, head_dim=cfg.hidden_size // cfg.num_attention_heads,
+        hidden_size=cfg.hidden_size, num_hidden_layers=a.layers, num_attention_heads=H,
+        num_key_value_heads=kv_heads, head_dim=cfg.hidden_size // cfg.num_attention_heads,
         intermediate_size=cfg.intermediate_size, rms_norm_eps=cfg.rms_norm_eps, rope_theta=1e6,
         vocab_size=cfg.vocab_size, block_size=a.block_size,
         target_layer_ids=dspark.evenly_spaced_layers(cfg.num_hidden_layers, a.context_layers),
@@ -183,6 +191,16 @@ def evaluate(ev, dp, params, held: np.ndarray, batch: int) -> dict:
     return {f"heldout_{k}": (v / max(n, 1)).tolist() for k, v in sums.items()}
 
 
+def check_tokens(ids: np.ndarray, split: str, a, cfg: ModelConfig) -> np.ndarray:
+    """The corpus must be ids of the target's vocabulary and hold at least one window."""
+    if ids.ndim != 1 or ids.size < a.seq + 1:
+        raise ValueError(f"{a.data}: tokens-{split} has shape {ids.shape}; need a 1-D stream of > --seq {a.seq} ids")
+    if int(ids.max()) >= cfg.vocab_size:
+        raise ValueError(f"{a.data}: tokens-{split} holds id {int(ids.max())} >= the target's vocab_size "
+                         f"{cfg.vocab_size} (tokenized with another tokenizer?)")
+    return ids
+
+
 def main(argv=None) -> dict:
     from ling_jax.train import corpus
     from ling_jax.weights import load_params
@@ -194,8 +212,9 @@ def main(argv=None) -> dict:
     tc = DSparkTrainConfig(batch=a.batch, seq=a.seq, anchors=a.anchors, accept_weight=a.accept_weight,
                            compute_dtype=a.compute_dtype)
     params = load_params(cfg, a.target, dtype=jnp.dtype(a.compute_dtype))
-    tokens = to_device(corpus.load_tokens(a.data, "train"))
-    held = fixed_windows(corpus.load_tokens(a.data, "heldout"), a.seq - 1, a.eval_windows)
+    train_ids, held_ids = (check_tokens(corpus.load_tokens(a.data, s), s, a, cfg) for s in ("train", "heldout"))
+    tokens = to_device(train_ids)
+    held = fixed_windows(held_ids, a.seq - 1, a.eval_windows)
     dp = dspark.load_params(dcfg, a.init, jnp.float32) if a.init else dspark.init_params(dcfg, a.seed)
     tx = make_optimizer(a.lr, a.steps, a.warmup, a.weight_decay, 1.0)
     opt_state = tx.init(dp)
