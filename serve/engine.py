@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from ling_jax.runner import GenerationStats, Generator
+from ling_jax.runner import GenerationStats, Generator, warm_up
 from ling_jax.tokenizer import IncrementalDetokenizer, Tokenizer
 from serve.logprobs import TokenLogprob
 from serve.protocol import APIError, GenRequest, ModelLimits
@@ -282,7 +282,7 @@ class Engine:
         text = TextAssembler(self.limits.tokenizer, g.stop)
         seed = device_seed(g.seed) if g.seed is not None else self.rng.randrange(2**31)
         it = self.gen.stream(g.input_ids, max_new_tokens=g.max_new_tokens, seed=seed, stop_token_ids=stop_ids,
-                             stats=req.stats, top_logprobs=g.top_logprobs, **g.sampling())
+                             stats=req.stats, top_logprobs=g.top_logprobs, **g.sampling.kwargs())
         n_out, t_last = 0, req.t_arrival
         try:
             for ids in it:
@@ -365,9 +365,5 @@ class Engine:
 
 
 def warmup(gen: Generator, limits: ModelLimits, progress=None):
-    """Compile and run the greedy and the sampled programs once (blocking; run before accepting traffic)."""
-    n = min(limits.max_new_tokens(4), 2 * gen.rows_per_step + 2)
-    for temp in (0.0, 1.0):
-        gen.generate([2, 3, 4, 5], max_new_tokens=n, temperature=temp, seed=0, stop_token_ids=())
-        if progress:
-            progress()
+    """Compile and run the programs serving uses (greedy and sampled; ling_jax.runner.warm_up), blocking."""
+    warm_up(gen, progress)
