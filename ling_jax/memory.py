@@ -1,9 +1,11 @@
 """How long a context fits: device memory left after the weights, over the bytes each cache slot costs.
 
-Per device (TP shards the heads; the latent caches are replicated, see compile.sharding.STATE_AXES):
-    fixed    = weights / tp + KDA recurrent states (Lk x H x K x V x 4 B) / tp + a reserve
-    per slot = latent cache rows: (Lm + MTP) x F x itemsize
-             + prefill workspace of one MLA layer over a chunk of C positions, per slot:
+Per device (TP shards the heads; the latent caches are replicated, see compile.sharding.STATE_AXES), for R
+request rows (R = --max-running-requests + 1 with continuous batching, ling_jax/batching.py; 1 without):
+    fixed    = weights / tp + R x per-request state (KDA recurrent Lk x H x K x V x 4 B and conv windows, / tp;
+               sampling state: prompt / output counts, draft distribution, logit bias, 13 B x V) + a reserve
+    per slot = R x latent cache rows: (Lm + MTP) x F x itemsize
+             + prefill workspace of one MLA layer over a chunk of C positions (one prefill at a time):
                scores and probabilities, 2 x (H / tp) x C x 4 B, and the expanded keys and values,
                (H / tp) x (P + Vh) x itemsize (the plain attention path expands every slot)
     context  = max_position_embeddings if that fits, else (fraction x device bytes - fixed) / per slot rounded
@@ -35,32 +37,64 @@ def device_memory_bytes(device=None) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-def bytes_per_slot(cfg: ModelConfig, dtype, chunk: int, tp: int = 1, nextn: bool = True) -> int:
+def cache_bytes_per_position(cfg: ModelConfig, dtype, nextn: bool = True) -> int:
+    """One request's latent cache bytes per context position (target MLA layers and the MTP layer)."""
+    return (len(cfg.mla_layers) + (len(cfg.mtp_layers) if nextn else 0)) * cfg.mla_cache_dim * jnp.dtype(dtype).itemsize
+
+
+def bytes_per_slot(cfg: ModelConfig, dtype, chunk: int, tp: int = 1, nextn: bool = True, rows: int = 1) -> int:
     item = jnp.dtype(dtype).itemsize
-    caches = (len(cfg.mla_layers) + (len(cfg.mtp_layers) if nextn else 0)) * cfg.mla_cache_dim * item
     heads = -(-cfg.num_attention_heads // tp)
     prefill = heads * (2 * chunk * 4 + (cfg.qk_nope_head_dim + cfg.v_head_dim) * item)
-    return caches + prefill
+    return rows * cache_bytes_per_position(cfg, dtype, nextn) + prefill
 
 
-def fixed_bytes(cfg: ModelConfig, dtype, tp: int = 1) -> int:
-    weights = sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize
-                  for a in jax.tree.leaves(abstract_params(cfg, dtype)))
-    kda = len(cfg.kda_layers) * cfg.num_attention_heads * cfg.head_dim**2 * 4
-    return (weights + kda) // tp + RESERVE_BYTES
+def weight_bytes(cfg: ModelConfig, dtype, tp: int = 1) -> int:
+    return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize
+               for a in jax.tree.leaves(abstract_params(cfg, dtype))) // tp
+
+
+def request_state_bytes(cfg: ModelConfig, dtype, tp: int = 1) -> int:
+    """One request row's state apart from its caches: KDA recurrent states and conv windows (sharded by heads),
+    sampling state (prompt bool, output counts int32, draft distribution f32, logit bias f32: 13 B per token)."""
+    C = cfg.num_attention_heads * cfg.head_dim
+    kda = len(cfg.kda_layers) * (cfg.num_attention_heads * cfg.head_dim**2 * 4
+                                 + (cfg.short_conv_kernel_size - 1) * 3 * C * jnp.dtype(dtype).itemsize)
+    return kda // tp + 13 * cfg.vocab_size
+
+
+def fixed_bytes(cfg: ModelConfig, dtype, tp: int = 1, rows: int = 1) -> int:
+    return weight_bytes(cfg, dtype, tp) + rows * request_state_bytes(cfg, dtype, tp) + RESERVE_BYTES
+
+
+def serving_budget(cfg: ModelConfig, dtype, chunk: int, context: int, *, rows: int, device_bytes: int, tp: int = 1,
+                   nextn: bool = True, fraction: float = 0.85) -> dict:
+    """What `rows` request rows of `context` positions take on one device, or a ValueError naming the numbers
+    when that exceeds fraction x device bytes. Returns the budget in bytes (the server reports it)."""
+    per_request = request_state_bytes(cfg, dtype, tp) + context * cache_bytes_per_position(cfg, dtype, nextn)
+    total = fixed_bytes(cfg, dtype, tp, rows) + context * bytes_per_slot(cfg, dtype, chunk, tp, nextn, rows)
+    budget = dict(rows=rows, context_length=context, weights_bytes=weight_bytes(cfg, dtype, tp),
+                  per_request_bytes=per_request, total_bytes=total, limit_bytes=int(fraction * device_bytes))
+    if total > budget["limit_bytes"]:
+        gib = lambda b: f"{b / 2**30:.2f} GiB"
+        raise ValueError(f"{rows} request slots x --context-length {context} do not fit: {gib(total)} (weights "
+                         f"{gib(budget['weights_bytes'])}, {gib(per_request)} per request slot, prefill workspace, "
+                         f"reserve) > {fraction:g} x {gib(device_bytes)} of device memory; lower "
+                         f"--max-running-requests or --context-length")
+    return budget
 
 
 def default_context_length(cfg: ModelConfig, dtype, chunk: int, *, device_bytes: int, tp: int = 1,
-                           nextn: bool = True, fraction: float = 0.85) -> int:
-    """The longest context (cache slots, whole chunks) that fits, at most max_position_embeddings."""
+                           nextn: bool = True, fraction: float = 0.85, rows: int = 1) -> int:
+    """The longest context (cache slots, whole chunks) that fits `rows` requests, at most max_position_embeddings."""
     if not 0 < fraction <= 1:
         raise ValueError(f"fraction must be in (0, 1], got {fraction}")
-    free = int(fraction * device_bytes) - fixed_bytes(cfg, dtype, tp)
-    slots = free // bytes_per_slot(cfg, dtype, chunk, tp, nextn)
+    free = int(fraction * device_bytes) - fixed_bytes(cfg, dtype, tp, rows)
+    slots = free // bytes_per_slot(cfg, dtype, chunk, tp, nextn, rows)
     if slots >= cfg.max_position_embeddings:
         return cfg.max_position_embeddings
     if slots < chunk:
-        raise ValueError(f"{cfg.name} leaves room for {max(slots, 0)} context slots on a device of "
-                         f"{device_bytes / 2**30:.1f} GiB (tp {tp}); fewer than one prefill chunk ({chunk}): "
-                         f"give --context-length or a smaller --chunked-prefill-size")
+        raise ValueError(f"{cfg.name} leaves room for {max(slots, 0)} context slots x {rows} request rows on a device "
+                         f"of {device_bytes / 2**30:.1f} GiB (tp {tp}); fewer than one prefill chunk ({chunk}): "
+                         f"give --context-length, a smaller --chunked-prefill-size or --max-running-requests")
     return slots // chunk * chunk
