@@ -28,8 +28,8 @@ from ling_jax.sampling import MAX_TOP_LOGPROBS, SamplingOptions, SamplingParams
 from ling_jax.spec import SpecConfig, spec_init, spec_prefill_chunk, spec_step
 
 # 512 positions per prefill chunk. A prompt's last chunk is the smallest of PREFILL_BUCKET_FRACTIONS x C that holds
-# it, so a short one (a chat turn) pays a 32-row chunk, not 512; at batch 1 a 512-row chunk already routes 4,096 token-expert
-# pairs, so the MoE reads every expert's weights once per chunk, as larger chunks do. The prefill attention
+# it, so a short one (a chat turn) pays a 32-row chunk, not 512; at batch 1 a 512-row chunk already routes 4,096
+# token-expert pairs, so the MoE reads every expert's weights once per chunk, as larger chunks do. The prefill attention
 # scores are [H, C, S] f32 per MLA layer: 2 GiB at C = 512 and a 32k context, 8 GiB at SGLang's 2048.
 DEFAULT_CHUNKED_PREFILL_SIZE = 512
 PREFILL_BUCKET_FRACTIONS = (16, 4, 1)  # compiled chunk sizes C/16, C/4, C (at least MIN_PREFILL_BUCKET rows)

@@ -41,6 +41,5 @@ def join_rows(states):
 def split_rows(state, n: int) -> tuple:
     """A joined state of n rows -> n batch-1 states (join_rows' inverse)."""
     axes = batch_axes(state)
-    row = lambda i: jax.tree.map(lambda axis, x: x[i] if axis == STACKED else jax.lax.slice_in_dim(x, i, i + 1, axis=axis),
-                                 axes, state)
-    return tuple(row(i) for i in range(n))
+    take = lambda i, axis, x: x[i] if axis == STACKED else jax.lax.slice_in_dim(x, i, i + 1, axis=axis)
+    return tuple(jax.tree.map(lambda axis, x: take(i, axis, x), axes, state) for i in range(n))

@@ -127,3 +127,17 @@ def test_stop_token_ends_one_row(gens):
     out, st = bg.generate(prompt, stop_token_ids=(stop,), **kw)
     assert out == full[: full.index(stop) + 1] and st.finish_reason == "stop"
     assert a == full and b == gen.generate(other[0], stop_token_ids=(), **other[1])[0]
+
+
+def test_plain_decoding_batches_match_one_at_a_time():
+    """Without speculation (PlainState slots): 2 greedy rows (one with logprobs) and a seeded sampled row."""
+    cfg = get_preset("test-tiny")
+    params = init_params(cfg, 1, jnp.float32)
+    kw = dict(max_len=64, chunked_prefill_size=16, dtype=jnp.float32)
+    gen, bg = Generator(cfg, params, **kw), BatchGenerator(Generator(cfg, params, **kw), max_running=2)
+    reqs = _requests(cfg, 2) + [(p, dict(k, temperature=1.0, seed=4, min_p=0.05)) for p, k in _requests(cfg, 1)]
+    reqs[0][1]["top_logprobs"] = 1
+    alone = [gen.generate(p, stop_token_ids=(), **k) for p, k in reqs]
+    together = _concurrently(bg, reqs)
+    assert [t for t, _ in together] == [a for a, _ in alone]
+    np.testing.assert_allclose(together[0][1].token_logprobs, alone[0][1].token_logprobs, rtol=1e-5, atol=1e-5)
