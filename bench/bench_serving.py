@@ -381,6 +381,7 @@ def sweep_levels(spec: str) -> list[int]:
 
 def plot_sweep(levels: list[dict], path: str, title: str):
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -390,11 +391,15 @@ def plot_sweep(levels: list[dict], path: str, title: str):
     th.plot(c, [m["output_throughput"] for m in levels], "o-")
     th.set(xlabel="concurrency", ylabel="output tokens / s", title="output throughput", xscale="log", xticks=c)
     th.set_xticklabels([str(x) for x in c])
+    th.set_ylim(bottom=0)
     tp.plot(c, [m["mean_tpot_ms"] for m in levels], "o-", label="mean")
     tp.plot(c, [m["p99_tpot_ms"] for m in levels], "s--", label="p99")
     tp.set(xlabel="concurrency", ylabel="ms", title="TPOT", xscale="log", xticks=c)
     tp.set_xticklabels([str(x) for x in c])
+    tp.set_ylim(bottom=0)
     tp.legend()
+    for ax in (th, tp):
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -37,7 +37,9 @@ def test_header_round_trip():
 def two_hosts(tmp_path_factory):
     d = tmp_path_factory.mktemp("multihost")
     coord = f"127.0.0.1:{free_port()}"
-    flags = ["--random-weights", "--seed", "3", "--tp-size", "2", "--dist-init-addr", coord, "--nnodes", "2"]
+    # the lockstep protocol is batch-1: one request at a time (continuous batching refuses --nnodes > 1)
+    flags = ["--random-weights", "--seed", "3", "--tp-size", "2", "--dist-init-addr", coord, "--nnodes", "2",
+             "--max-running-requests", "1"]
     follower = Server("test-tiny", str(d / "follower.log"), *flags, "--node-rank", "1", env=ONE_DEVICE, wait=False)
     try:
         leader = Server("test-tiny", str(d / "leader.log"), *flags, "--node-rank", "0", env=ONE_DEVICE,
