@@ -30,7 +30,7 @@ RESERVE_BYTES = 1 << 30  # activations of a step, logits, compiled programs
 
 def device_memory_bytes(device=None) -> int:
     """What one device can hold: its allocator limit on GPU; on CPU, the host's available memory."""
-    device = device or jax.devices()[0]
+    device = device or jax.local_devices()[0]  # this process's: another host's devices report nothing here
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     if stats and stats.get("bytes_limit"):
         return int(stats["bytes_limit"])
