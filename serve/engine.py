@@ -248,12 +248,13 @@ class Engine:
 
     async def _run(self):
         while True:
+            await self._places.acquire()  # first: a request waits in `pending` (and counts there) until a place is free
             req = await self.pending.get()
             self.m.queue.dec()
             if req.cancelled.is_set():  # gone while waiting
                 self._finish(req, req.abort_reason or {"type": "abort", "message": "client disconnected"}, 0)
+                self._places.release()
                 continue
-            await self._places.acquire()
             self.m.running.inc()
             self.running[req.id] = req
             self.loop.run_in_executor(self._threads, self._process, req).add_done_callback(
