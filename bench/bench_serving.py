@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lengths are drawn uniformly from [len * ratio, len]")
     p.add_argument("--num-prompts", type=int, default=1000)
     p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--concurrency-sweep", default=None,
+                   help="comma-separated concurrencies (e.g. 1,2,4,8): one run per level with max(--num-prompts, "
+                        "2 x level) prompts; one JSON + PNG of output throughput and TPOT per level")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--warmup-requests", type=int, default=1)
@@ -366,6 +369,78 @@ def check_args(a, tokenizer):
         raise ValueError("--backend sglang-oai-chat sends text: it needs a tokenizer, not --tokenizer-free")
 
 
+def sweep_levels(spec: str) -> list[int]:
+    try:
+        levels = [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        levels = []
+    if not levels or min(levels) < 1:
+        raise ValueError(f"--concurrency-sweep takes positive integers separated by commas, got {spec!r}")
+    return levels
+
+
+def plot_sweep(levels: list[dict], path: str, title: str):
+    import matplotlib
+    import matplotlib.ticker
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    c = [m["max_concurrency"] for m in levels]
+    fig, (th, tp) = plt.subplots(1, 2, figsize=(11, 4))
+    th.plot(c, [m["output_throughput"] for m in levels], "o-")
+    th.set(xlabel="concurrency", ylabel="output tokens / s", title="output throughput", xscale="log", xticks=c)
+    th.set_xticklabels([str(x) for x in c])
+    th.set_ylim(bottom=0)
+    tp.plot(c, [m["mean_tpot_ms"] for m in levels], "o-", label="mean")
+    tp.plot(c, [m["p99_tpot_ms"] for m in levels], "s--", label="p99")
+    tp.set(xlabel="concurrency", ylabel="ms", title="TPOT", xscale="log", xticks=c)
+    tp.set_xticklabels([str(x) for x in c])
+    tp.set_ylim(bottom=0)
+    tp.legend()
+    for ax in (th, tp):
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_sweep(a, argv, model: str, tokenizer, vocab: int, info: dict) -> int:
+    """One run per --concurrency-sweep level against the same server; a summary row per level."""
+    levels = []
+    for c in sweep_levels(a.concurrency_sweep):
+        a.max_concurrency, n = c, a.num_prompts
+        a.num_prompts = max(n, 2 * c)
+        v0, t0_acc, _ = _spec_counters(_get(a, "/server_info"))
+        results, duration = asyncio.run(run(a, model, make_prompts(a, vocab, tokenizer)))
+        a.num_prompts = n
+        v1, t1_acc, avg = _spec_counters(_get(a, "/server_info"))
+        m = summarize(results, duration, (t1_acc - t0_acc) / (v1 - v0) if v1 > v0 else avg)
+        levels.append({"max_concurrency": c, **m})
+        print(f"concurrency {c:3d}: output {m['output_throughput']:9.1f} tok/s  mean TPOT {m['mean_tpot_ms']:.2f} ms"
+              f"  p99 {m['p99_tpot_ms']:.2f} ms  TTFT {m['mean_ttft_ms']:.1f} ms  accept {m['accept_length'] or 0:.2f}"
+              f"  failed {m['failed']}", flush=True)
+    base = levels[0]["output_throughput"]
+    for m in levels:
+        m["throughput_vs_first_level"] = m["output_throughput"] / base if base else None
+    date = time.strftime("%Y-%m-%d-%H%M%S")
+    device = info.get("device", "unknown").replace(" ", "").replace("/", "-").lower()
+    out = a.output_file or os.path.join("bench", "results", f"serving-sweep-{device}-{date}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    record = {"command": shlex.join([sys.executable, "-m", "bench.bench_serving", *(argv or sys.argv[1:])]),
+              "date": date, "git_commit": _git_commit(), "device": info.get("device"),
+              "jax_version": info.get("jax_version"), "args": vars(a), "server_info": info, "levels": levels}
+    with open(out, "w") as f:
+        json.dump(record, f, indent=1)
+    png = a.plot_file or os.path.splitext(out)[0] + ".png"
+    plot_sweep(levels, png, f"{info.get('model_path')} on {info.get('device')}, {info.get('speculative_algorithm')}, "
+                            f"max running {info.get('max_running_requests')}, in {a.random_input_len} / out "
+                            f"{a.random_output_len}")
+    print(f"wrote {out} and {png}", file=sys.stderr)
+    return 0 if all(m["failed"] == 0 for m in levels) else 1
+
+
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     a.base_url = (a.base_url or f"http://{a.host}:{a.port}").rstrip("/")
@@ -381,6 +456,13 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     vocab = info.get("vocab_size") or (tokenizer.tok.get_vocab_size() if tokenizer else 32000)
+    if a.concurrency_sweep is not None:
+        try:
+            sweep_levels(a.concurrency_sweep)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return run_sweep(a, argv, model, tokenizer, vocab, info)
     prompts = make_prompts(a, vocab, tokenizer)
     v0, t0_acc, _ = _spec_counters(info)
     results, duration = asyncio.run(run(a, model, prompts))

@@ -44,8 +44,8 @@ class ShardedGenerator(Generator):
         return jax.jit(lambda *a: constrain(inner(*a), self.mesh, self.rules), donate_argnums=(1,))
 
     @functools.lru_cache(maxsize=None)
-    def step_fn(self, is_greedy: bool):
-        inner = super().step_fn(is_greedy)
+    def step_fn(self, is_greedy: bool, with_logprobs: bool = False):
+        inner = super().step_fn(is_greedy, with_logprobs)
         return jax.jit(lambda p, s: constrain(inner(p, s), self.mesh, self.rules), donate_argnums=(1,))
 
 

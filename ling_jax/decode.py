@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from ling_jax.config import ModelConfig
 from ling_jax.model import RuntimeOptions, commit, forward, lm_logits
-from ling_jax.sampling import SamplingParams, TokenHistory, adjust_logits, logprobs, pick
+from ling_jax.sampling import SamplingParams, TokenHistory, adjust_logits, logprobs, pick, split_key
 from ling_jax.spec import StepOutput, _row, chunk_rows
 from ling_jax.state import DecodeState, init_state
 
@@ -29,8 +29,8 @@ class PlainState:
     """Attributes:
     target: DecodeState     committed positions 0..L-1.
     bonus: int32[B]         token L: emitted, fed by the next step.
-    key: PRNG key
-    sampling: SamplingParams
+    key: PRNG key           key[B] per row in a joined batch (ling_jax/batching.py).
+    sampling: SamplingParams  scalars, or [B] per row in a joined batch.
     history: TokenHistory   prompt tokens and output counts (the penalties).
     """
 
@@ -54,7 +54,7 @@ def plain_prefill_chunk(params, state: PlainState, tokens, n_prompt, cfg: ModelC
                         opts: RuntimeOptions = RuntimeOptions()):
     """Consume prompt positions L..L+C-1 (tokens int32[B, C]; n_prompt int32[B] = the whole prompt's length).
     Returns (state, first token int32[B], its Logprobs); both are final once the prompt's last chunk ran."""
-    k_first, key = jax.random.split(state.key)
+    k_first, key = split_key(state.key, 2)
     n_valid, live, last, ends = chunk_rows(state.target.lengths, n_prompt, tokens.shape[1])
     out = forward(params, tokens, state.target, cfg, mode="prefill", n_valid=n_valid, opts=opts)
     history = state.history.add_prompt(tokens, live)
@@ -67,9 +67,11 @@ def plain_prefill_chunk(params, state: PlainState, tokens, n_prompt, cfg: ModelC
     return state.replace(target=out.state, bonus=first, key=key, history=history), first, lp
 
 
-def plain_step(params, state: PlainState, cfg: ModelConfig, *, is_greedy: bool, opts=RuntimeOptions()):
-    """Feed the bonus, emit the next token. Returns (state, StepOutput with one token per row)."""
-    k_tok, key = jax.random.split(state.key)
+def plain_step(params, state: PlainState, cfg: ModelConfig, *, is_greedy: bool, opts=RuntimeOptions(),
+               with_logprobs: bool = True):
+    """Feed the bonus, emit the next token. Returns (state, StepOutput with one token per row; logprobs None
+    when with_logprobs is False)."""
+    k_tok, key = split_key(state.key, 2)
     B = state.bonus.shape[0]
     one = jnp.ones((B,), jnp.int32)
     if opts.numerics.target_rows is None:
@@ -82,6 +84,7 @@ def plain_step(params, state: PlainState, cfg: ModelConfig, *, is_greedy: bool, 
     h = state.history
     adjusted = adjust_logits(lm_logits(params, out.hidden[:, 0], opts), state.sampling, h.prompt, h.output)
     tok, _ = pick(k_tok, adjusted, state.sampling, is_greedy)
-    lp = jax.tree.map(lambda a: a[:, None], logprobs(adjusted, tok, state.sampling, is_greedy))
+    lp = jax.tree.map(lambda a: a[:, None], logprobs(adjusted, tok, state.sampling, is_greedy)) if with_logprobs \
+        else None
     history = h.add_output(tok[:, None], jnp.ones((B, 1), bool))
     return state.replace(target=target, bonus=tok, key=key, history=history), StepOutput(tok[:, None], one, lp)

@@ -1,9 +1,12 @@
 """How long a context fits: device memory left after the weights, over the bytes each cache slot costs.
 
-Per device (TP shards the heads; the latent caches are replicated, see compile.sharding.STATE_AXES):
-    fixed    = weights / tp (block-fp8 weights: 1 B + their scales) + KDA recurrent states (Lk x H x K x V x 4 B) / tp + a reserve
-    per slot = latent cache rows: (Lm + MTP) x F x itemsize
-             + prefill workspace of one MLA layer over a chunk of C positions, per slot:
+Per device (TP shards the heads; the latent caches are replicated, see compile.sharding.STATE_AXES), for R
+request rows (R = --max-running-requests + 1 with continuous batching, ling_jax/batching.py; 1 without):
+    fixed    = weights / tp (block-fp8 weights: 1 B + their scales) + R x per-request state (KDA recurrent
+               Lk x H x K x V x 4 B and conv windows, / tp; sampling state: prompt / output counts, draft
+               distribution, logit bias, 13 B x V) + a reserve
+    per slot = R x latent cache rows: (Lm + MTP) x F x itemsize
+             + prefill workspace of one MLA layer over a chunk of C positions (one prefill at a time):
                scores and probabilities, 2 x (H / tp) x C x 4 B, and the expanded keys and values,
                (H / tp) x (P + Vh) x itemsize (the plain attention path expands every slot)
     context  = max_position_embeddings if that fits, else (fraction x device bytes - fixed) / per slot rounded
@@ -29,19 +32,23 @@ RESERVE_BYTES = 1 << 30  # activations of a step, logits, compiled programs
 
 def device_memory_bytes(device=None) -> int:
     """What one device can hold: its allocator limit on GPU; on CPU, the host's available memory."""
-    device = device or jax.devices()[0]
+    device = device or jax.local_devices()[0]  # this process's: another host's devices report nothing here
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     if stats and stats.get("bytes_limit"):
         return int(stats["bytes_limit"])
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-def bytes_per_slot(cfg: ModelConfig, dtype, chunk: int, tp: int = 1, nextn: bool = True) -> int:
+def cache_bytes_per_position(cfg: ModelConfig, dtype, nextn: bool = True) -> int:
+    """One request's latent cache bytes per context position (target MLA layers and the MTP layer)."""
+    return (len(cfg.mla_layers) + (len(cfg.mtp_layers) if nextn else 0)) * cfg.mla_cache_dim * jnp.dtype(dtype).itemsize
+
+
+def bytes_per_slot(cfg: ModelConfig, dtype, chunk: int, tp: int = 1, nextn: bool = True, rows: int = 1) -> int:
     item = jnp.dtype(dtype).itemsize
-    caches = (len(cfg.mla_layers) + (len(cfg.mtp_layers) if nextn else 0)) * cfg.mla_cache_dim * item
     heads = -(-cfg.num_attention_heads // tp)
     prefill = heads * (2 * chunk * 4 + (cfg.qk_nope_head_dim + cfg.v_head_dim) * item)
-    return caches + prefill
+    return rows * cache_bytes_per_position(cfg, dtype, nextn) + prefill
 
 
 def weight_bytes(cfg: ModelConfig, dtype, quantization: str | None = None) -> dict[str, int]:
@@ -65,22 +72,53 @@ def kda_state_bytes(cfg: ModelConfig) -> int:
     return len(cfg.kda_layers) * cfg.num_attention_heads * cfg.head_dim**2 * 4
 
 
-def fixed_bytes(cfg: ModelConfig, dtype, tp: int = 1, quantization: str | None = None) -> int:
-    weights = sum(weight_bytes(cfg, dtype, quantization).values())
-    return (weights + kda_state_bytes(cfg)) // tp + RESERVE_BYTES
+def request_state_bytes(cfg: ModelConfig, dtype, tp: int = 1) -> int:
+    """One request row's state apart from its caches: KDA recurrent states and conv windows (sharded by heads),
+    sampling state (prompt bool, output counts int32, draft distribution f32, logit bias f32: 13 B per token)."""
+    C = cfg.num_attention_heads * cfg.head_dim
+    conv = len(cfg.kda_layers) * (cfg.short_conv_kernel_size - 1) * 3 * C * jnp.dtype(dtype).itemsize
+    return (kda_state_bytes(cfg) + conv) // tp + 13 * cfg.vocab_size
+
+
+def device_weight_bytes(cfg: ModelConfig, dtype, tp: int = 1, quantization: str | None = None) -> int:
+    return sum(weight_bytes(cfg, dtype, quantization).values()) // tp
+
+
+def fixed_bytes(cfg: ModelConfig, dtype, tp: int = 1, quantization: str | None = None, rows: int = 1) -> int:
+    return device_weight_bytes(cfg, dtype, tp, quantization) + rows * request_state_bytes(cfg, dtype, tp) + RESERVE_BYTES
+
+
+def serving_budget(cfg: ModelConfig, dtype, chunk: int, context: int, *, rows: int, device_bytes: int, tp: int = 1,
+                   nextn: bool = True, fraction: float = 0.85, quantization: str | None = None) -> dict:
+    """What `rows` request rows of `context` positions take on one device, or a ValueError naming the numbers
+    when that exceeds fraction x device bytes. Returns the budget in bytes (the server reports it)."""
+    per_request = request_state_bytes(cfg, dtype, tp) + context * cache_bytes_per_position(cfg, dtype, nextn)
+    total = (fixed_bytes(cfg, dtype, tp, quantization, rows)
+             + context * bytes_per_slot(cfg, dtype, chunk, tp, nextn, rows))
+    weights = device_weight_bytes(cfg, dtype, tp, quantization)
+    budget = dict(rows=rows, context_length=context, weights_bytes=weights,
+                  per_request_bytes=per_request, total_bytes=total, limit_bytes=int(fraction * device_bytes))
+    if total > budget["limit_bytes"]:
+        gib = lambda b: f"{b / 2**30:.2f} GiB"
+        raise ValueError(f"{rows} request slots x --context-length {context} do not fit: {gib(total)} (weights "
+                         f"{gib(weights)}, {gib(per_request)} per request slot, prefill workspace, "
+                         f"reserve) > {fraction:g} x {gib(device_bytes)} of device memory; lower "
+                         f"--max-running-requests or --context-length")
+    return budget
 
 
 def default_context_length(cfg: ModelConfig, dtype, chunk: int, *, device_bytes: int, tp: int = 1,
-                           nextn: bool = True, fraction: float = 0.85, quantization: str | None = None) -> int:
-    """The longest context (cache slots, whole chunks) that fits, at most max_position_embeddings."""
+                           nextn: bool = True, fraction: float = 0.85, quantization: str | None = None,
+                           rows: int = 1) -> int:
+    """The longest context (cache slots, whole chunks) that fits `rows` requests, at most max_position_embeddings."""
     if not 0 < fraction <= 1:
         raise ValueError(f"fraction must be in (0, 1], got {fraction}")
-    free = int(fraction * device_bytes) - fixed_bytes(cfg, dtype, tp, quantization)
-    slots = free // bytes_per_slot(cfg, dtype, chunk, tp, nextn)
+    free = int(fraction * device_bytes) - fixed_bytes(cfg, dtype, tp, quantization, rows)
+    slots = free // bytes_per_slot(cfg, dtype, chunk, tp, nextn, rows)
     if slots >= cfg.max_position_embeddings:
         return cfg.max_position_embeddings
     if slots < chunk:
-        raise ValueError(f"{cfg.name} leaves room for {max(slots, 0)} context slots on a device of "
-                         f"{device_bytes / 2**30:.1f} GiB (tp {tp}); fewer than one prefill chunk ({chunk}): "
-                         f"give --context-length or a smaller --chunked-prefill-size")
+        raise ValueError(f"{cfg.name} leaves room for {max(slots, 0)} context slots x {rows} request rows on a device "
+                         f"of {device_bytes / 2**30:.1f} GiB (tp {tp}); fewer than one prefill chunk ({chunk}): "
+                         f"give --context-length, a smaller --chunked-prefill-size or --max-running-requests")
     return slots // chunk * chunk

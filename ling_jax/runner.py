@@ -1,7 +1,9 @@
 """The host side of generation: compiled prefill/step programs and the run-ahead decode loop.
 
-Prefill runs in chunks of `chunked_prefill_size` positions (SGLang's --chunked-prefill-size): ONE compiled
-program serves every prompt length, called ceil(P / C) times back to back (no host read until the last chunk).
+Prefill runs in chunks of at most `chunked_prefill_size` = C positions (SGLang's --chunked-prefill-size): a few
+compiled chunk sizes (`prefill_buckets`, e.g. 32 / 128 / 512) serve every prompt length: whole C-chunks back to back
+(no host read until the last chunk), then the smallest bucket that holds the rest, so a short prompt does not pay a
+whole C-row chunk. Steps are compiled with and without logprobs: the default step computes none.
 Run-ahead: step k+1 is dispatched before step k's outputs are read; outputs are copied to the host
 asynchronously and consumed one step late for EOS, max tokens and stop checks. Nothing in the dispatch path
 reads a device value (`jax.transfer_guard("disallow")` holds there), so the device never waits for the host.
@@ -33,11 +35,29 @@ from ling_jax.model import RuntimeOptions
 from ling_jax.sampling import MAX_TOP_LOGPROBS, SamplingOptions, SamplingParams
 from ling_jax.spec import SpecConfig, spec_init, spec_prefill_chunk, spec_step
 
-# 512 positions per prefill chunk. A prompt pays whole chunks, so a short one (a chat turn, most of a serving
-# benchmark's prompts) wastes at most 511 padded rows; at batch 1 a 512-row chunk already routes 4,096 token-expert
-# pairs, so the MoE reads every expert's weights once per chunk, as larger chunks do. The prefill attention
+# 512 positions per prefill chunk. A prompt's last chunk is the smallest of PREFILL_BUCKET_FRACTIONS x C that holds
+# it, so a short one (a chat turn) pays a 32-row chunk, not 512; at batch 1 a 512-row chunk already routes 4,096
+# token-expert pairs, so the MoE reads every expert's weights once per chunk, as larger chunks do. The prefill attention
 # scores are [H, C, S] f32 per MLA layer: 2 GiB at C = 512 and a 32k context, 8 GiB at SGLang's 2048.
 DEFAULT_CHUNKED_PREFILL_SIZE = 512
+PREFILL_BUCKET_FRACTIONS = (16, 4, 1)  # compiled chunk sizes C/16, C/4, C (at least MIN_PREFILL_BUCKET rows)
+MIN_PREFILL_BUCKET = 8
+
+
+def prefill_buckets(chunk: int) -> tuple[int, ...]:
+    """The compiled prefill chunk sizes for --chunked-prefill-size `chunk` (ascending, the largest = chunk)."""
+    return tuple(sorted({min(chunk, max(MIN_PREFILL_BUCKET, chunk // f)) for f in PREFILL_BUCKET_FRACTIONS}))
+
+
+def prefill_schedule(n: int, buckets: tuple[int, ...]) -> list[tuple[int, int]]:
+    """(start, size) of each chunk of an n-token prompt: whole largest chunks, then the smallest bucket >= the rest.
+    Every start but the last is a multiple of the largest bucket, so the chunks stay inside the cache rows."""
+    out, start, C = [], 0, buckets[-1]
+    while n - start > C:
+        out.append((start, C))
+        start += C
+    out.append((start, next(b for b in buckets if b >= n - start)))
+    return out
 
 
 @dataclass
@@ -87,9 +107,9 @@ class Generator:
     """Batch-1 generation over one model: compiles lazily, serves requests one after another.
 
     Every request starts from a fresh prefill, so nothing of an earlier request (greedy or sampled) can leak
-    into a later one. Compiled programs: init, prefill chunk and step, each once per greedy / sampled.
-    DSPARK: draft = (DSparkConfig, draft params); the programs then take (target params, draft params) as their
-    first argument (`run_params`).
+    into a later one. Compiled programs, each once per greedy / sampled: init, one prefill chunk per bucket, the
+    step with and without logprobs (`warm_up` builds them all). DSPARK: draft = (DSparkConfig, draft params); the
+    programs then take (target params, draft params) as their first argument (`run_params`).
     """
 
     def __init__(self, cfg: ModelConfig, params, *, spec: SpecConfig = SpecConfig("NONE"), max_len: int = 2048,
@@ -114,6 +134,7 @@ class Generator:
         self.cfg, self.params, self.spec, self.max_len = cfg, params, spec, max_len
         self.dtype, self.opts = jnp.dtype(dtype), opts
         self.chunk = min(chunked_prefill_size, max_len)
+        self.buckets = prefill_buckets(self.chunk)
         # cache rows: whole chunks, so the last chunk's writes stay inside the cache (dynamic_update_slice would
         # clamp its start otherwise); positions past max_len are never committed (check_request)
         self.slots = -(-max_len // self.chunk) * self.chunk
@@ -148,18 +169,22 @@ class Generator:
         return jax.jit(lambda params, state, tokens, next_token, n_prompt: chunk(params, state, tokens, n_prompt),
                        donate_argnums=(1,))
 
-    @functools.lru_cache(maxsize=None)
-    def step_fn(self, is_greedy: bool):
-        """The whole step as ONE jitted program; the state is donated (its buffers are updated in place). With
-        decode_steps = N > 1 the program runs N steps and its outputs gain a leading axis [N, ...]."""
-        if self.spec.is_dspark:
+    def step(self, is_greedy: bool, with_logprobs: bool):
+        """The step function (run_params, state) -> (state, StepOutput), not jitted (the batched programs wrap it)."""
+        if self.spec.is_dspark:  # its StepOutput always carries logprobs
             dspark = functools.partial(dspark_step, cfg=self.cfg, dcfg=self.dcfg, spec=self.spec, is_greedy=is_greedy,
                                        opts=self.opts)
-            fn = lambda pp, state: dspark(pp[0], pp[1], state)  # run_params = (target, draft)
-        elif self.spec.enabled:
-            fn = functools.partial(spec_step, cfg=self.cfg, steps=self.K, is_greedy=is_greedy, opts=self.opts)
-        else:
-            fn = functools.partial(plain_step, cfg=self.cfg, is_greedy=is_greedy, opts=self.opts)
+            return lambda pp, state: dspark(pp[0], pp[1], state)  # run_params = (target, draft)
+        kw = dict(cfg=self.cfg, is_greedy=is_greedy, opts=self.opts, with_logprobs=with_logprobs)
+        if self.spec.enabled:
+            return functools.partial(spec_step, steps=self.K, **kw)
+        return functools.partial(plain_step, **kw)
+
+    @functools.lru_cache(maxsize=None)
+    def step_fn(self, is_greedy: bool, with_logprobs: bool = False):
+        """The whole step as ONE jitted program; the state is donated (its buffers are updated in place). With
+        decode_steps = N > 1 the program runs N steps and its outputs gain a leading axis [N, ...]."""
+        fn = self.step(is_greedy, with_logprobs)
         if self.decode_steps > 1:
             fn = functools.partial(_continuous_steps, step=fn, n=self.decode_steps)
         return jax.jit(fn, donate_argnums=(1,))
@@ -176,20 +201,25 @@ class Generator:
             raise ValueError(f"prompt ({n_prompt}) + max_new_tokens ({max_new_tokens}) + {slack} "
                              f"speculative rows exceeds the context length {self.max_len}")
 
-    def prefill(self, prompt: list[int], sampling: SamplingParams, key, is_greedy: bool):
-        """Every chunk of the prompt through the one prefill program. Returns (state, first token int32[1], its
-        Logprobs), still on device."""
-        n, C = len(prompt), self.chunk
-        chunks = -(-n // C)
-        tokens = np.zeros((1, chunks * C + 1), np.int32)  # + 1: the (padding) token after the last chunk
-        tokens[0, :n] = prompt
-        n_prompt = jnp.array([n], jnp.int32)
-        state = self.init_fn(is_greedy)(sampling, key)
-        run = self.prefill_fn(is_greedy)
-        for c in range(chunks):
-            state, first, lp = run(self.run_params, state, tokens[:, c * C : (c + 1) * C], tokens[:, (c + 1) * C],
-                                   n_prompt)
+    def prefill(self, prompt: list[int], sampling: SamplingParams, key, is_greedy: bool, state=None):
+        """Every chunk of the prompt through the prefill programs (whole chunks, then the smallest bucket that
+        holds the rest). Returns (state, first token int32[1], its Logprobs), still on device. state: start from
+        this one (its leaves are overwritten) instead of a fresh init's."""
+        chunks = self.prefill_chunks(prompt)
+        state = self.init_fn(is_greedy)(sampling, key) if state is None else state
+        for chunk in chunks:
+            state, first, lp = self.prefill_fn(is_greedy)(self.run_params, state, *chunk)
         return state, first, lp
+
+    def prefill_chunks(self, prompt: list[int]) -> list[tuple]:
+        """The prefill program's (tokens int32[1, c], next token int32[1], n_prompt int32[1]) per chunk."""
+        n = len(prompt)
+        schedule = prefill_schedule(n, self.buckets)
+        start, size = schedule[-1]
+        tokens = np.zeros((1, start + size + 1), np.int32)  # + 1: the (padding) token after the last chunk
+        tokens[0, :n] = prompt
+        n_prompt = np.array([n], np.int32)
+        return [(tokens[:, s : s + c], tokens[:, s + c], n_prompt) for s, c in schedule]
 
     def stream(self, prompt: list[int], *, max_new_tokens: int, seed: int = 0,
                stop_token_ids: tuple[int, ...] | None = None, stats: GenerationStats | None = None,
@@ -227,7 +257,7 @@ class Generator:
             stats.total_s = time.perf_counter() - t0
             return
 
-        step, N = self.step_fn(is_greedy), self.decode_steps
+        step, N = self.step_fn(is_greedy, top_logprobs is not None), self.decode_steps
         in_flight = None  # the dispatch whose outputs are read next (one dispatch late)
         while True:
             # every step emits at least one token: dispatch while the request is not already sure to be done
@@ -281,6 +311,24 @@ class Generator:
 def _continuous_steps(params, state, *, step, n: int):
     """n steps of `step` in one program: (params, state) -> (state, outputs stacked [n, ...])."""
     return jax.lax.scan(lambda s, _: step(params, s), state, None, length=n)
+
+
+def warm_up(gen, progress=None):
+    """Compile and run every program serving uses (blocking; before accepting traffic): per greedy / sampled, every
+    prefill bucket and the step with and without logprobs (prompts sized to each bucket, 3 new tokens each).
+    gen: a Generator, or anything with its generate / buckets / max_len / rows_per_step / cfg (the multi-host
+    leader's LockstepGenerator, whose generate the followers replay)."""
+    for is_greedy in (True, False):
+        for i, b in enumerate(gen.buckets):
+            n = min(b, gen.max_len - 2 * gen.rows_per_step - 3)
+            if n < 1 or (i and n <= gen.buckets[i - 1]):
+                continue  # the context is too short for this bucket: no prompt can need it
+            prompt = [2 + t % (gen.cfg.vocab_size - 2) for t in range(n)]
+            for lp in ((None, 0) if i == 0 else (None,)):
+                gen.generate(prompt, max_new_tokens=3, temperature=0.0 if is_greedy else 1.0, seed=0,
+                             stop_token_ids=(), top_logprobs=lp)
+        if progress:
+            progress()
 
 
 def _record_logprobs(stats: GenerationStats, lp, n: int, top: int):

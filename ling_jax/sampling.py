@@ -11,12 +11,17 @@ One row's distribution, in SGLang's order (`SamplingBatchInfo.apply_logits_bias`
     greedy (T = 0): argmax l
     sampled: p = softmax(l / T), then keep the sorted prefix with rank < top_k, mass before < top_p and
              p >= min_p * max p (the top token always stays), renormalise, draw.
+Per-row batches (continuous batching, ling_jax/batching.py): SamplingParams fields may be [B] (logit_bias [B, V])
+and the key one key per row (key[B]); each row then draws from its own key exactly as a batch-1 state with that key
+would, and rows with temperature 0 take the argmax inside the sampled program (a mixed batch runs that program).
+With scalar fields and one key (batch-1 programs) every function below is the batch-1 math unchanged.
 Speculation applies the SAME transform to the draft and to every verify row, each row with the counts of the
 tokens it would follow (the chain drafted so far), so the verdict stays lossless for the transformed target.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -61,6 +66,10 @@ class SamplingOptions:
             if not (isinstance(tok, int) and tok >= 0 and math.isfinite(bias)):
                 raise ValueError(f"logit_bias entries must be (token id >= 0, finite bias), got ({tok}, {bias})")
 
+    def kwargs(self) -> dict:
+        """The fields by name (Generator.stream's sampling keyword arguments)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
     @property
     def is_greedy(self) -> bool:
         """Temperature 0 selects the greedy program (a static flag of the step, compiled once)."""
@@ -97,6 +106,20 @@ class SamplingParams:
     presence_penalty: jax.Array
     frequency_penalty: jax.Array
     logit_bias: jax.Array
+
+    @property
+    def per_row(self) -> bool:
+        """Fields are [B] (one request per row) rather than scalars shared by the batch."""
+        return self.temperature.ndim == 1
+
+    def rows(self, ndim: int) -> "SamplingParams":
+        """Per-row fields reshaped to broadcast against an array [B, ..., V] of `ndim` dims; scalars as they are."""
+        if not self.per_row:
+            return self
+        col = lambda x: x.reshape(x.shape[:1] + (1,) * (ndim - 1))
+        bias = self.logit_bias
+        return SamplingParams(*(col(getattr(self, f.name)) for f in dataclasses.fields(self)[:-1]),
+                              bias.reshape(bias.shape[:1] + (1,) * (ndim - 2) + bias.shape[-1:]))
 
     @staticmethod
     def shapes(vocab_size: int) -> "SamplingParams":
@@ -150,6 +173,7 @@ def adjust_logits(logits, sp: SamplingParams, prompt, output):
     """Penalties and logit bias (SGLang's order). logits f32[..., V]; prompt bool / output int32 broadcastable to
     it. With the neutral values (r = 1, f = a = 0, bias 0) every logit comes back bit-for-bit unchanged."""
     logits = logits.astype(jnp.float32)
+    sp = sp.rows(logits.ndim)
     r = sp.repetition_penalty
     seen = prompt | (output > 0)
     logits = jnp.where(seen, jnp.where(logits > 0, logits / r, logits * r), logits)
@@ -166,6 +190,7 @@ def probs(logits, sp: SamplingParams):
     """The distribution actually sampled from: softmax(logits / T), restricted to the kept sorted prefix (top_k,
     top_p, min_p; ties at the boundary stay) and renormalised. [..., V] f32 -> [..., V] f32. The top token always
     stays, so a top_p that underflowed to 0 in float32 is greedy rather than an empty (NaN) distribution."""
+    sp = sp.rows(logits.ndim)
     p = jax.nn.softmax(logits.astype(jnp.float32) / jnp.maximum(sp.temperature, 1e-6), axis=-1)
     sorted_p = jnp.sort(p, axis=-1)[..., ::-1]
     rank = jnp.arange(p.shape[-1])
@@ -177,9 +202,33 @@ def probs(logits, sp: SamplingParams):
     return p / jnp.sum(p, axis=-1, keepdims=True)
 
 
+def split_key(key, n: int):
+    """n keys from one key, or from per-row keys [B] (row b's keys are split(key[b], n)): a tuple of n."""
+    if key.ndim == 0:
+        return tuple(jax.random.split(key, n))
+    keys = jax.vmap(lambda k: jax.random.split(k, n))(key)  # [B, n]
+    return tuple(keys[:, i] for i in range(n))
+
+
+def fold_key(key, data: int):
+    """fold_in for one key or per-row keys [B]."""
+    return jax.random.fold_in(key, data) if key.ndim == 0 else jax.vmap(jax.random.fold_in, (0, None))(key, data)
+
+
+def _per_row_draw(draw, key, *args):
+    """draw(key, *args) with one key, or row b drawn with key[b] from args[..][b] (per-row keys [B])."""
+    return draw(key, *args) if key.ndim == 0 else jax.vmap(draw)(key, *args)
+
+
 def sample(key, p):
-    """Draw from p [..., V] -> int32[...]."""
-    return jax.random.categorical(key, jnp.log(p), axis=-1).astype(jnp.int32)
+    """Draw from p [B, ..., V] -> int32[B, ...] (per-row keys: each row from its own key)."""
+    return _per_row_draw(lambda k, x: jax.random.categorical(k, jnp.log(x), axis=-1), key, p).astype(jnp.int32)
+
+
+def greedy_rows(sp: SamplingParams, ndim: int):
+    """bool broadcastable to [B, ...] of `ndim` dims: the rows of a mixed batch that decode greedily (temperature
+    0); None when the fields are shared (a batch-1 program is greedy or sampled as a whole)."""
+    return (sp.rows(ndim + 1).temperature == 0)[..., 0] if sp.per_row else None
 
 
 def pick(key, adjusted, sp: SamplingParams, is_greedy: bool):
@@ -187,7 +236,9 @@ def pick(key, adjusted, sp: SamplingParams, is_greedy: bool):
     if is_greedy:
         return greedy(adjusted), None
     p = probs(adjusted, sp)
-    return sample(key, p), p
+    tok = sample(key, p)
+    g = greedy_rows(sp, tok.ndim)
+    return (tok if g is None else jnp.where(g, greedy(adjusted), tok)), p
 
 
 class Logprobs(NamedTuple):
@@ -204,7 +255,11 @@ def logprobs(adjusted, tokens, sp: SamplingParams, is_greedy: bool) -> Logprobs:
     penalties, the logit bias and the temperature, before the top_k / top_p / min_p truncation (so no -inf).
     Always the TARGET's distribution: under speculation these are the verify rows' logits, never the draft's.
     adjusted f32[..., V], tokens int32[...] -> Logprobs."""
-    scaled = adjusted if is_greedy else adjusted / jnp.maximum(sp.temperature, 1e-6)
+    if is_greedy:
+        scaled = adjusted
+    else:
+        t = sp.rows(adjusted.ndim).temperature
+        scaled = adjusted / (jnp.where(t == 0, 1.0, jnp.maximum(t, 1e-6)) if sp.per_row else jnp.maximum(t, 1e-6))
     logp = jax.nn.log_softmax(scaled, axis=-1)
     chosen = jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
     top, top_ids = jax.lax.top_k(logp, min(MAX_TOP_LOGPROBS, logp.shape[-1]))
@@ -245,10 +300,10 @@ def sampled_verdict(key, drafts, q, p, limit=None):
     Returns (n_accept int32[B], bonus int32[B]); committed tokens are d_1..d_n then the bonus.
     """
     B, K = drafts.shape
-    k_acc, k_bonus = jax.random.split(key)
+    k_acc, k_bonus = split_key(key, 2)
     p_d = jnp.take_along_axis(p[:, :K], drafts[..., None], axis=2)[..., 0]  # [B, K]
     q_d = jnp.take_along_axis(q, drafts[..., None], axis=2)[..., 0]
-    u = jax.random.uniform(k_acc, (B, K))
+    u = jax.random.uniform(k_acc, (B, K)) if key.ndim == 0 else jax.vmap(lambda k: jax.random.uniform(k, (K,)))(k_acc)
     accept = (u * q_d < p_d) & _proposed(drafts, limit)  # u < p/q without dividing by q
     n = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
     q_pad = jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1)  # no draft to subtract after K

@@ -37,8 +37,8 @@ from ling_jax.config import ModelConfig
 from ling_jax.draft_vocab import draft_logits
 from ling_jax.model import RuntimeOptions, commit, forward, lm_logits
 from ling_jax.nextn import mtp_forward
-from ling_jax.sampling import (Logprobs, SamplingParams, TokenHistory, adjust_logits, chain_counts, greedy,
-                               greedy_verdict, logprobs, pick, probs, sampled_verdict)
+from ling_jax.sampling import (Logprobs, SamplingParams, TokenHistory, adjust_logits, chain_counts, fold_key, greedy,
+                               greedy_rows, greedy_verdict, logprobs, pick, probs, sampled_verdict, split_key)
 from ling_jax.state import DecodeState, init_state
 
 
@@ -111,10 +111,12 @@ class SpecState:
     draft_cache: dtype[B, S, F]    MTP latent cache (valid rows 0..L-1).
     seed: int32[B]                 d1, the draft for token L+1.
     draft_hidden: dtype[B, D]      MTP hidden output at row L-1 (chained into the next draft row).
-    seed_q: f32[B, V] | None       distribution d1 was drawn from (sampled mode only).
-    key: PRNG key                  advanced every step (sampled mode draws from it).
-    sampling: SamplingParams
-    accept_hist: int32[K+1]        how many verify steps accepted n = 0..K drafts (summed over batch).
+    seed_q: f32[B, V] | None       distribution d1 was drawn from (sampled mode only; a greedy program carries it
+                                   through untouched when the state has one: a slot of a mixed batch).
+    key: PRNG key                  advanced every step (sampled mode draws from it); key[B] per row in a joined batch.
+    sampling: SamplingParams       scalars, or [B] per row in a joined batch (ling_jax/batching.py).
+    accept_hist: int32[K+1]        how many verify steps accepted n = 0..K drafts (summed over batch); [B, K+1]
+                                   per row in a joined batch.
     history: TokenHistory          prompt tokens and output counts through the bonus (the penalties).
     """
 
@@ -136,7 +138,8 @@ class SpecState:
 class StepOutput(NamedTuple):
     tokens: jax.Array  # int32[B, K+1]: emitted tokens are tokens[b, :n_emit[b]]
     n_emit: jax.Array  # int32[B] = accepted drafts + 1
-    logprobs: Logprobs  # of tokens[b, j] under the target's (transformed) distribution at its verify row
+    logprobs: Logprobs | None  # of tokens[b, j] under the target's (transformed) distribution at its verify row
+    # (None from a step compiled without logprobs: with_logprobs=False)
 
 
 def _row(a, idx):
@@ -184,7 +187,7 @@ def spec_prefill_chunk(params, state: SpecState, tokens, next_token, n_prompt, c
     Returns (state, bonus int32[B], the bonus's Logprobs)."""
     B, C = tokens.shape
     start, sp = state.target.lengths, state.sampling
-    k_bonus, k_seed, key = jax.random.split(state.key, 3)
+    k_bonus, k_seed, key = split_key(state.key, 3)
     n_valid, live, last, ends = chunk_rows(start, n_prompt, C)
     out = forward(params, tokens, state.target, cfg, mode="prefill", n_valid=n_valid, opts=opts)
     history = state.history.add_prompt(tokens, live)
@@ -204,7 +207,7 @@ def spec_prefill_chunk(params, state: SpecState, tokens, next_token, n_prompt, c
     keep = lambda new, old: jnp.where(ends.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
     state = state.replace(target=out.state, bonus=bonus, draft_cache=draft_cache, seed=keep(seed, state.seed),
                           draft_hidden=keep(h_last, state.draft_hidden), key=key, history=history,
-                          seed_q=None if is_greedy else keep(seed_q, state.seed_q))
+                          seed_q=state.seed_q if is_greedy else keep(seed_q, state.seed_q))
     return state, bonus, lp
 
 
@@ -219,7 +222,7 @@ def draft(params, state: SpecState, cfg: ModelConfig, *, steps: int, is_greedy: 
     tok, h, cache = state.seed, state.draft_hidden, state.draft_cache
     history = state.history
     drafts, qs = [tok], [state.seed_q]
-    keys = jax.random.split(jax.random.fold_in(state.key, 1), max(steps - 1, 1))
+    keys = split_key(fold_key(state.key, 1), max(steps - 1, 1))
     for i in range(steps - 1):
         history = history.add_output(tok[:, None], jnp.ones_like(tok[:, None], bool))
         h_out, cache = mtp_forward(params, tok[:, None], h[:, None], cache, L + i, cfg, absorbed=True, opts=opts)
@@ -247,17 +250,18 @@ class Verified(NamedTuple):
     bonus: jax.Array  # int32[B] the new bonus t_n
     committed: jax.Array  # int32[B, K+1]: row j = token at L+j+1 for j <= n
     hidden: jax.Array  # [B, K+1, D] target hidden states of the verify rows
-    logprobs: Logprobs  # of committed[b, j] at verify row j
+    logprobs: Logprobs | None  # of committed[b, j] at verify row j (None: not asked for)
     history: TokenHistory  # output counts through the new bonus
     layer_hidden: jax.Array | None = None  # [B, K+1, C] the captured target layers' outputs (DSpark's context)
 
 
 def verify_and_commit(params, state: SpecState, drafts, q, cfg: ModelConfig, *, is_greedy: bool,
-                      opts=RuntimeOptions(), capture: tuple[int, ...] = (), limit=None) -> Verified:
-    """Target over [bonus, d1..dK]; each row j transformed with the counts of bonus, d_1..d_j; chain verdict;
-    commit n+1 rows. `state` is any relay state with target, bonus, sampling, history and key (SpecState or
-    dspark_step.DSparkState). capture: target layers returned in layer_hidden; limit int32[B] | None: only
-    d_1..d_limit are proposed (the verdicts' limit)."""
+                      opts=RuntimeOptions(), capture: tuple[int, ...] = (), limit=None,
+                      with_logprobs: bool = True) -> Verified:
+    """Target over [bonus, d1..dK]; each row j transformed with the counts of bonus, d_1..d_j; chain verdict
+    (per row in a mixed batch: greedy rows take the greedy verdict); commit n+1 rows. `state` is any relay state
+    with target, bonus, sampling, history and key (SpecState or dspark_step.DSparkState). capture: target layers
+    returned in layer_hidden; limit int32[B] | None: only d_1..d_limit are proposed (the verdicts' limit)."""
     K = drafts.shape[1]
     rows = jnp.concatenate([state.bonus[:, None], drafts], axis=1)
     live = None
@@ -274,11 +278,15 @@ def verify_and_commit(params, state: SpecState, drafts, q, cfg: ModelConfig, *, 
     if is_greedy:
         n, bonus = greedy_verdict(drafts, greedy(adjusted), limit)
     else:
-        n, bonus = sampled_verdict(jax.random.fold_in(state.key, 2), drafts, q, probs(adjusted, sp), limit)
+        n, bonus = sampled_verdict(fold_key(state.key, 2), drafts, q, probs(adjusted, sp), limit)
+        g = greedy_rows(sp, 1)
+        if g is not None:  # a mixed batch: its temperature-0 rows decide as the greedy program does
+            n_g, bonus_g = greedy_verdict(drafts, greedy(adjusted), limit)
+            n, bonus = jnp.where(g, n_g, n), jnp.where(g, bonus_g, bonus)
     target = commit(out.state, out.pending, n + 1, opts)
     j = jnp.arange(K + 1)[None, :]
     committed = jnp.where(j < n[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), bonus[:, None])
-    lp = logprobs(adjusted, committed, sp, is_greedy)
+    lp = logprobs(adjusted, committed, sp, is_greedy) if with_logprobs else None
     history = state.history.add_output(committed, j <= n[:, None])
     layer_hidden = None if out.layer_hidden is None else out.layer_hidden[:, : K + 1]
     return Verified(target, n, bonus, committed, hidden, lp, history, layer_hidden)
@@ -292,27 +300,34 @@ def extend(params, state: SpecState, cache, committed, target_hidden, n, history
     L = state.target.lengths
     h_mtp, cache = mtp_forward(params, committed, target_hidden, cache, L, cfg, absorbed=True, opts=opts)
     h = _row(h_mtp, n)
-    seed, seed_q = _choose(params, h, history, state.sampling, jax.random.fold_in(state.key, 3), is_greedy, opts)
+    seed, seed_q = _choose(params, h, history, state.sampling, fold_key(state.key, 3), is_greedy, opts)
     return seed, seed_q, h, cache
 
 
 def spec_step_with_drafts(params, state: SpecState, drafts, q, cache, cfg: ModelConfig, *, is_greedy: bool,
-                          opts=RuntimeOptions()):
+                          opts=RuntimeOptions(), with_logprobs: bool = True):
     """verify -> commit -> extend for given drafts (the step's second half; tests inject drafts here)."""
-    v = verify_and_commit(params, state, drafts, q, cfg, is_greedy=is_greedy, opts=opts)
+    v = verify_and_commit(params, state, drafts, q, cfg, is_greedy=is_greedy, opts=opts, with_logprobs=with_logprobs)
     seed, seed_q, h, cache = extend(params, state, cache, v.committed, v.hidden, v.n, v.history, cfg,
                                     is_greedy=is_greedy, opts=opts)
     K = drafts.shape[1]
-    hist = state.accept_hist + jnp.zeros((K + 1,), jnp.int32).at[v.n].add(1)
-    new = state.replace(target=v.target, bonus=v.bonus, draft_cache=cache, seed=seed, draft_hidden=h, seed_q=seed_q,
-                        key=jax.random.fold_in(state.key, 4), accept_hist=hist, history=v.history)
+    if state.accept_hist.ndim == 2:  # per row (a joined batch)
+        hist = state.accept_hist + jax.nn.one_hot(v.n, K + 1, dtype=jnp.int32)
+    else:
+        hist = state.accept_hist + jnp.zeros((K + 1,), jnp.int32).at[v.n].add(1)
+    new = state.replace(target=v.target, bonus=v.bonus, draft_cache=cache, seed=seed, draft_hidden=h,
+                        seed_q=state.seed_q if is_greedy else seed_q, key=fold_key(state.key, 4), accept_hist=hist,
+                        history=v.history)
     return new, StepOutput(v.committed, v.n + 1, v.logprobs)
 
 
-def spec_step(params, state: SpecState, cfg: ModelConfig, *, steps: int, is_greedy: bool, opts=RuntimeOptions()):
-    """One NEXTN step: draft -> verify -> commit -> extend. Returns (state, StepOutput)."""
+def spec_step(params, state: SpecState, cfg: ModelConfig, *, steps: int, is_greedy: bool, opts=RuntimeOptions(),
+              with_logprobs: bool = True):
+    """One NEXTN step: draft -> verify -> commit -> extend. Returns (state, StepOutput). with_logprobs=False (a
+    static flag: the program serving requests that asked for none) skips the target rows' log_softmax and top-k."""
     drafts, q, cache = draft(params, state, cfg, steps=steps, is_greedy=is_greedy, opts=opts)
-    return spec_step_with_drafts(params, state, drafts, q, cache, cfg, is_greedy=is_greedy, opts=opts)
+    return spec_step_with_drafts(params, state, drafts, q, cache, cfg, is_greedy=is_greedy, opts=opts,
+                                 with_logprobs=with_logprobs)
 
 
 def spec_from_flags(algorithm: str, num_steps: int | None, eagle_topk: int | None, num_draft_tokens: int | None,

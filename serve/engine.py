@@ -1,8 +1,10 @@
-"""The serving engine: one worker runs requests FIFO through ling_jax.runner.Generator (batch 1).
+"""The serving engine: requests run FIFO through ling_jax.runner.Generator (batch 1) or, with
+--max-running-requests > 1, up to that many at once through ling_jax.batching.BatchGenerator (continuous batching).
 
-The worker is an asyncio task; each request's blocking `Generator.stream` (itself run-ahead: step k+1 is
-dispatched before step k is read) runs in a thread, and every consumed step is handed back to the request's
-asyncio queue with `call_soon_threadsafe` — no polling anywhere. Concurrent requests wait in the FIFO queue.
+The worker is an asyncio task that starts each request, once a running place is free, as a blocking `stream`
+(itself run-ahead: step k+1 is dispatched before step k is read) in a thread of its own, and every consumed step
+is handed back to the request's asyncio queue with `call_soon_threadsafe` — no polling anywhere. Requests beyond
+the running ones wait in the FIFO queue.
 
 Text: token ids go through an `IncrementalDetokenizer`; stop strings are searched in the decoded text and cut
 exactly (the text ends right before the stop string, later tokens are dropped). While a stop string could still
@@ -19,6 +21,7 @@ worker thread notices the flag at its next step and closes the stream); an abort
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import random
 import secrets
@@ -29,7 +32,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from ling_jax.runner import GenerationStats, Generator
+from ling_jax.runner import GenerationStats, Generator, warm_up
 from ling_jax.tokenizer import IncrementalDetokenizer, Tokenizer
 from serve.logprobs import TokenLogprob
 from serve.protocol import APIError, GenRequest, ModelLimits
@@ -180,7 +183,10 @@ class Engine:
         self.accept_tokens_total = 0  # tokens those steps emitted (sum of accept lengths)
         self.num_finished = self.num_aborted = 0
         self.last_gen_throughput = 0.0
-        self.current: Request | None = None  # the request the worker thread is running
+        self.max_running = getattr(generator, "max_running", 1)  # a BatchGenerator's slots, else batch 1
+        self.running: dict[str, Request] = {}  # the requests whose streams run now, by id
+        self._places = asyncio.Semaphore(self.max_running)
+        self._threads = concurrent.futures.ThreadPoolExecutor(self.max_running, thread_name_prefix="engine-stream")
 
     # ---- async side -------------------------------------------------------------------------------------------
     def start(self):
@@ -188,8 +194,8 @@ class Engine:
         self.worker = asyncio.create_task(self._run(), name="engine-worker")
 
     async def stop(self):
-        if self.current is not None:  # the worker thread closes its stream at the next chunk
-            self.cancel(self.current, "server shutting down")
+        for req in list(self.running.values()):  # each stream's thread closes it at the next chunk
+            self.cancel(req, "server shutting down")
         if self.worker is not None:
             self.worker.cancel()
 
@@ -242,18 +248,22 @@ class Engine:
 
     async def _run(self):
         while True:
+            await self._places.acquire()  # first: a request waits in `pending` (and counts there) until a place is free
             req = await self.pending.get()
             self.m.queue.dec()
             if req.cancelled.is_set():  # gone while waiting
                 self._finish(req, req.abort_reason or {"type": "abort", "message": "client disconnected"}, 0)
+                self._places.release()
                 continue
             self.m.running.inc()
-            self.current = req
-            try:
-                await asyncio.to_thread(self._process, req)
-            finally:
-                self.current = None
-                self.m.running.dec()
+            self.running[req.id] = req
+            self.loop.run_in_executor(self._threads, self._process, req).add_done_callback(
+                lambda _, req=req: self._ended(req))
+
+    def _ended(self, req: Request):
+        self.running.pop(req.id, None)
+        self.m.running.dec()
+        self._places.release()
 
     def _emit(self, req: Request, out: Output):
         self.loop.call_soon_threadsafe(self._deliver, req, out)
@@ -282,7 +292,7 @@ class Engine:
         text = TextAssembler(self.limits.tokenizer, g.stop)
         seed = device_seed(g.seed) if g.seed is not None else self.rng.randrange(2**31)
         it = self.gen.stream(g.input_ids, max_new_tokens=g.max_new_tokens, seed=seed, stop_token_ids=stop_ids,
-                             stats=req.stats, top_logprobs=g.top_logprobs, **g.sampling())
+                             stats=req.stats, top_logprobs=g.top_logprobs, **g.sampling.kwargs())
         n_out, t_last = 0, req.t_arrival
         try:
             for ids in it:
@@ -365,9 +375,8 @@ class Engine:
 
 
 def warmup(gen: Generator, limits: ModelLimits, progress=None):
-    """Compile and run the greedy and the sampled programs once (blocking; run before accepting traffic)."""
-    n = min(limits.max_new_tokens(4), 2 * gen.rows_per_step + 2)
-    for temp in (0.0, 1.0):
-        gen.generate([2, 3, 4, 5], max_new_tokens=n, temperature=temp, seed=0, stop_token_ids=())
-        if progress:
-            progress()
+    """Compile and run the programs serving uses (greedy and sampled; ling_jax.runner.warm_up; with continuous
+    batching every row bucket too), blocking."""
+    warm_up(gen, progress)
+    if hasattr(gen, "warm_up_batches"):
+        gen.warm_up_batches(progress)

@@ -27,6 +27,7 @@ import sys
 import time
 
 DTYPES = ("bfloat16", "float32")
+DEFAULT_MAX_RUNNING = 8  # SGLang's flag; its default here
 
 
 def add_speculative_flags(p: argparse.ArgumentParser) -> None:
@@ -49,6 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunked-prefill-size", type=int, default=None,
                    help="prompt positions per prefill chunk: one compiled prefill program serves every prompt "
                         "length (default: ling_jax.runner.DEFAULT_CHUNKED_PREFILL_SIZE = 512)")
+    # continuous batching (ling_jax/batching.py)
+    p.add_argument("--max-running-requests", type=int, default=None,
+                   help="requests decoded together, each in a slot of --context-length rows reserved at start "
+                        f"(default {DEFAULT_MAX_RUNNING} on one host with --tp-size 1, else 1; 1 serves one request "
+                        "at a time through the batch-1 programs alone)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--random-weights", action="store_true", help="random init even when --model-path is a dir")
@@ -130,6 +136,42 @@ def tensor_parallel(cfg, tp_size: int, multi_host: bool = False):
     return mesh, shardings_for(cfg, mesh)
 
 
+def max_running(a: argparse.Namespace) -> int:
+    """--max-running-requests, checked: batching runs on one host without tensor parallelism (the lockstep
+    protocol and the sharded programs are batch-1)."""
+    n = a.max_running_requests
+    if n is not None and n < 1:
+        raise ValueError(f"--max-running-requests must be >= 1, got {n}")
+    single = a.nnodes == 1 and a.tp_size == 1 and a.speculative_algorithm != "DSPARK"
+    if n is not None and n > 1 and not single:
+        raise ValueError(f"--max-running-requests {n}: continuous batching needs --nnodes 1, --tp-size 1 and no "
+                         f"DSPARK (got --nnodes {a.nnodes}, --tp-size {a.tp_size}, --speculative-algorithm "
+                         f"{a.speculative_algorithm}); use --max-running-requests 1")
+    return n if n is not None else (DEFAULT_MAX_RUNNING if single else 1)
+
+
+def request_rows(a: argparse.Namespace) -> int:
+    """Request slots the state holds: max_running + 1 with batching (the spare pads a row bucket), else 1."""
+    n = max_running(a)
+    return n + 1 if n > 1 else 1
+
+
+def memory_budget(a: argparse.Namespace, cfg, spec, context_length: int) -> dict:
+    """The state memory the slots reserve at start (ling_jax.memory.serving_budget); ValueError if it does not fit."""
+    import jax.numpy as jnp
+
+    from ling_jax.memory import device_memory_bytes, serving_budget
+
+    dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[a.dtype]
+    b = serving_budget(cfg, dtype, chunk_size(a), context_length, rows=request_rows(a),
+                       device_bytes=device_memory_bytes(), tp=a.tp_size, nextn=spec.enabled,
+                       quantization=a.quantization)
+    logging.info("memory: %d request slots x %d context = %.1f MiB per slot; %.2f GiB of %.2f GiB usable in all",
+                 b["rows"], context_length, b["per_request_bytes"] / 2**20, b["total_bytes"] / 2**30,
+                 b["limit_bytes"] / 2**30)
+    return b
+
+
 def chunk_size(a: argparse.Namespace) -> int:
     from ling_jax.runner import DEFAULT_CHUNKED_PREFILL_SIZE
 
@@ -146,7 +188,7 @@ def memory_context_length(a: argparse.Namespace, cfg, spec) -> int:
 
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[a.dtype]
     n = default_context_length(cfg, dtype, chunk_size(a), device_bytes=device_memory_bytes(), tp=a.tp_size,
-                               nextn=spec.enabled, quantization=a.quantization)
+                               nextn=spec.enabled, quantization=a.quantization, rows=request_rows(a))
     logging.info("--context-length not given: %d slots fit in memory (max_position_embeddings %d)", n,
                  cfg.max_position_embeddings)
     return n
@@ -208,6 +250,10 @@ def make_loader(a: argparse.Namespace, cfg, spec, tokenizer, mesh, shardings, co
             from serve.lockstep import LockstepGenerator
 
             gen = LockstepGenerator(gen)
+        if max_running(a) > 1:
+            from ling_jax.batching import BatchGenerator
+
+            gen = BatchGenerator(gen, max_running(a))  # the slots' memory is allocated here
         if loaded is not None:
             loaded.append(gen)
         if not warm:
@@ -216,7 +262,9 @@ def make_loader(a: argparse.Namespace, cfg, spec, tokenizer, mesh, shardings, co
         limits = ModelLimits(served_name(a), cfg.vocab_size, context_length,
                              2 * gen.rows_per_step, tokenizer, tuple(eos))
         t1 = time.perf_counter()
-        with tqdm(total=2, desc="compile + warm-up (greedy, sampled)", unit="program", file=sys.stderr) as bar:
+        steps = 2 + len(getattr(gen, "row_buckets", (1,))) - 1
+        with tqdm(total=steps, desc="compile + warm-up (greedy, sampled, row buckets)", unit="program",
+                  file=sys.stderr) as bar:
             warmup(gen, limits, progress=bar.update)
         logging.info("compiled and warm in %.1f s", time.perf_counter() - t1)
         return gen, limits
@@ -282,6 +330,7 @@ def main(argv=None) -> int:
         context_length = a.context_length or memory_context_length(a, cfg, spec)
         if context_length < 2 * spec.draft_tokens + 5:  # the warm-up's 4-token prompt, 1 new token, 2 steps' rows
             raise ValueError(f"--context-length {context_length} is too small (at least {2 * spec.draft_tokens + 5})")
+        budget = memory_budget(a, cfg, spec, context_length)
     except (ValueError, KeyError, FileNotFoundError) as e:  # CheckpointError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -296,6 +345,7 @@ def main(argv=None) -> int:
                            speculative_eagle_topk=1)
     server_args.update(served_model_name=name, tokenizer_path=a.model_path if tokenizer is not None else None,
                        context_length=context_length, chunked_prefill_size=chunk_size(a), vocab_size=cfg.vocab_size,
+                       max_running_requests=max_running(a), memory_budget=budget,
                        jax_version=jax.__version__,
                        device=f"{jax.device_count()}x {jax.devices()[0].device_kind}",
                        has_tokenizer=tokenizer is not None, chat_template=bool(tokenizer and tokenizer.chat_template))

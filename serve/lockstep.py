@@ -34,8 +34,10 @@ from serve.protocol import MAX_LOGIT_BIAS
 
 log = logging.getLogger("ling_jax.serve")
 
-HEADER = 64  # int32 words: op, n_prompt, bucket, max_new_tokens, seed, temperature, top_p, n_stop, stop ids...
-MAX_STOP_IDS = HEADER - 8
+HEADER = 64  # int32 words: op, n_prompt, bucket, max_new_tokens, seed, temperature, top_p, n_stop,
+# top_logprobs + 1 (0: none; it picks the step program), stop ids...
+STOP0 = 9
+MAX_STOP_IDS = HEADER - STOP0
 OP_STREAM, OP_SHUTDOWN = 1, 2
 SAMPLING_SCALARS = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 SAMPLING_WORDS = len(SAMPLING_SCALARS) + 1 + 2 * MAX_LOGIT_BIAS  # scalars, n_bias, bias ids, bias f32 bits
@@ -99,15 +101,17 @@ class FlagChannel:
 
 
 def encode_header(op: int, prompt_len: int = 0, bucket: int = 0, max_new_tokens: int = 0, seed: int = 0,
-                  temperature: float = 0.0, top_p: float = 1.0, stop_token_ids=None) -> np.ndarray:
+                  temperature: float = 0.0, top_p: float = 1.0, stop_token_ids=None,
+                  top_logprobs: int | None = None) -> np.ndarray:
     h = np.zeros((HEADER,), np.int32)
     stops = None if stop_token_ids is None else tuple(int(t) for t in stop_token_ids)
     if stops is not None and len(stops) > MAX_STOP_IDS:
         raise ValueError(f"multi-host serving passes at most {MAX_STOP_IDS} stop token ids, got {len(stops)}")
     h[:8] = [op, prompt_len, bucket, max_new_tokens, seed, _f32_bits(temperature), _f32_bits(top_p),
              -1 if stops is None else len(stops)]
+    h[8] = 0 if top_logprobs is None else top_logprobs + 1
     if stops:
-        h[8:8 + len(stops)] = stops
+        h[STOP0:STOP0 + len(stops)] = stops
     return h
 
 
@@ -138,9 +142,9 @@ def decode_sampling(w: np.ndarray) -> dict:
 def decode_header(h: np.ndarray) -> tuple[int, dict, int, int]:
     """-> (op, stream kwargs, prompt length, bucket)."""
     op, n, bucket, max_new, seed, temp, top_p, n_stop = (int(v) for v in h[:8])
-    stops = None if n_stop < 0 else tuple(int(t) for t in h[8:8 + n_stop])
+    stops = None if n_stop < 0 else tuple(int(t) for t in h[STOP0:STOP0 + n_stop])
     kw = dict(max_new_tokens=max_new, seed=seed, temperature=_bits_f32(temp), top_p=_bits_f32(top_p),
-              stop_token_ids=stops)
+              stop_token_ids=stops, top_logprobs=int(h[8]) - 1 if h[8] else None)
     return op, kw, n, bucket
 
 
@@ -167,7 +171,7 @@ class LockstepGenerator:
         self.gen.check_request(len(prompt), max_new_tokens)
         SamplingOptions(temperature=temperature, top_p=top_p, **sampling).device(self.gen.cfg.vocab_size)
         bucket = prompt_bucket(len(prompt))
-        header = encode_header(OP_STREAM, len(prompt), bucket, **kw)
+        header = encode_header(OP_STREAM, len(prompt), bucket, top_logprobs=top_logprobs, **kw)
         padded = np.zeros((bucket,), np.int32)
         padded[: len(prompt)] = prompt
         return self._relay(header, encode_sampling(**sampling), padded, prompt, stats,

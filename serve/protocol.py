@@ -7,7 +7,6 @@ read a `ModelLimits`; nothing here touches the engine.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -56,14 +55,7 @@ class GenRequest:
 
     input_ids: list[int]
     max_new_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: tuple[tuple[int, float], ...] = ()
+    sampling: SamplingOptions = SamplingOptions()  # temperature, top_p, top_k, min_p, penalties, logit_bias
     top_logprobs: int | None = None  # None: no logprobs; n: each output token's logprob and its n top alternatives
     seed: int | None = None
     stop: tuple[str, ...] = ()
@@ -72,10 +64,6 @@ class GenRequest:
     stream: bool = False
     include_usage: bool = False
     extra: dict = field(default_factory=dict)  # endpoint-specific bits (model name, chat or not)
-
-    def sampling(self) -> dict:
-        """The SamplingOptions fields (Generator.stream's sampling kwargs); GenRequest carries each of them."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(SamplingOptions)}
 
 
 # ---- body and field parsing --------------------------------------------------------------------------------------
@@ -206,8 +194,9 @@ def _rid(body: dict) -> str | None:
 
 
 def _sampling(d: dict, limits: ModelLimits, n_prompt: int, max_name: str, default_max: int | None,
-              prompt_param: str, prefix: str = "") -> dict:
-    """temperature, top_p, seed and max tokens, checked against the context."""
+              prompt_param: str, transforms: dict, prefix: str = "") -> dict:
+    """GenRequest's max_new_tokens (checked against the context), seed and SamplingOptions (temperature, top_p and
+    the `transforms`)."""
     room = limits.max_new_tokens(n_prompt)
     if room < 1:
         raise APIError(400, f"the prompt has {n_prompt} tokens; with {limits.reserved_rows} reserved speculative "
@@ -221,15 +210,15 @@ def _sampling(d: dict, limits: ModelLimits, n_prompt: int, max_name: str, defaul
         raise APIError(400, f"prompt ({n_prompt} tokens) + {max_name} ({max_new}) + {limits.reserved_rows} reserved "
                             f"speculative rows exceeds the context length {limits.context_length} (at most {room} "
                             f"new tokens fit)", param=prefix + max_name, code="context_length_exceeded")
-    return dict(
-        max_new_tokens=max_new,
+    sampling = SamplingOptions(
         temperature=float(_field(d, "temperature", "number", 1.0, param=prefix + "temperature",
                                  check=lambda x: None if x >= 0 else "must be >= 0")),
         top_p=float(_field(d, "top_p", "number", 1.0, param=prefix + "top_p",
                            check=lambda x: None if 0 < x <= 1 else "must be in (0, 1]")),
-        seed=_field(d, "seed", "int", None, param=prefix + "seed",
-                    check=lambda x: None if 0 <= x < MAX_SEED else "must be in [0, 2**64)"),
-    )
+        **transforms)
+    return dict(max_new_tokens=max_new, sampling=sampling,
+                seed=_field(d, "seed", "int", None, param=prefix + "seed",
+                            check=lambda x: None if 0 <= x < MAX_SEED else "must be in [0, 2**64)"))
 
 
 def _in(lo: float, hi: float, lo_open: bool = False) -> Callable[[Any], str | None]:
@@ -338,7 +327,7 @@ def _openai_common(body: dict, limits: ModelLimits, ids: list[int], default_max:
         stream=_field(body, "stream", "bool", False),
         include_usage=bool(_field(opts, "include_usage", "bool", False, param="stream_options.include_usage")),
         extra={"model": limits.served_model_name, "rid": _rid(body)}, top_logprobs=_openai_logprobs(body, chat),
-        **_sampling(body, limits, len(ids), key, default_max, prompt_param), **_transforms(body, limits),
+        **_sampling(body, limits, len(ids), key, default_max, prompt_param, _transforms(body, limits)),
     )
 
 
@@ -435,8 +424,8 @@ def parse_generate(body: dict, limits: ModelLimits) -> GenRequest:
         ignore_eos=_field(sp, "ignore_eos", "bool", False, param="sampling_params.ignore_eos"),
         stream=_field(body, "stream", "bool", False), top_logprobs=_generate_logprobs(body),
         extra={"rid": _rid(body), "return_text_in_logprobs": _field(body, "return_text_in_logprobs", "bool", False)},
-        **_sampling(sp, limits, len(ids), "max_new_tokens", 128, prompt_param, prefix="sampling_params."),
-        **_transforms(sp, limits, prefix="sampling_params."),
+        **_sampling(sp, limits, len(ids), "max_new_tokens", 128, prompt_param,
+                    _transforms(sp, limits, prefix="sampling_params."), prefix="sampling_params."),
     )
 
 

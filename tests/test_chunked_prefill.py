@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from ling_jax.memory import bytes_per_slot, default_context_length, fixed_bytes
-from ling_jax.runner import Generator, count_compiles
+from ling_jax.runner import Generator, count_compiles, prefill_buckets, prefill_schedule, warm_up
 from ling_jax.sampling import SamplingOptions
 from ling_jax.spec import SpecConfig
 from tests.test_sampling_fields import full_forward, model
@@ -18,19 +18,29 @@ def test_prompt_at_the_context_limit_compiles_nothing(steps):
     cfg, params = model()
     spec = SpecConfig("NEXTN", steps) if steps else SpecConfig("NONE")
     gen = Generator(cfg, params, spec=spec, max_len=80, chunked_prefill_size=16, dtype=jnp.float32)
-    with count_compiles() as warm_up:  # the server's warm-up: a 4-token prompt, greedy and sampled
-        for temperature in (0.0, 1.0):
-            gen.generate([2, 3, 4, 5], max_new_tokens=3, temperature=temperature, stop_token_ids=())
-    assert len(warm_up) >= 6, warm_up  # init, prefill chunk and step, greedy and sampled: the counter counts
+    with count_compiles() as warm:  # the server's warm-up: every prefill bucket and step variant, greedy and sampled
+        warm_up(gen)
+    assert gen.buckets == (8, 16)
+    assert len(warm) >= 10, warm  # init, 2 prefill buckets, step with and without logprobs: the counter counts
     longest = gen.max_len - 2 * gen.rows_per_step - 1
     rng = np.random.default_rng(steps)
     with count_compiles() as compiled:
-        for n, temperature in [(longest, 0.0), (longest, 1.0), (17, 0.0), (33, 1.0)]:
+        for n, temperature, lp in [(longest, 0.0, None), (longest, 1.0, 2), (17, 0.0, 0), (33, 1.0, None),
+                                   (3, 1.0, None), (9, 0.0, 1)]:
             out, _ = gen.generate(rng.integers(0, cfg.vocab_size, n).tolist(), max_new_tokens=gen.max_len - n - 2
                                   * gen.rows_per_step, temperature=temperature, top_k=5, repetition_penalty=1.2,
-                                  stop_token_ids=())
+                                  stop_token_ids=(), top_logprobs=lp)
             assert len(out) == gen.max_len - n - 2 * gen.rows_per_step
     assert compiled == [], f"requests compiled {compiled}"
+
+
+def test_prefill_buckets_and_schedule():
+    assert prefill_buckets(512) == (32, 128, 512) and prefill_buckets(16) == (8, 16) and prefill_buckets(4) == (4,)
+    b = (32, 128, 512)
+    assert prefill_schedule(2, b) == [(0, 32)]
+    assert prefill_schedule(33, b) == [(0, 128)]
+    assert prefill_schedule(512, b) == [(0, 512)]
+    assert prefill_schedule(1100, b) == [(0, 512), (512, 512), (1024, 128)]
 
 
 @pytest.mark.parametrize("steps", [0, 3])

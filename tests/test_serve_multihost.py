@@ -22,12 +22,13 @@ ONE_DEVICE = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
 
 
 def test_header_round_trip():
-    h = encode_header(OP_STREAM, 5, 16, 33, 1234, temperature=0.7, top_p=0.9, stop_token_ids=(0, 7))
+    h = encode_header(OP_STREAM, 5, 16, 33, 1234, temperature=0.7, top_p=0.9, stop_token_ids=(0, 7), top_logprobs=0)
     op, kw, n, bucket = decode_header(h)
     assert (op, n, bucket) == (OP_STREAM, 5, 16)
     assert kw == dict(max_new_tokens=33, seed=1234, temperature=pytest.approx(0.7), top_p=pytest.approx(0.9),
-                      stop_token_ids=(0, 7))
-    assert decode_header(encode_header(OP_STREAM, stop_token_ids=None))[1]["stop_token_ids"] is None
+                      stop_token_ids=(0, 7), top_logprobs=0)
+    none = decode_header(encode_header(OP_STREAM, stop_token_ids=None))[1]
+    assert none["stop_token_ids"] is None and none["top_logprobs"] is None  # the step program without logprobs
     with pytest.raises(ValueError, match="at most"):
         encode_header(OP_STREAM, stop_token_ids=tuple(range(100)))
 
@@ -36,7 +37,9 @@ def test_header_round_trip():
 def two_hosts(tmp_path_factory):
     d = tmp_path_factory.mktemp("multihost")
     coord = f"127.0.0.1:{free_port()}"
-    flags = ["--random-weights", "--seed", "3", "--tp-size", "2", "--dist-init-addr", coord, "--nnodes", "2"]
+    # the lockstep protocol is batch-1: one request at a time (continuous batching refuses --nnodes > 1)
+    flags = ["--random-weights", "--seed", "3", "--tp-size", "2", "--dist-init-addr", coord, "--nnodes", "2",
+             "--max-running-requests", "1"]
     follower = Server("test-tiny", str(d / "follower.log"), *flags, "--node-rank", "1", env=ONE_DEVICE, wait=False)
     try:
         leader = Server("test-tiny", str(d / "leader.log"), *flags, "--node-rank", "0", env=ONE_DEVICE,

@@ -23,7 +23,9 @@ LONG = {"input_ids": [9, 10, 11], "sampling_params": {"max_new_tokens": 480, "te
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     d = tmp_path_factory.mktemp("serve-ops")
-    srv = Server("test-tiny", str(d / "server.log"), "--api-key", KEY, "--max-queued-requests", "1",
+    # one request at a time: the queue-full case counts one running and one waiting request
+    srv = Server("test-tiny", str(d / "server.log"), "--max-running-requests", "1", "--api-key", KEY,
+                 "--max-queued-requests", "1",
                  "--request-timeout", "0.5", "--dist-init-addr", "10.1.2.3:5000")
     yield srv
     srv.stop()

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Continuous batching on one device, demo model: output throughput and TPOT at concurrency 1, 2, 4, 8
+# (bench_serving --concurrency-sweep against a server with --max-running-requests 8), and the concurrency-1
+# baseline against a server with --max-running-requests 1 (the batch-1 programs alone, no scheduler), so the
+# concurrency-1 TPOT of both is compared in one run. One persistent compilation cache for both servers.
+# Usage: bash bench/batching_sweep.sh OUT_DIR [extra server flags]      (writes OUT_DIR/*.json, *.png, *.log)
+set -u
+out=${1:?out dir}; shift
+mkdir -p "$out"
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/ling-jax-batching-cache}
+flags=(--model-path models/ling-demo --context-length 2048 --speculative-algorithm NEXTN --speculative-num-steps 3
+       --speculative-eagle-topk 1 --speculative-num-draft-tokens 4 "$@")
+bench=(--backend sglang --dataset-name random --tokenizer-free --random-input-len 128 --random-output-len 256
+       --random-range-ratio 1 --seed 1)
+
+serve() {  # serve NAME PORT FLAGS...: start a server, wait for /health (at most 300 s)
+  local name=$1 port=$2; shift 2
+  python3 -m serve.launch_server --port "$port" "${flags[@]}" "$@" > "$out/server-$name.log" 2>&1 &
+  pid=$!
+  for _ in $(seq 600); do
+    curl -sf "http://127.0.0.1:$port/health" > /dev/null && { echo "server $name ready after ${SECONDS}s"; return 0; }
+    kill -0 $pid 2> /dev/null || { echo "server $name died"; tail -20 "$out/server-$name.log"; return 1; }
+    sleep 0.5
+  done
+  echo "server $name not ready"; return 1
+}
+
+serve batch1 30201 --max-running-requests 1 && \
+  timeout 120 python3 -m bench.bench_serving --port 30201 "${bench[@]}" --concurrency-sweep 1 --num-prompts 6 \
+    --output-file "$out/serving-sweep-batch1.json"
+kill $pid 2> /dev/null; wait $pid 2> /dev/null
+serve batch8 30202 --max-running-requests 8 && \
+  timeout 240 python3 -m bench.bench_serving --port 30202 "${bench[@]}" --concurrency-sweep 1,2,4,8 --num-prompts 6 \
+    --output-file "$out/serving-sweep-batch8.json"
+kill $pid 2> /dev/null; wait $pid 2> /dev/null
+python3 - "$out" <<'PY'
+import json, sys
+one = json.load(open(f"{sys.argv[1]}/serving-sweep-batch1.json"))["levels"][0]
+lv = json.load(open(f"{sys.argv[1]}/serving-sweep-batch8.json"))["levels"]
+print(f"concurrency-1 TPOT: batch-1 server {one['mean_tpot_ms']:.3f} ms, batching server {lv[0]['mean_tpot_ms']:.3f} ms "
+      f"({lv[0]['mean_tpot_ms'] / one['mean_tpot_ms'] - 1:+.1%}; target within 3 %)")
+for m in lv:
+    print(f"  concurrency {m['max_concurrency']}: {m['output_throughput']:.0f} tok/s = {m['throughput_vs_first_level']:.2f}x, "
+          f"TPOT {m['mean_tpot_ms']:.2f} ms (target at 8: >= 4x)")
+PY

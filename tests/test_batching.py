@@ -1,0 +1,143 @@
+"""Continuous batching in process (ling_jax.batching): requests decoded together in slots give what each gives
+alone through the batch-1 Generator (greedy tokens; seeded samples; logprobs), whatever joins or leaves."""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ling_jax.batching import BatchGenerator, row_buckets
+from ling_jax.config import get_preset
+from ling_jax.model import Numerics, RuntimeOptions
+from ling_jax.runner import Generator
+from ling_jax.sampling import SamplingOptions
+from ling_jax.slots import join_rows, split_rows
+from ling_jax.spec import SpecConfig, deterministic_rows, spec_init
+from ling_jax.weights import init_params
+
+
+@pytest.fixture(scope="module")
+def gens():
+    cfg = get_preset("test-tiny")
+    params = init_params(cfg, 0, jnp.float32)
+    spec = SpecConfig("NEXTN", 3)
+    opts = RuntimeOptions(numerics=Numerics(target_rows=deterministic_rows(spec.draft_tokens)))
+    kw = dict(spec=spec, max_len=96, chunked_prefill_size=16, dtype=jnp.float32, opts=opts)
+    return Generator(cfg, params, **kw), BatchGenerator(Generator(cfg, params, **kw), max_running=4)
+
+
+def _concurrently(bg, requests):
+    """Run each (prompt, kwargs) as its own stream in its own thread; -> [(tokens, stats)]."""
+    results = [None] * len(requests)
+
+    def one(i, prompt, kw):
+        results[i] = bg.generate(prompt, stop_token_ids=(), **kw)
+
+    threads = [threading.Thread(target=one, args=(i, p, kw)) for i, (p, kw) in enumerate(requests)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    return results
+
+
+def _requests(cfg, n, **kw):
+    rng = np.random.default_rng(7)
+    return [(rng.integers(2, cfg.vocab_size, int(rng.integers(3, 30))).tolist(),
+             dict(max_new_tokens=int(rng.integers(5, 20)), **kw)) for _ in range(n)]
+
+
+def test_buckets_and_join_split_round_trip():
+    assert row_buckets(8) == (1, 2, 4, 8) and row_buckets(6) == (1, 2, 4, 6) and row_buckets(1) == (1,)
+    cfg = get_preset("test-tiny")
+    states = [spec_init(SamplingOptions(temperature=0.1 * i, logit_bias=((i, 1.0),)).device(cfg.vocab_size),
+                        jax.random.key(i), cfg, batch=1, slots=8, steps=2, is_greedy=False, dtype=jnp.float32)
+              for i in range(3)]
+    states = [s.replace(target=s.target.replace(lengths=s.target.lengths + i)) for i, s in enumerate(states)]
+    joined = join_rows(states)
+    assert joined.target.mla_cache.shape[1] == 3 and joined.sampling.logit_bias.shape == (3, cfg.vocab_size)
+    assert joined.target.lengths.tolist() == [0, 1, 2] and joined.accept_hist.shape == (3, 3)
+    for a, b in zip(states, split_rows(joined, 3)):
+        assert jax.tree.structure(a) == jax.tree.structure(b)
+        for x, y in zip(jax.tree.leaves(jax.tree.map(_data, a)), jax.tree.leaves(jax.tree.map(_data, b))):
+            np.testing.assert_array_equal(x, y)
+
+
+def _data(x):
+    return jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+
+
+def test_greedy_and_seeded_batches_match_one_at_a_time(gens):
+    gen, bg = gens
+    cfg = gen.cfg
+    reqs = _requests(cfg, 4) + [(p, dict(kw, temperature=0.8, top_p=0.9, seed=11 + i))
+                                for i, (p, kw) in enumerate(_requests(cfg, 3))]
+    reqs[1][1]["top_logprobs"] = 2
+    reqs[5][1].update(top_k=7, repetition_penalty=1.3, logit_bias=((5, 2.0),))
+    alone = [gen.generate(p, stop_token_ids=(), **kw) for p, kw in reqs]
+    together = _concurrently(bg, reqs)
+    for (a, sa), (b, sb), (_, kw) in zip(alone, together, reqs):
+        assert b == a, kw
+        assert len(b) == kw["max_new_tokens"] and sb.finish_reason == "length"
+    np.testing.assert_allclose(together[1][1].token_logprobs, alone[1][1].token_logprobs, rtol=1e-5, atol=1e-5)
+    assert [t for t, _ in together[1][1].top_logprobs[0]] == [t for t, _ in alone[1][1].top_logprobs[0]]
+
+
+def test_joining_leaving_and_closing_change_nothing_for_the_others(gens):
+    gen, bg = gens
+    long_req = _requests(gen.cfg, 1)[0]
+    long_req[1]["max_new_tokens"] = 40
+    expect, _ = gen.generate(long_req[0], stop_token_ids=(), **long_req[1])
+    got = []
+    started = threading.Event()
+
+    def long_stream():
+        for chunk in bg.stream(long_req[0], stop_token_ids=(), **long_req[1]):
+            got.extend(chunk)
+            started.set()
+
+    t = threading.Thread(target=long_stream)
+    t.start()
+    started.wait(120)
+    short = _requests(gen.cfg, 3, temperature=1.0, seed=3)
+    aborted = bg.stream(short[0][0], stop_token_ids=(), **short[0][1])
+    next(aborted)
+    aborted.close()  # leaves mid-flight
+    outs = _concurrently(bg, short[1:])
+    t.join(300)
+    assert got == expect
+    for (p, kw), (b, _) in zip(short[1:], outs):
+        assert b == gen.generate(p, stop_token_ids=(), **kw)[0]
+    # nothing of the earlier requests lingers in the slots
+    assert bg.generate(long_req[0], stop_token_ids=(), **long_req[1])[0] == expect
+
+
+def test_stop_token_ends_one_row(gens):
+    gen, bg = gens
+    prompt, kw = _requests(gen.cfg, 1)[0]
+    kw["max_new_tokens"] = 30
+    full, _ = gen.generate(prompt, stop_token_ids=(), **kw)
+    stop = full[6]
+    other = _requests(gen.cfg, 2)[1]
+    (a, sa), (b, _) = _concurrently(bg, [(prompt, kw), other])  # stop_token_ids=() there: no stop
+    out, st = bg.generate(prompt, stop_token_ids=(stop,), **kw)
+    assert out == full[: full.index(stop) + 1] and st.finish_reason == "stop"
+    assert a == full and b == gen.generate(other[0], stop_token_ids=(), **other[1])[0]
+
+
+def test_plain_decoding_batches_match_one_at_a_time():
+    """Without speculation (PlainState slots): 2 greedy rows (one with logprobs) and a seeded sampled row."""
+    cfg = get_preset("test-tiny")
+    params = init_params(cfg, 1, jnp.float32)
+    kw = dict(max_len=64, chunked_prefill_size=16, dtype=jnp.float32)
+    gen, bg = Generator(cfg, params, **kw), BatchGenerator(Generator(cfg, params, **kw), max_running=2)
+    reqs = _requests(cfg, 2) + [(p, dict(k, temperature=1.0, seed=4, min_p=0.05)) for p, k in _requests(cfg, 1)]
+    reqs[0][1]["top_logprobs"] = 1
+    alone = [gen.generate(p, stop_token_ids=(), **k) for p, k in reqs]
+    together = _concurrently(bg, reqs)
+    assert [t for t, _ in together] == [a for a, _ in alone]
+    np.testing.assert_allclose(together[0][1].token_logprobs, alone[0][1].token_logprobs, rtol=1e-5, atol=1e-5)
