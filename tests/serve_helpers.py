@@ -1,8 +1,8 @@
 """Helpers for the serving tests: a tiny model dir with a trained byte-level BPE tokenizer, and the real server
 (`python -m serve.launch_server`) as a subprocess on loopback.
 
-Every server the tests start uses the same shapes (test-tiny, float32, context 512, NEXTN 3 steps, continuous
-batching of up to 4 requests: row buckets 1, 2, 4) and one persistent JAX compilation cache, so only the first start
+Every server the tests start uses the same shapes (test-tiny, float32, context 512, NEXTN 3 steps, batch 1 unless a
+test asks for slots: tests/test_serve_batching.py) and one persistent JAX compilation cache, so only the first start
 of a session compiles.
 """
 
@@ -24,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CACHE_DIR = os.path.join(tempfile.gettempdir(), "ling-jax-serve-test-jit-cache")
 SERVER_FLAGS = ["--dtype", "float32", "--context-length", "512", "--speculative-algorithm", "NEXTN",
                 "--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4",
-                "--max-running-requests", "4"]
+                "--max-running-requests", "1"]  # batch 1: the batching tests ask for slots themselves
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 CORPUS = """The quick brown fox jumps over the lazy dog. A tiny model speaks in random tokens, yet the server must

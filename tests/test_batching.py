@@ -27,7 +27,7 @@ def gens():
     spec = SpecConfig("NEXTN", 3)
     opts = RuntimeOptions(numerics=Numerics(target_rows=deterministic_rows(spec.draft_tokens)))
     kw = dict(spec=spec, max_len=96, chunked_prefill_size=16, dtype=jnp.float32, opts=opts)
-    return Generator(cfg, params, **kw), BatchGenerator(Generator(cfg, params, **kw), max_running=4)
+    return Generator(cfg, params, **kw), BatchGenerator(Generator(cfg, params, **kw), max_running=2)
 
 
 def _concurrently(bg, requests):

@@ -19,7 +19,7 @@ from tests.serve_helpers import ROOT, SERVER_FLAGS, Server, make_model_dir
 def server(tmp_path_factory):
     d = tmp_path_factory.mktemp("serve-batching")
     srv = Server(make_model_dir(str(d / "model")), str(d / "server.log"), "--random-weights", "--seed", "3",
-                 "--enable-deterministic-inference", timeout_s=1200)  # its first start compiles every row bucket
+                 "--enable-deterministic-inference", "--max-running-requests", "4", timeout_s=1200)  # its first start compiles every row bucket
     yield srv
     srv.stop()
 
