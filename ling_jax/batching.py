@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
-from ling_jax.runner import MAX_TOP_LOGPROBS, GenerationStats, Generator, _record_logprobs
+from ling_jax.runner import GenerationStats, Generator, _record_logprobs, collect
 from ling_jax.sampling import SamplingOptions
 from ling_jax.slots import join_rows, split_rows
 
@@ -88,6 +88,9 @@ class BatchGenerator:
     its own thread; one scheduler thread runs the device). Other attributes come from the wrapped Generator."""
 
     def __init__(self, gen: Generator, max_running: int):
+        if gen.decode_steps != 1 or gen.spec.is_dspark:
+            raise ValueError(f"continuous batching steps NEXTN or plain decoding one step per dispatch (got "
+                             f"decode_steps={gen.decode_steps}, algorithm {gen.spec.algorithm})")
         self.gen, self.max_running = gen, max_running
         self.row_buckets = row_buckets(max_running)
         self.n_slots = max_running + 1
@@ -139,12 +142,7 @@ class BatchGenerator:
                stats: GenerationStats | None = None, top_logprobs: int | None = None, **sampling):
         """As Generator.stream (same arguments, same chunks); the request decodes batched with the others."""
         gen = self.gen
-        prompt = [int(t) for t in prompt]
-        if any(t < 0 or t >= gen.cfg.vocab_size for t in prompt):
-            raise ValueError(f"prompt token ids must be in [0, {gen.cfg.vocab_size})")
-        if top_logprobs is not None and not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}")
-        gen.check_request(len(prompt), max_new_tokens)
+        prompt = gen.check_inputs(prompt, max_new_tokens, top_logprobs)
         options = SamplingOptions(**sampling)
         options.device(gen.cfg.vocab_size)  # logit_bias ids checked here, in the caller's thread
         stats = stats if stats is not None else GenerationStats()
@@ -162,11 +160,7 @@ class BatchGenerator:
             row.closed = True  # the scheduler drops the row at its next turn
 
     def generate(self, prompt, **kw):
-        stats = GenerationStats()
-        out: list[int] = []
-        for chunk in self.stream(prompt, stats=stats, **kw):
-            out.extend(chunk)
-        return out, stats
+        return collect(self.stream, prompt, **kw)
 
     def _ensure_scheduler(self):
         with self._start:

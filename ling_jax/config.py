@@ -252,32 +252,6 @@ PRESETS: dict[str, ModelConfig] = {
         eos_token_id=0,
         pad_token_id=1,
     ),
-    # The v2 demo model (issue 14): same layout, wider (320), 64-wide experts and a 192-wide shared expert,
-    # 18.0M parameters, 36 MB in bf16; trained on the stdlib + dev-environment packages corpus.
-    "ling-demo-v2": ModelConfig(
-        name="ling-demo-v2",
-        hidden_size=320,
-        intermediate_size=960,
-        num_hidden_layers=8,
-        num_attention_heads=5,
-        head_dim=64,
-        vocab_size=4096,
-        layer_group_size=4,
-        first_k_dense_replace=1,
-        num_experts=16,
-        num_experts_per_tok=4,
-        moe_intermediate_size=64,
-        moe_shared_expert_intermediate_size=192,
-        n_group=4,
-        topk_group=2,
-        kv_lora_rank=128,
-        qk_nope_head_dim=64,
-        qk_rope_head_dim=32,
-        v_head_dim=64,
-        max_position_embeddings=8192,
-        eos_token_id=0,
-        pad_token_id=1,
-    ),
     # Small configs for tests: every layer kind occurs (KDA, MLA, dense, MoE, MTP).
     "test-tiny": ModelConfig(
         name="test-tiny",
@@ -360,6 +334,11 @@ PRESETS: dict[str, ModelConfig] = {
         shared_swiglu_limits=(0.0,) * 4 + (0.4,) * 4,
     ),
 }
+# The v2 demo model (issue 14): ling-demo's layout, wider (320, 5 heads), 64-wide experts and a 192-wide shared
+# expert, 18.0M parameters, 36 MB in bf16; trained on the stdlib + dev-environment packages corpus.
+PRESETS["ling-demo-v2"] = PRESETS["ling-demo"].replace(
+    name="ling-demo-v2", hidden_size=320, intermediate_size=960, num_attention_heads=5, moe_intermediate_size=64,
+    moe_shared_expert_intermediate_size=192)
 
 TEST_PRESETS = ("test-tiny", "test-qlora", "test-wide")
 

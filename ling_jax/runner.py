@@ -189,6 +189,16 @@ class Generator:
             fn = functools.partial(_continuous_steps, step=fn, n=self.decode_steps)
         return jax.jit(fn, donate_argnums=(1,))
 
+    def check_inputs(self, prompt, max_new_tokens: int, top_logprobs: int | None) -> list[int]:
+        """A request's prompt as ints, checked with its lengths and top_logprobs (every stream's first step)."""
+        prompt = [int(t) for t in prompt]
+        if any(t < 0 or t >= self.cfg.vocab_size for t in prompt):
+            raise ValueError(f"prompt token ids must be in [0, {self.cfg.vocab_size})")
+        if top_logprobs is not None and not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}")
+        self.check_request(len(prompt), max_new_tokens)
+        return prompt
+
     def check_request(self, n_prompt: int, max_new_tokens: int):
         if n_prompt < 1:
             raise ValueError("the prompt is empty")
@@ -231,12 +241,7 @@ class Generator:
         alternatives in `stats` (token_logprobs, top_logprobs).
         EOS / stop tokens are included in the output and end generation; tokens past them are dropped.
         """
-        prompt = [int(t) for t in prompt]
-        if any(t < 0 or t >= self.cfg.vocab_size for t in prompt):
-            raise ValueError(f"prompt token ids must be in [0, {self.cfg.vocab_size})")
-        if top_logprobs is not None and not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}")
-        self.check_request(len(prompt), max_new_tokens)
+        prompt = self.check_inputs(prompt, max_new_tokens, top_logprobs)
         options = SamplingOptions(**sampling)
         stats = stats if stats is not None else GenerationStats()
         stats.prompt_tokens, stats.num_steps = len(prompt), self.K
@@ -301,11 +306,17 @@ class Generator:
         stats.total_s = time.perf_counter() - t0
 
     def generate(self, prompt: list[int], **kw) -> tuple[list[int], GenerationStats]:
-        stats = GenerationStats()
-        out: list[int] = []
-        for chunk in self.stream(prompt, stats=stats, **kw):
-            out.extend(chunk)
-        return out, stats
+        return collect(self.stream, prompt, **kw)
+
+
+def collect(stream, prompt, **kw) -> tuple[list[int], GenerationStats]:
+    """A whole generation from any `stream(prompt, stats=..., **kw)` (Generator, BatchGenerator, the lockstep
+    leader): (token ids, GenerationStats)."""
+    stats = GenerationStats()
+    out: list[int] = []
+    for chunk in stream(prompt, stats=stats, **kw):
+        out.extend(chunk)
+    return out, stats
 
 
 def _continuous_steps(params, state, *, step, n: int):

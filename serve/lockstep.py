@@ -28,7 +28,7 @@ import threading
 
 import numpy as np
 
-from ling_jax.runner import Generator
+from ling_jax.runner import Generator, collect
 from ling_jax.sampling import SamplingOptions
 from serve.protocol import MAX_LOGIT_BIAS
 
@@ -202,13 +202,7 @@ class LockstepGenerator:
                     self._flags.read(pending)
 
     def generate(self, prompt, **kw):
-        from ling_jax.runner import GenerationStats
-
-        stats = GenerationStats()
-        out: list[int] = []
-        for chunk in self.stream(prompt, stats=stats, **kw):
-            out.extend(chunk)
-        return out, stats
+        return collect(self.stream, prompt, **kw)
 
     def shutdown(self, timeout_s: float = 60.0):
         """Tell the followers to leave `follow` (once, when the server stops; after the stream in flight, if any,
