@@ -42,6 +42,8 @@ from ling_jax.weights import load_params
 def heldout_tokens(data: str, model: str) -> np.ndarray:
     """The held-out token stream; packs and tokenizes the corpus from this interpreter's stdlib if absent."""
     path = os.path.join(data, "tokens-heldout.npy")
+    if os.path.exists(path + ".xz"):  # a carried corpus (ling_jax.train.corpus --compress)
+        return corpus.load_tokens(data, "heldout")
     if not os.path.exists(path):
         from ling_jax.tokenizer import load_tokenizer
 
@@ -62,6 +64,17 @@ def make_prompts(tokens: np.ndarray, n: int, length: int, eos: int) -> list[list
         if len(out) == n:
             break
     return out
+
+
+def repeated_ngram_share(ids: list[int], n: int = 4) -> float:
+    """The share of the output's n-grams that already occurred earlier in the same output: 0 for text that never
+    repeats itself, -> 1 for a loop of one line (what a user sees as a stuck model)."""
+    grams = [tuple(ids[i : i + n]) for i in range(len(ids) - n + 1)]
+    seen, repeats = set(), 0
+    for g in grams:
+        repeats += g in seen
+        seen.add(g)
+    return repeats / max(len(grams), 1)
 
 
 def heldout_loss(cfg, params, tokens: np.ndarray, seq: int, windows: int, batch: int) -> dict:
@@ -223,7 +236,9 @@ def evaluate(a, cfg, params) -> dict:
     print(json.dumps(loss), flush=True)
     base, base_outs = run_steps(cfg, params, prompts, 0, a.new_tokens, max_len, a.target_rows)
     rows, all_outs = [base], [base_outs]
-    print(f"plain greedy: {base['decode_tokens_per_s']:.1f} tok/s", flush=True)
+    base["repeated_4gram_share"] = float(np.mean([repeated_ngram_share(o) for o in base_outs]))
+    print(f"plain greedy: {base['decode_tokens_per_s']:.1f} tok/s, repeated 4-grams {base['repeated_4gram_share']:.3f}",
+          flush=True)
     for k in parse_steps(a.steps):
         row, outs = run_steps(cfg, params, prompts, k, a.new_tokens, max_len, a.target_rows)
         row["lossless_prompts"] = sum(o == b for o, b in zip(outs, base_outs))
