@@ -258,7 +258,7 @@ class ShardedKernelCalls(KernelCalls):
 
     def route(self, x, gate_w, expert_bias, cfg):
         base = super()
-        if self._router_config(x.shape[-1], gate_w.shape[0], cfg) is None:
+        if self._router_config(x, gate_w.shape[0], cfg) is None:
             return None
         # The router and its input are replicated: every device routes every token (no collective).
         rep = P()  # (None, None, None) would read as one argument's logical axes

@@ -164,17 +164,26 @@ class KernelCalls:
                      block_kd=fit(i, base.block_kd))
         return _moe_triton.MoeConfig(**tiles, interpret=self.interpret)
 
-    def _router_config(self, d: int, e: int, cfg):
-        """The Pallas router's tiles for these dims, or None where it does not apply (non power-of-2 groups)."""
+    def _router_config(self, x, e: int, cfg):
+        """The Pallas router's tiles for x [T, D] and E experts, or None where it does not apply (non power-of-2
+        groups, or no tiling whose score kernel fits the SMEM of a block at this T). The defaults (block_k up to
+        256, 4 stages) where they fit (every measured Ling-size decode/verify call); past that (prefill chunks:
+        the [T', BK] x tile is pipelined num_stages deep, 4 x 66 KB at the v2 demo's T = 512) fewer stages, then
+        narrower K tiles, down to 2 stages of 16 columns."""
+        t, d = x.shape
         fit = lambda n, cap: max(b for b in (16, 32, 64, 128, 256) if b <= cap and n % b == 0) if n % 16 == 0 else 0
         if not fit(d, 256) or not fit(e, 16):
             return None
-        rc = _router.RouterConfig(block_e=fit(e, 16), block_k=fit(d, 256), interpret=self.interpret)
+        base = _router.RouterConfig(block_e=fit(e, 16), block_k=fit(d, 256), interpret=self.interpret)
         try:
-            rc.check(d, e, cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok)
+            base.check(d, e, cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok)
         except ValueError:
             return None
-        return rc
+        block_ks = [b for b in (256, 128, 64, 32, 16) if b <= base.block_k and d % b == 0]
+        for rc in (dataclasses.replace(base, block_k=bk, num_stages=st) for bk in block_ks for st in (4, 3, 2)):
+            if rc.scores_smem(t, d, x.dtype.itemsize) <= _router.SMEM_BYTES:
+                return rc
+        return None
 
     def _kda_config(self):
         return _kda_verify.KdaConfig(block_v=16, interpret=True) if self.interpret else None
@@ -182,7 +191,7 @@ class KernelCalls:
     # ---- calls ---------------------------------------------------------------------------------------------
 
     def route(self, x, gate_w, expert_bias, cfg):
-        rc = self._router_config(x.shape[-1], gate_w.shape[0], cfg)
+        rc = self._router_config(x, gate_w.shape[0], cfg)
         if rc is None:
             return None
         return _router.route(x, gate_w, expert_bias, n_group=cfg.n_group, topk_group=cfg.topk_group,
@@ -196,7 +205,7 @@ class KernelCalls:
         the call, fp8 weights, a shared width other than I, router tiles that do not fit): the caller routes
         and calls `moe`. live_rows int32[B] with rows_per_seq = T / B: padding rows borrow routing (as
         ling_jax.layers.moe.borrow_routing)."""
-        rc = self._router_config(x.shape[-1], gate_w.shape[0], cfg)
+        rc = self._router_config(x, gate_w.shape[0], cfg)
         w_gate, w_up, w_down = experts
         dense_weights = not any(isinstance(w, Fp8Weight) for w in (*experts, *(shared or ())))
         if (not self.moe_slots or rc is None or not dense_weights or shared is None

@@ -62,6 +62,9 @@ def route_reference(x, gate_w, expert_bias, *, n_group, topk_group, top_k,
   return ids.astype(jnp.int32), w * routed_scaling_factor
 
 
+SMEM_BYTES = 227 * 1024   # H100/H200 opt-in shared memory per block (232448 B)
+
+
 @dataclasses.dataclass(frozen=True)
 class RouterConfig:
   """Tiling for the Triton router.
@@ -87,12 +90,33 @@ class RouterConfig:
       v = getattr(self, name)
       if v < 16 or v & (v - 1):
         raise ValueError(f"{name}={v} must be a power of 2 >= 16")
+    if self.num_stages < 1:
+      raise ValueError(f"num_stages={self.num_stages} must be >= 1")
 
-  def check(self, d, e, n_group, topk_group, top_k):
+  def check(self, d, e, n_group, topk_group, top_k, t=None, itemsize=2):
+    """The tiles divide the dims, the groups fit the top-k kernels and (given T tokens of `itemsize` bytes) the
+    score kernel's SMEM fits an H100/H200 block (not in the interpreter, which has none): a clear error here
+    instead of XLA's RESOURCE_EXHAUSTED when the GPU compiles it."""
     if d % self.block_k or e % self.block_e:
       raise ValueError(f"block_k={self.block_k} must divide D={d} and block_e={self.block_e} "
                        f"must divide E={e}")
     check_groups(e, n_group, topk_group, top_k)
+    if t is not None and not self.interpret and (smem := self.scores_smem(t, d, itemsize)) > SMEM_BYTES:
+      raise ValueError(f"router_scores at T={t} (T'={padded_tokens(t)}), D={d}, E={e}: block_k={self.block_k}, "
+                       f"block_e={self.block_e}, num_stages={self.num_stages} need {smem} B of shared memory > "
+                       f"{SMEM_BYTES} B per block (H100/H200)")
+
+  def scores_smem(self, t, d, itemsize=2):
+    """Shared memory of the score kernel: Triton's pipeliner keeps num_stages copies of the [T', BK] x tile and
+    the [BE, BK] gate tile (one copy when D / BK = 1: no loop to pipeline). Checked against Triton's own count
+    of the lowered kernel in tests/test_router_smem.py (v2 demo at T = 512: 4 x 67584 = 270336 B)."""
+    stages = self.num_stages if d // self.block_k > 1 else 1
+    return stages * (padded_tokens(t) + self.block_e) * self.block_k * itemsize
+
+
+def padded_tokens(t):
+  """T' of the score kernel: T padded to a power of 2, >= 16 (tl.dot)."""
+  return max(16, 1 << (t - 1).bit_length())
 
 
 def check_groups(e, n_group, topk_group, top_k):
@@ -305,8 +329,8 @@ def route(x, gate_w, expert_bias, *, n_group, topk_group, top_k, routed_scaling_
   e = gate_w.shape[0]
   assert gate_w.shape == (e, d) and expert_bias.shape == (e,), (x.shape, gate_w.shape,
                                                                  expert_bias.shape)
-  cfg.check(d, e, n_group, topk_group, top_k)
-  tp = max(16, 1 << (t - 1).bit_length())
+  cfg.check(d, e, n_group, topk_group, top_k, t=t, itemsize=x.dtype.itemsize)
+  tp = padded_tokens(t)
   eg = e // n_group
   scores = pl.pallas_call(
       functools.partial(_scores_kernel, t=t, tp=tp, cfg=cfg, d=d), grid=(e // cfg.block_e,),
@@ -376,8 +400,8 @@ def route_slots(x, gate_w, expert_bias, live_rows=None, *, n_group, topk_group, 
   t, d = x.shape
   e = gate_w.shape[0]
   assert gate_w.shape == (e, d) and expert_bias.shape == (e,), (x.shape, gate_w.shape, expert_bias.shape)
-  cfg.check(d, e, n_group, topk_group, top_k)
-  tp = max(16, 1 << (t - 1).bit_length())
+  cfg.check(d, e, n_group, topk_group, top_k, t=t, itemsize=x.dtype.itemsize)
+  tp = padded_tokens(t)
   scores, x_pad = pl.pallas_call(
       functools.partial(_scores_kernel, t=t, tp=tp, cfg=cfg, d=d), grid=(e // cfg.block_e,),
       out_shape=(jax.ShapeDtypeStruct((t, e), jnp.float32), jax.ShapeDtypeStruct((n_tokens, d), x.dtype)),
