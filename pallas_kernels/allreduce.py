@@ -67,16 +67,17 @@ STREAM_DTYPES = (jnp.bfloat16, jnp.float32)
 @dataclass(frozen=True)
 class AllReduceConfig:
     """vec: elements per thread per vector access of a row (the row is [D] in a warpgroup-strided layout:
-      D must be a multiple of 128 x vec); max_rows: the largest T the one-CTA-per-row plan takes (a
-      prefill chunk of more rows stays on psum: there bandwidth, not latency, matters);
+      D must be a multiple of 128 x vec), None for the widest of 8 / 4 / 2 / 1 that divides D (2560: 4);
+    max_rows: the largest T the one-CTA-per-row plan takes (a prefill chunk of more rows stays on psum: there
+      bandwidth, not latency, matters);
     interpret: run `combine` in the Mosaic GPU interpreter (CPU tests; the exchange cannot be interpreted)."""
 
-    vec: int = 4
+    vec: int | None = None
     max_rows: int = 64
     interpret: bool = False
 
     def __post_init__(self):
-        if self.vec not in (1, 2, 4, 8):
+        if self.vec not in (None, 1, 2, 4, 8):
             raise ValueError(f"vec={self.vec} must be 1, 2, 4 or 8")
         if self.max_rows < 1:
             raise ValueError(f"max_rows={self.max_rows} must be >= 1")
@@ -87,8 +88,9 @@ class AllReduceConfig:
         t, d = partial_shape
         if not 1 <= t <= self.max_rows:
             raise ValueError(f"rows T={t} outside 1..max_rows={self.max_rows}")
-        if d % (128 * self.vec):
-            raise ValueError(f"hidden D={d} is not a multiple of 128 x vec={128 * self.vec}")
+        if d % (128 * (self.vec or 1)):
+            raise ValueError(f"hidden D={d} is not a multiple of 128 x vec={128 * (self.vec or 1)} (one row is one "
+                             "warpgroup's strided vector)")
         if jnp.dtype(partial_dtype) not in map(jnp.dtype, PARTIAL_DTYPES):
             raise ValueError(f"partial dtype {jnp.dtype(partial_dtype)} not in f32 / bf16")
         if residual.shape != (t, d):
@@ -110,7 +112,9 @@ def takes(partial, residual, weight, config: AllReduceConfig | None = None) -> b
 
 def _row(ref, cfg: AllReduceConfig):
     """A [D] GMEM row -> registers, warpgroup-strided (each thread vec contiguous elements at a time)."""
-    return plgpu.load(ref, layout=plgpu.Layout.WG_STRIDED(ref.shape, vec_size=cfg.vec))
+    (d,) = ref.shape
+    vec = cfg.vec or max(v for v in (8, 4, 2, 1) if d % (128 * v) == 0)
+    return plgpu.load(ref, layout=plgpu.Layout.WG_STRIDED(ref.shape, vec_size=vec))
 
 
 def _combine_row(slot_rows, residual_ref, weight_ref, new_residual_ref, normed_ref, *, eps, cfg):
