@@ -23,6 +23,8 @@ Shapes (per call, the layers' view; a subclass sees its per-device slices inside
   norm_linear: h a layers.linear.Normed of x [B, T, D] (or of a tuple of inputs), projections of weights
               [*N_s, D] (swiglu: (gate, up) [F, D])                        -> (y_s [B, T, *N_s], ...) or None
   linear_residual: o [B, T, K], w [N, K], residual [B, T, N]             -> [B, T, N], or None
+  allreduce_residual_norm (per device, inside shard_map over `axis`): partial [T, D] f32/bf16, residual [T, D],
+              norm weight [D]                                              -> (residual [T, D], normed [T, D])
   (None: the kernel does not take the call; the caller runs the model's jnp form)
 """
 
@@ -34,7 +36,9 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from ling_jax.layers.norms import rms_norm
 from ling_jax.quant import Fp8Weight, dense
+from pallas_kernels import allreduce as _allreduce
 from pallas_kernels import kda_chain as _kda_chain
 from pallas_kernels import kda_decode as _kda_decode
 from pallas_kernels import kda_prefill as _kda_prefill
@@ -95,6 +99,11 @@ class KernelCalls:
       on the H200 (29.6 vs 31.5 us, 15.5 vs 19.0 us) but not for the dense MLP, o_proj + residual (10.2 vs 8.2 us)
       or T = 17 (bench/results/kernels-fused-linear-h200-2026-12-01-persistent.json), and the wired step was not
       yet run on the GPU (bench_step --baseline-fused-linear is the A/B, bench.check_gpu_wiring the check).
+    p2p_allreduce: with TP > 1, the all-reduce at a layer boundary (psum of the partial sums, the residual add,
+      the next RMSNorm) runs as ONE peer-to-peer Mosaic GPU kernel (pallas_kernels/allreduce.py: remote stores
+      + semaphores, fixed device order) instead of XLA's psum (NCCL: 18-19 us per small dependent all-reduce on
+      two H200s) and two more kernels. Off by default (psum) until bench/kernels_allreduce.py has measured it on
+      nvidia-h200-x2; no interpret mode (the CPU interpreter has no GMEM semaphores).
     """
 
     interpret: bool = False
@@ -107,8 +116,12 @@ class KernelCalls:
     moe_n_tokens: int = 64
     moe_tiles: _moe_mosaic.MosaicMoeConfig | None = None
     fused_linear: bool = False
+    p2p_allreduce: bool = False
 
     def __post_init__(self):
+        if self.p2p_allreduce and self.interpret:
+            raise ValueError("p2p_allreduce=True with interpret=True: the Mosaic GPU interpreter runs no GMEM "
+                             "semaphores or remote refs (the kernel's math is tested through allreduce.combine)")
         if self.moe_tiles is not None and (self.interpret or self.moe_tiles.interpret):
             raise ValueError("moe_tiles with interpret: the interpreter runs its own test tiles (interpret=True)")
         if self.moe_n_tokens not in (16, 32) and (self.moe_n_tokens <= 0 or self.moe_n_tokens % 64):
@@ -344,6 +357,16 @@ class KernelCalls:
         except ValueError:
             return None
         return out.reshape(lead + (w.shape[0],))
+
+    def allreduce_residual_norm(self, partial, residual, weight, *, eps: float, axis: str):
+        """The layer boundary under TP, per device (call inside shard_map over mesh axis `axis`): y = the sum
+        of every device's partial [T, D], x = residual + y rounded to the stream's dtype (the model's `x + y`),
+        and the next block's rms_norm(x) -> (x, normed), equal on every device. p2p_allreduce: one
+        peer-to-peer kernel where it takes the shapes; otherwise (the default) psum and the model's jnp."""
+        if self.p2p_allreduce and jax.lax.axis_size(axis) > 1 and _allreduce.takes(partial, residual, weight):
+            return _allreduce.allreduce_residual_norm(partial, residual, weight, eps=eps, axis=axis)
+        x = residual + jax.lax.psum(partial, axis).astype(residual.dtype)
+        return x, rms_norm(x, weight, eps)
 
     def kda_prefill(self, q, k, v, g, beta, state):
         config = None
