@@ -33,7 +33,7 @@ from ling_jax.config import load_config
 from ling_jax.model import Numerics, RuntimeOptions
 from ling_jax.runner import Generator
 from ling_jax.spec import SpecConfig
-from ling_jax.train import corpus
+from ling_jax.train import corpus, trainer
 from ling_jax.train.data import fixed_windows
 from ling_jax.train.step import StepConfig, eval_step
 from ling_jax.weights import load_params
@@ -78,15 +78,13 @@ def repeated_ngram_share(ids: list[int], n: int = 4) -> float:
 
 
 def heldout_loss(cfg, params, tokens: np.ndarray, seq: int, windows: int, batch: int) -> dict:
+    """The trainer's held-out evaluation (every one of the first `windows` windows of `seq` tokens)."""
     sc = StepConfig(batch=batch, seq=seq, compute_dtype=str(params["embed"].dtype))
     ev = jax.jit(functools.partial(eval_step, cfg=cfg, sc=sc))
     w = fixed_windows(tokens, seq, windows)
-    ce, top1, n = 0.0, 0.0, 0
-    for i in range(0, len(w) - batch + 1, batch):
-        m = jax.device_get(ev(params, jnp.asarray(w[i : i + batch])))
-        ce, top1, n = ce + float(m.ce), top1 + float(m.mtp_top1), n + 1
-    return {"heldout_ce": ce / n, "heldout_ppl": math.exp(ce / n), "heldout_mtp_top1": top1 / n,
-            "heldout_eval_tokens": n * batch * seq}
+    m = trainer.evaluate(ev, params, w, batch)
+    return {**m, "heldout_ppl": math.exp(m["heldout_ce"]), "heldout_windows": len(w), "heldout_seq": seq,
+            "heldout_eval_tokens": len(w) * seq}
 
 
 def run_steps(cfg, params, prompts, k: int, new_tokens: int, max_len: int, target_rows=None, spec=None, draft=None):
@@ -177,12 +175,18 @@ def main(argv=None):
         return compare_fp8(a, argv)
     cfg = load_config(a.model)
     params = load_params(cfg, a.model, dtype=jnp.dtype(a.dtype))  # bf16 weights, upcast exactly when float32
-    report = evaluate(a, cfg, params)
-    report["command"] = "python -m bench.eval_accept " + " ".join(argv if argv is not None else sys.argv[1:])
-    path = os.path.join(a.out, f"eval-accept-{report['device']}-{report['date']}")
+    command = "python -m bench.eval_accept " + " ".join(argv if argv is not None else sys.argv[1:])
     os.makedirs(a.out, exist_ok=True)
-    with open(path + ".json", "w") as f:
-        json.dump({k: v for k, v in report.items() if k != "outputs"}, f, indent=1)
+
+    def write(report, complete=False):
+        report.update(command=command, complete=complete)
+        with open(report_path(report) + ".json", "w") as f:
+            json.dump({k: v for k, v in report.items() if k != "outputs"}, f, indent=1)
+
+    report_path = lambda r: os.path.join(a.out, f"eval-accept-{r['device']}-{r['date']}")
+    report = evaluate(a, cfg, params, on_row=write)
+    write(report, complete=True)
+    path = report_path(report)
     plot(report["rows"], path + ".png", f"{a.model}: NEXTN on {report['prompts']} held-out prompts, {report['device']}")
     print(f"wrote {path}.json")
     return report
@@ -226,16 +230,39 @@ def compare_fp8(a, argv):
     return report
 
 
-def evaluate(a, cfg, params) -> dict:
-    """Held-out loss, plain greedy, and NEXTN at each --steps on these params; outputs[k] the token lists."""
+def evaluate(a, cfg, params, on_row=None) -> dict:
+    """Held-out loss, plain greedy, and NEXTN at each --steps on these params; outputs[k] the token lists.
+    on_row(report so far) runs after every row, so a run cut short still leaves what it measured."""
+    dev = jax.devices()[0]
+    device = "cpu" if dev.platform == "cpu" else dev.device_kind.replace(" ", "-")
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = "unknown"
+    rows, all_outs, loss = [], [], {}
+
+    def snapshot() -> dict:
+        return {"device": device, "jax_version": jax.__version__, "date": time.strftime("%Y-%m-%d"),
+                "git_commit": commit, "model": a.model, "prompts": len(prompts), "prompt_len": a.prompt_len,
+                "new_tokens": a.new_tokens, "greedy": True, "dtype": a.dtype, "target_rows": a.target_rows, **loss,
+                "wall_s": time.perf_counter() - t0, "rows": rows,
+                "sample": {"prompt": prompts[0], "plain_output": all_outs[0][0] if all_outs else None},
+                "outputs": all_outs}
+
+    def add(row, outs):
+        rows.append(row)
+        all_outs.append(outs)
+        if on_row:
+            on_row(snapshot())
+
     held = heldout_tokens(a.data, a.model)
     prompts = make_prompts(held, a.prompts, a.prompt_len, cfg.eos_token_id)
     max_len = a.prompt_len + a.new_tokens + 64
     t0 = time.perf_counter()
-    loss = heldout_loss(cfg, params, held, a.eval_seq, a.eval_windows, a.eval_batch)
+    loss.update(heldout_loss(cfg, params, held, a.eval_seq, a.eval_windows, a.eval_batch))
     print(json.dumps(loss), flush=True)
     base, base_outs = run_steps(cfg, params, prompts, 0, a.new_tokens, max_len, a.target_rows)
-    rows, all_outs = [base], [base_outs]
+    add(base, base_outs)
     base["repeated_4gram_share"] = float(np.mean([repeated_ngram_share(o) for o in base_outs]))
     print(f"plain greedy: {base['decode_tokens_per_s']:.1f} tok/s, repeated 4-grams {base['repeated_4gram_share']:.3f}",
           flush=True)
@@ -243,8 +270,7 @@ def evaluate(a, cfg, params) -> dict:
         row, outs = run_steps(cfg, params, prompts, k, a.new_tokens, max_len, a.target_rows)
         row["lossless_prompts"] = sum(o == b for o, b in zip(outs, base_outs))
         row["speedup_vs_plain"] = row["decode_tokens_per_s"] / base["decode_tokens_per_s"]
-        rows.append(row)
-        all_outs.append(outs)
+        add(row, outs)
         print(f"steps={k}: accept {row['mean_accept_length']:.3f}, per-position "
               f"{[round(x, 3) for x in row['acceptance_rate_per_position']]}, {row['decode_tokens_per_s']:.1f} tok/s, "
               f"lossless {row['lossless_prompts']}/{len(prompts)}", flush=True)
@@ -259,24 +285,11 @@ def evaluate(a, cfg, params) -> dict:
                                   draft)
             row["lossless_prompts"] = sum(o == b for o, b in zip(outs, base_outs))
             row["speedup_vs_plain"] = row["decode_tokens_per_s"] / base["decode_tokens_per_s"]
-            rows.append(row)
-            all_outs.append(outs)
+            add(row, outs)
             print(f"DSPARK block {spec.num_steps} {mode}: accept {row['mean_accept_length']:.3f}, per-position "
                   f"{[round(x, 3) for x in row['acceptance_rate_per_position']]}, {row['decode_tokens_per_s']:.1f} "
                   f"tok/s, lossless {row['lossless_prompts']}/{len(prompts)}", flush=True)
-    dev = jax.devices()[0]
-    device = "cpu" if dev.platform == "cpu" else dev.device_kind.replace(" ", "-")
-    date = time.strftime("%Y-%m-%d")
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = "unknown"
-    return {"device": device, "jax_version": jax.__version__, "date": date, "git_commit": commit,
-            "model": a.model, "prompts": len(prompts), "prompt_len": a.prompt_len, "new_tokens": a.new_tokens,
-            "greedy": True, "dtype": a.dtype, "target_rows": a.target_rows, **loss,
-            "wall_s": time.perf_counter() - t0, "rows": rows,
-            "sample": {"prompt": prompts[0], "plain_output": base_outs[0]}, "outputs": all_outs}
-
+    return snapshot()
 
 if __name__ == "__main__":
     main()
