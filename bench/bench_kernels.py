@@ -21,6 +21,7 @@ from bench.ceiling import Ceiling, device_kernel_runs  # noqa: E402
 from bench.ceiling import apply as apply_ceiling  # noqa: E402
 from pallas_kernels import kda_verify as kda  # noqa: E402
 from pallas_kernels import moe as moe_mod  # noqa: E402
+from tests import kernel_oracles as oracles  # noqa: E402
 
 D, E, I, A = 2560, 512, 768, 8          # hidden, experts, expert width, top-k
 H, DK, W = 32, 128, 4                    # KDA heads, head dim, conv width
@@ -129,9 +130,9 @@ def bench_moe(rows, bw, key, configs):
     nbytes = (distinct + 1) * ebytes + 2 * t * D * 2
     floor = 1e6 * nbytes / bw
     x, ids, w = sets[0]
-    ref = moe_mod.moe_reference(x, ids, w, wg, wu, wd, limit=4.0, shared=sh, shared_limit=5.0)
+    ref = oracles.moe(x, ids, w, wg, wu, wd, limit=4.0, shared=sh, shared_limit=5.0)
     cs = (wg, wu, wd, sh)
-    base = lambda x, i, w, wg, wu, wd, sh: moe_mod.moe_reference(
+    base = lambda x, i, w, wg, wu, wd, sh: oracles.moe(
         x, i, w, wg, wu, wd, limit=4.0, shared=sh, shared_limit=5.0)
     t_base = timeit(base, sets, cs, chain=lambda prev, s: (prev,) + s[1:])
     for name, cfg in configs:
@@ -141,7 +142,7 @@ def bench_moe(rows, bw, key, configs):
       err = rel(f(x, ids, w, *cs), ref)
       tk = timeit(f, sets, cs, chain=lambda prev, s: (prev,) + s[1:])
       rows.append(dict(name=f"moe T={t} {name}", time_us=tk, bytes=nbytes, floor_us=floor,
-                       fraction_of_floor=floor / tk, baseline="moe_reference (XLA gather)",
+                       fraction_of_floor=floor / tk, baseline="model moe_experts (XLA gather)",
                        baseline_time_us=t_base, rel_err=err, distinct_experts=distinct,
                        config=str(cfg)))
       print(rows[-1], flush=True)
@@ -171,15 +172,15 @@ def bench_kda(rows, bw, key, configs):
     state = H * DK * DK * 4
     io = 4 * t * hd * 2 + 3 * hd * W * 2 + (W - 1) * 3 * hd * 2 + t * (4 * hd + H) * 4
     vbytes, cbytes = state + io, 2 * state + t * (3 * hd + H) * 4
-    o_ref, ci_ref = kda.kda_verify_reference(*sets[0])
+    o_ref, ci_ref = oracles.kda_verify(*sets[0])
     qchain = lambda prev, s: (prev[0].reshape(s[0].shape),) + s[1:]
     schain = lambda prev, s: (prev,) + s[1:]
-    tb = timeit(kda.kda_verify_reference, sets, chain=qchain)
+    tb = timeit(oracles.kda_verify, sets, chain=qchain)
     na = jnp.array([max(1, t - 2)], jnp.int32)
-    s_ref = kda.kda_commit_reference(sets[0][-1], ci_ref, na)
-    cis = [kda.kda_verify_reference(*s)[1] for s in sets]
+    s_ref = oracles.kda_commit(sets[0][-1], ci_ref, na)
+    cis = [oracles.kda_verify(*s)[1] for s in sets]
     csets = [(s[-1], ci, na) for s, ci in zip(sets, cis)]
-    tcb = timeit(kda.kda_commit_reference, csets, chain=schain)
+    tcb = timeit(oracles.kda_commit, csets, chain=schain)
     for name, cfg in configs:
      try:
       o, ci = kda.kda_verify(*sets[0], config=cfg)
@@ -187,14 +188,14 @@ def bench_kda(rows, bw, key, configs):
       tk = timeit(lambda *s, cfg=cfg: kda.kda_verify(*s, config=cfg), sets, chain=qchain)
       rows.append(dict(name=f"kda_verify T={t} {name}", time_us=tk, bytes=vbytes,
                        floor_us=1e6 * vbytes / bw, fraction_of_floor=1e6 * vbytes / bw / tk,
-                       baseline="kda_verify_reference (XLA)", baseline_time_us=tb, rel_err=err))
+                       baseline="model kda_inputs + kda_recurrent (XLA)", baseline_time_us=tb, rel_err=err))
       print(rows[-1], flush=True)
       cerr = rel(kda.kda_commit(sets[0][-1], ci_ref, na, config=cfg), s_ref)
       tc = timeit(lambda s, c, n, cfg=cfg: kda.kda_commit(s, c, n, config=cfg), csets,
                   chain=schain)
       rows.append(dict(name=f"kda_commit T={t} n={int(na[0])} {name} (state chained)", time_us=tc, bytes=cbytes,
                        floor_us=1e6 * cbytes / bw, fraction_of_floor=1e6 * cbytes / bw / tc,
-                       baseline="kda_commit_reference (XLA)", baseline_time_us=tcb, rel_err=cerr))
+                       baseline="model kda_replay (XLA)", baseline_time_us=tcb, rel_err=cerr))
       print(rows[-1], flush=True)
      except Exception as ex:
       print(f"FAILED kda T={t} {name}: {type(ex).__name__}: {str(ex)[:1500]}", flush=True)

@@ -1,5 +1,6 @@
 """KDA kernel bench at Ling-3.0-flash dims (B=1, H=32, Dk=Dv=128, W=4), cold states: verify
-T=1/6/17, commit, fused decode; each vs its XLA reference and the previous (serial v2) kernel.
+T=1/6/17, commit, fused decode; each vs the model's jnp (XLA; tests/kernel_oracles.py) and the previous (serial v2)
+kernel.
 
   PYTHONUNBUFFERED=1 python3 bench/kernels_kda.py --out $OUT   (GPU; writes kernels-kda-<dev>-<date>.json)
   python bench/kernels_kda.py --small --out /tmp                 (CPU smoke test, interpret mode)
@@ -25,8 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from ling_jax.layers.kda import slide_window  # noqa: E402
 from pallas_kernels import kda_decode as kdd  # noqa: E402
 from pallas_kernels import kda_verify as kda  # noqa: E402
+from tests import kernel_oracles as oracles  # noqa: E402
 
 H, DK, W, N = 32, 128, 4, 32
 BF, F32 = jnp.bfloat16, jnp.float32
@@ -166,17 +169,19 @@ def old_decode(*a, config):
   o, ci = kda.kda_verify(*a, config=config)
   one = jnp.ones((1,), jnp.int32)
   s = kda.kda_commit(a[-1], ci, one, config=config)
-  return o, s, kda.conv_window_commit(a[-2], jnp.concatenate(a[:3], axis=-1).astype(a[-2].dtype), one)
+  cs = a[-2]
+  window = slide_window(cs.reshape(cs.shape[0], cs.shape[1], 3, -1), jnp.stack(a[:3], axis=2).astype(cs.dtype), one)
+  return o, s, window.reshape(cs.shape)
 
 
 def decode_jobs(jobs, sets, consts, configs):
   """kda_decode rows (T = 1 sets): the XLA reference, then each config."""
-  ref = kdd.kda_decode_reference(*full_args(sets[0], consts))
+  ref = oracles.kda_decode(*full_args(sets[0], consts))
   dbytes = nbytes(sets[0]) + nbytes(consts) + nbytes(ref)
   dargs = lambda: ([jnp.copy(s[6]) for s in sets], sets, consts)
   dnull = jax.jit(lambda st, s, c: st, donate_argnums=0)
-  dbase = dict(bytes=dbytes, baseline="kda_decode_reference (XLA)")
-  jobs.append((dict(name="kda_decode XLA reference", **dbase), decode_prog(kdd.kda_decode_reference),
+  dbase = dict(bytes=dbytes, baseline="model decode step (XLA)")
+  jobs.append((dict(name="kda_decode XLA reference", **dbase), decode_prog(oracles.kda_decode),
                dargs, None, dnull, None))
   for name, cfg in configs:
     f = ((lambda *a, cfg=cfg: old_decode(*a, config=cfg)) if name.startswith("old")
@@ -201,14 +206,14 @@ def bench(rows, bw, key, small=False, configs=None, emit=print, ts=(1, 6, 17), o
   jobs = []   # (row dict, fn, args_fn, kernel name, null fn, check)
   for t in ts:
     sets, consts = make_sets(key, t, hd, ncalls)
-    o_ref, ci_ref = kda.kda_verify_reference(*full_args(sets[0], consts))
+    o_ref, ci_ref = oracles.kda_verify(*full_args(sets[0], consts))
     vbytes = nbytes(sets[0]) + nbytes(consts) + nbytes((o_ref, ci_ref))
-    base = dict(bytes=vbytes, baseline="kda_verify_reference (XLA)")
+    base = dict(bytes=vbytes, baseline="model kda_inputs + kda_recurrent (XLA)")
     vnull = jax.jit(lambda sets, consts: [s[-1] for s in sets])
     if t == 1 and configs["decode"]:
       decode_jobs(jobs, sets, consts, configs["decode"])
     if configs["verify"]:
-      jobs.append((dict(name=f"kda_verify T={t} XLA reference", **base), verify_prog(kda.kda_verify_reference),
+      jobs.append((dict(name=f"kda_verify T={t} XLA reference", **base), verify_prog(oracles.kda_verify),
                    lambda sets=sets, consts=consts: (sets, consts), None, vnull, None))
     for name, cfg in configs["verify"]:
       f = lambda *a, cfg=cfg: kda.kda_verify(*a, config=cfg)
@@ -216,17 +221,17 @@ def bench(rows, bw, key, small=False, configs=None, emit=print, ts=(1, 6, 17), o
           rel(x, y) for x, y in zip(jax.tree.leaves(f(*full_args(s, c))), jax.tree.leaves(want)))
       jobs.append((dict(name=f"kda_verify T={t} {name}", config=str(cfg), **base), verify_prog(f),
                    lambda sets=sets, consts=consts: (sets, consts), "kda_verify", vnull, chk))
-    # commit n = max(1, T-2) on the reference's commit inputs
-    cis = [kda.kda_verify_reference(*full_args(s, consts))[1] for s in sets]
+    # commit n = max(1, T-2) on the model's commit inputs
+    cis = [oracles.kda_verify(*full_args(s, consts))[1] for s in sets]
     ns = [jnp.array([max(1, t - 2)], jnp.int32)] * ncalls
     cbytes = 2 * nbytes(sets[0][6]) + nbytes(cis[0])
-    s_ref = kda.kda_commit_reference(sets[0][6], cis[0], ns[0])
+    s_ref = oracles.kda_commit(sets[0][6], cis[0], ns[0])
     cargs = lambda sets=sets, cis=cis, ns=ns: ([jnp.copy(s[6]) for s in sets], cis, ns)
     cnull = jax.jit(lambda st, c, n: st, donate_argnums=0)
-    cbase = dict(bytes=cbytes, baseline="kda_commit_reference (XLA)")
+    cbase = dict(bytes=cbytes, baseline="model kda_replay (XLA)")
     if configs["commit"]:
       jobs.append((dict(name=f"kda_commit T={t} n={max(1, t - 2)} XLA reference", **cbase),
-                   commit_prog(kda.kda_commit_reference), cargs, None, cnull, None))
+                   commit_prog(oracles.kda_commit), cargs, None, cnull, None))
     for name, cfg in configs["commit"]:
       f = lambda s, c, n, cfg=cfg: kda.kda_commit(s, c, n, config=cfg)
       chk = lambda f=f, s=sets[0][6], c=cis[0], n=ns[0], want=s_ref: rel(f(jnp.copy(s), c, n), want)

@@ -1,4 +1,5 @@
-"""Mosaic GPU MoE bench at Ling-3.0-flash dims, cold weights, vs Triton (moe.moe) and XLA (moe_reference).
+"""Mosaic GPU MoE bench at Ling-3.0-flash dims, cold weights, vs Triton (moe.moe) and XLA (the model's
+jnp moe_experts, through tests/kernel_oracles.py).
 
   python3 bench/kernels_moe_mosaic.py --out $OUT     (GPU; writes kernels-moe-mosaic-<device>-<date>.json)
   python3 bench/kernels_moe_mosaic.py --small        (CPU smoke: tiny dims, interpret mode)
@@ -22,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import bench_kernels as bk  # noqa: E402
 from pallas_kernels import moe as moe_tr  # noqa: E402
 from pallas_kernels import moe_mosaic as mm  # noqa: E402
+from tests import kernel_oracles as oracles  # noqa: E402
 
 BF, F32 = jnp.bfloat16, jnp.float32
 LIMITS = dict(limit=4.0, shared_limit=5.0)
@@ -75,7 +77,7 @@ def bench(rows, bw, key, small=False, configs=None, nsets=16):
     nbytes = (distinct + 1) * ebytes + 2 * t * d * 2
     floor = 1e6 * nbytes / bw
     x, ids, w = sets[0]
-    ref = moe_tr.moe_reference(x, ids, w, *cs[:3], shared=sh, **LIMITS)
+    ref = oracles.moe(x, ids, w, *cs[:3], shared=sh, **LIMITS)
     def row(name, f, tk, base, tb, err, cfg, **kw):
       tl = None if small else loop_time(f, sets, cs)
       rows.append(dict(name=f"moe T={t} {name}", time_us=tk, bytes=nbytes, floor_us=floor,
@@ -84,16 +86,16 @@ def bench(rows, bw, key, small=False, configs=None, nsets=16):
                        loop_time_us=tl, loop_fraction_of_floor=floor / tl if tl else None, nsets=nsets, **kw))
       print(rows[-1], flush=True)
       return tl
-    ref_f = lambda x, i_, w, wg, wu, wd, sh: moe_tr.moe_reference(x, i_, w, wg, wu, wd, shared=sh, **LIMITS)
+    ref_f = lambda x, i_, w, wg, wu, wd, sh: oracles.moe(x, i_, w, wg, wu, wd, shared=sh, **LIMITS)
     t_xla = bk.timeit(ref_f, sets, cs, chain=chain)
-    row("XLA moe_reference (gather)", ref_f, t_xla, "-", None, 0.0, None)
+    row("XLA model moe_experts (gather)", ref_f, t_xla, "-", None, 0.0, None)
     t_tr = None
     if not small:
       try:
         tr_f = lambda x, i_, w, wg, wu, wd, sh: moe_tr.moe(x, i_, w, wg, wu, wd, shared=sh,
                                                            config=TRITON, **LIMITS)
         t_tr = bk.timeit(tr_f, sets, cs, chain=chain)
-        row("Triton moe.moe i64k128d128", tr_f, t_tr, "moe_reference (XLA gather)", t_xla,
+        row("Triton moe.moe i64k128d128", tr_f, t_tr, "model moe_experts (XLA gather)", t_xla,
             bk.rel(tr_f(x, ids, w, *cs), ref), TRITON)
       except Exception as ex:  # report and go on
         print(f"FAILED triton T={t}: {type(ex).__name__}: {str(ex)[:800]}", flush=True)
@@ -105,7 +107,7 @@ def bench(rows, bw, key, small=False, configs=None, nsets=16):
         alone = f(x[:1], ids[:1], w[:1], *cs)
         inv = bool(np.array_equal(np.asarray(out[:1], np.float32), np.asarray(alone, np.float32)))
         tk = bk.timeit(f, sets, cs, chain=chain)
-        row(f"mosaic {name}", f, tk, "Triton moe.moe (same run)" if t_tr else "moe_reference (XLA)",
+        row(f"mosaic {name}", f, tk, "Triton moe.moe (same run)" if t_tr else "model moe_experts (XLA)",
             t_tr or t_xla, bk.rel(out, ref), cfg, xla_time_us=t_xla, batch_invariant=inv)
       except Exception as ex:  # one bad config must not cost the run
         print(f"FAILED mosaic T={t} {name}: {type(ex).__name__}: {str(ex)[:1500]}", flush=True)

@@ -6,7 +6,8 @@
 
 bench(rows, bw, key, small) appends one row per (op, T, config) with its baseline from the same
 run: moe configs vs the v1 path (fuse_combine=False, XLA align; the x-row gather is now in the
-up kernel on every path) and vs XLA moe_reference; route vs XLA route_reference. Timing is
+up kernel on every path) and vs the model's jnp moe_experts (XLA); route vs the model's jnp router (XLA;
+both through tests/kernel_oracles.py). Timing is
 bench_kernels.timeit over chained calls (latency, not overlap). MoE: 8 sets routed over 6 GB of
 experts. Router: 32 gate matrices (84 MB > 60 MB L2), chained through the bias (+ 0 * w[0, 0],
 one tiny XLA op per call in both the kernel and the baseline). `batch_invariant`: token 0's
@@ -24,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import bench_kernels as bk  # noqa: E402
 from pallas_kernels import moe as mo  # noqa: E402
 from pallas_kernels import router as ro  # noqa: E402
+from tests import kernel_oracles as oracles  # noqa: E402
 
 BF, F32 = jnp.bfloat16, jnp.float32
 LIMITS = dict(limit=4.0, shared_limit=5.0)
@@ -86,11 +88,11 @@ def bench_moe(rows, bw, key, small=False, names=None):
     nbytes = (distinct + 1) * 3 * i * d * 2 + 2 * t * d * 2
     floor = 1e6 * nbytes / bw
     x, ids, w = sets[0]
-    ref = mo.moe_reference(x, ids, w, wg, wu, wd, shared=sh, **LIMITS)
-    f_ref = lambda x, i_, w, wg, wu, wd, sh: mo.moe_reference(x, i_, w, wg, wu, wd, shared=sh, **LIMITS)
-    t_xla = _try(f"moe_reference T={t}", lambda: bk.timeit(f_ref, sets, cs, chain=chain))
+    ref = oracles.moe(x, ids, w, wg, wu, wd, shared=sh, **LIMITS)
+    f_ref = lambda x, i_, w, wg, wu, wd, sh: oracles.moe(x, i_, w, wg, wu, wd, shared=sh, **LIMITS)
+    t_xla = _try(f"model moe_experts T={t}", lambda: bk.timeit(f_ref, sets, cs, chain=chain))
     if t_xla:
-      _row(rows, f"moe T={t} XLA moe_reference", t_xla, nbytes, floor, "-", None, 0.0, None,
+      _row(rows, f"moe T={t} XLA model moe_experts", t_xla, nbytes, floor, "-", None, 0.0, None,
            distinct_experts=distinct)
     t_v1 = None
     for name, cfg in cfgs:
@@ -99,7 +101,7 @@ def bench_moe(rows, bw, key, small=False, names=None):
         out, alone = f(x, ids, w, *cs), f(x[:1], ids[:1], w[:1], *cs)
         inv = bool(np.array_equal(np.asarray(out[:1], np.float32), np.asarray(alone, np.float32)))
         tk = bk.timeit(f, sets, cs, chain=chain)
-        base = ("v1 (same run)", t_v1) if t_v1 else ("moe_reference (XLA)", t_xla)
+        base = ("v1 (same run)", t_v1) if t_v1 else ("model moe_experts (XLA)", t_xla)
         _row(rows, f"moe T={t} {name}", tk, nbytes, floor, *base, bk.rel(out, ref), cfg,
              xla_time_us=t_xla, distinct_experts=distinct, batch_invariant=inv)
         return tk
@@ -121,18 +123,18 @@ def bench_router(rows, bw, key, small=False):
     nbytes = e * d * 2 + t * d * 2 + e * 4 + t * 8 * 8
     floor = 1e6 * nbytes / bw
     chain = lambda prev, s: s[:2] + (s[2] + 0 * prev[1][0, 0],)
-    f_ref = lambda x, g, b: ro.route_reference(x, g, b, **ROUTE)
+    f_ref = lambda x, g, b: oracles.route(x, g, b, **ROUTE)
     rids, rw = f_ref(*sets[0])
-    t_xla = _try(f"route_reference T={t}", lambda: bk.timeit(f_ref, sets, chain=chain))
+    t_xla = _try(f"model route T={t}", lambda: bk.timeit(f_ref, sets, chain=chain))
     if t_xla:
-      _row(rows, f"route T={t} XLA route_reference", t_xla, nbytes, floor, "-", None, 0.0, None)
+      _row(rows, f"route T={t} XLA model route", t_xla, nbytes, floor, "-", None, 0.0, None)
     for name, cfg in cfgs:
       def one(cfg=cfg, name=name):
         f = lambda x, g, b: ro.route(x, g, b, config=cfg, **ROUTE)
         ids, w = f(*sets[0])
         same = float(np.mean(np.asarray(ids) == np.asarray(rids)))
         tk = bk.timeit(f, sets, chain=chain)
-        _row(rows, f"route T={t} pallas {name}", tk, nbytes, floor, "route_reference (XLA)",
+        _row(rows, f"route T={t} pallas {name}", tk, nbytes, floor, "model route (XLA)",
              t_xla, bk.rel(w, rw), cfg, ids_equal_fraction=same)
       _try(f"route T={t} {name}", one)
 

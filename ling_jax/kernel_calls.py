@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from ling_jax.layers.moe import shared_expert
 from ling_jax.layers.norms import rms_norm
 from ling_jax.quant import Fp8Weight, dense
 from pallas_kernels import allreduce as _allreduce
@@ -245,7 +246,19 @@ class KernelCalls:
 
     def moe(self, x, ids, weights, w_gate, w_up, w_down, *, limit: float, shared, shared_limit: float):
         """fp8 weights (quant.Fp8Weight): the fp8 Mosaic kernel where it applies, else the bf16 kernels on the
-        weights dequantised to x.dtype (interpret mode, widths its tiles cannot take)."""
+        weights dequantised to x.dtype (interpret mode, widths its tiles cannot take). A shared expert whose
+        width is not the routed width I (the kernels run it as one more segment of width I): the routed experts
+        in the kernel, the shared expert through the model's shared_expert, one fp32 sum (as moe_experts)."""
+        # (e.g. under EP: each device's experts are full width, its slice of the shared expert is not)
+        if shared is not None and shared[0].shape[0] != w_gate.shape[1]:
+            routed = self._moe_kernels(x, ids, weights, w_gate, w_up, w_down, limit=limit, shared=None,
+                                       shared_limit=0.0)
+            return routed + shared_expert(x, shared, shared_limit)
+        return self._moe_kernels(x, ids, weights, w_gate, w_up, w_down, limit=limit, shared=shared,
+                                 shared_limit=shared_limit)
+
+    def _moe_kernels(self, x, ids, weights, w_gate, w_up, w_down, *, limit: float, shared, shared_limit: float):
+        """The kernel call itself (the shared expert, if any, of width I)."""
         if self._fp8_mosaic(x, (w_gate, w_up, w_down), shared):
             out = _moe_mosaic_fp8.moe_fp8(x, ids, weights, w_gate, w_up, w_down, limit=limit, shared=shared,
                                           shared_limit=shared_limit)

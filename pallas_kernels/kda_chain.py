@@ -74,9 +74,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.kda_verify import KdaCommitInputs, _sigmoid
-
-L2_EPS = 1e-6  # ling_jax.layers.norms.l2_normalize's eps (KDA's q and k)
+from pallas_kernels.kda_verify import L2_EPS, KdaCommitInputs, _round, _sigmoid
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,11 +111,6 @@ class KdaChainOut(NamedTuple):
 
 
 # ----------------------------------------------------------------------------- kernel helpers
-
-
-def _round(x, act):
-  """R(x): the model's hand-over in the activation dtype."""
-  return x.astype(act).astype(jnp.float32)
 
 
 def _delta_step(s, k, v, e, beta):

@@ -2,7 +2,7 @@
 
 Shape legend: B batch, H heads, Dk = Dv head dims, HD = H*Dk, W conv kernel (4), BV value tile.
 
-One kernel per layer and token: `kda_verify` + `kda_commit(n_accept=1)` + `conv_window_commit`
+One kernel per layer and token: `kda_verify` + `kda_commit(n_accept=1)` + the conv window slide
 in one launch, reading the state once and writing it once (in place: the state output aliases
 rec_state, donate it). Per head (fp32), with e = exp(g):
   u = beta (v - S^T (e k))                                       the delta-rule write
@@ -23,23 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.kda_verify import (KdaConfig, _conv_rows, _sigmoid, conv_window_commit,
-                                       kda_commit_reference, kda_verify_reference)
-
-
-def kda_decode_reference(q_raw, k_raw, v_raw, f_raw, b_raw, A_log, dt_bias, q_conv_w, k_conv_w,
-                         v_conv_w, conv_state, rec_state, *, lower_bound=-5.0, config=None):
-  """Pure-jnp decode step. Inputs as `kda_verify_reference` with T = 1: *_raw [B,1,HD]
-  (b_raw [B,1,H]), conv_state [B,W-1,3HD], rec_state [B,H,Dk,Dv] f32.
-  Returns (o [B,1,H,Dv] f32, new rec_state [B,H,Dk,Dv] f32, new conv_state [B,W-1,3HD])."""
-  del config
-  assert q_raw.shape[1] == 1, q_raw.shape
-  o, ci = kda_verify_reference(q_raw, k_raw, v_raw, f_raw, b_raw, A_log, dt_bias, q_conv_w,
-                               k_conv_w, v_conv_w, conv_state, rec_state, lower_bound=lower_bound)
-  ones = jnp.ones((q_raw.shape[0],), jnp.int32)
-  s = kda_commit_reference(rec_state, ci, ones)
-  cs = conv_window_commit(conv_state, jnp.concatenate([q_raw, k_raw, v_raw], axis=-1), ones)
-  return o, s, cs
+from pallas_kernels.kda_verify import L2_EPS, KdaConfig, _conv_rows, _round, _sigmoid
 
 
 def _decode_kernel(q_ref, k_ref, v_ref, f_ref, b_ref, alog_ref, dtb_ref, qw_ref, kw_ref, vw_ref,
@@ -63,8 +47,9 @@ def _decode_kernel(q_ref, k_ref, v_ref, f_ref, b_ref, alog_ref, dtb_ref, qw_ref,
     rows = [cs_ref[b, i, ch] for i in range(1, width - 1)]
     rows.append(raw_ref[b, 0, pl.ds(c0 + vb * bv, bv)].astype(cs_ref.dtype))
     win.append((ch, rows))
-  q = q * lax.rsqrt(jnp.sum(q * q) + 1e-6) * dk ** -0.5
-  k = k * lax.rsqrt(jnp.sum(k * k) + 1e-6)
+  act = q_ref.dtype                                                    # the model's rounding points
+  q = _round(q * lax.rsqrt(jnp.sum(q * q) + L2_EPS), act) * dk ** -0.5
+  k = _round(k * lax.rsqrt(jnp.sum(k * k) + L2_EPS), act)
   e = jnp.exp(lower_bound * _sigmoid(a * (f + dtb)))                   # e^g  [Dk]
   beta = _sigmoid(braw)
   s = s * e[:, None]                                                   # diag(e^g) S
@@ -81,7 +66,8 @@ def _decode_kernel(q_ref, k_ref, v_ref, f_ref, b_ref, alog_ref, dtb_ref, qw_ref,
 @functools.partial(jax.jit, static_argnames=("lower_bound", "config"))
 def kda_decode(q_raw, k_raw, v_raw, f_raw, b_raw, A_log, dt_bias, q_conv_w, k_conv_w, v_conv_w,
                conv_state, rec_state, *, lower_bound=-5.0, config=None):
-  """Pallas (Triton) fused decode; same signature and results as `kda_decode_reference`.
+  """Pallas (Triton) fused decode: kda_verify's arguments with T = 1 -> (o [B,1,H,Dv] f32, rec_state, conv_state
+  [B,W-1,3HD]); the reference is the model's decode step (kda_inputs, kda_recurrent, slide_window).
   The state output aliases rec_state (donate it to update in place). config: KdaConfig
   (block_v, num_warps, interpret; the algorithm/precision fields do not apply at T = 1)."""
   cfg = config or KdaConfig()

@@ -4,7 +4,7 @@ Shape legend: B batch, T positions, H heads, Dk key dim, Dv value dim, L chunk (
 BV value columns of one program.
 
 Inputs are the per-position tensors after conv, norms and gates (the contract of ling_jax's
-`kda_recurrent` / `kda_chunked`): q [B,T,H,Dk] (l2-normed AND scaled by Dk^-0.5), k [B,T,H,Dk]
+`kda_recurrent` / `kda_chunked`, this kernel's reference): q [B,T,H,Dk] (l2-normed AND scaled by Dk^-0.5), k [B,T,H,Dk]
 (l2-normed), v [B,T,H,Dv], g [B,T,H,Dk] log-decays in (lower_bound, 0) fp32, beta [B,T,H] fp32,
 initial state [B,H,Dk,Dv] fp32 (or None = zeros). Per head (all fp32):
     S_t = (I - b_t k_t k_t^T) Diag(e^g_t) S_{t-1} + b_t k_t v_t^T          o_t = S_t^T q_t
@@ -76,55 +76,6 @@ class KdaPrefillConfig:
       raise ValueError(f"block_v={self.block_v} must be a power of 2 >= 16 (tl.dot minimum)")
     if self.precision not in _PRECISIONS:
       raise ValueError(f"precision={self.precision!r} must be one of {sorted(_PRECISIONS)}")
-
-
-# ----------------------------------------------------------------------------- reference
-
-
-def _chunk_reference(s0, xs):
-  """One chunk with exact pairwise decays. s0 [B,H,Dk,Dv]; q,k,g [B,H,L,Dk]; v [B,H,L,Dv]; b [B,H,L]."""
-  q, k, v, g, b = xs
-  n = q.shape[-2]
-  gc = jnp.cumsum(g, axis=-2)                                           # G [B,H,L,Dk]
-  t_ge_s = jnp.arange(n)[:, None] >= jnp.arange(n)[None, :]             # [L(t), L(s)]
-  diff = gc[..., :, None, :] - gc[..., None, :, :]                      # G_t - G_s [B,H,L,L,Dk]
-  dec = jnp.exp(jnp.where(t_ge_s[..., None], diff, -jnp.inf))           # e^(G_t-G_s), s <= t
-  hi = lax.Precision.HIGHEST
-  a = jnp.einsum("bhtc,bhsc,bhtsc->bhts", k, k, dec, precision=hi)
-  a = b[..., None] * jnp.where(jnp.eye(n, dtype=bool), 0.0, a)          # strictly lower, * b_t
-  rhs = b[..., None] * (v - jnp.einsum("bhtk,bhkv->bhtv", k * jnp.exp(gc), s0, precision=hi))
-  u = jax.scipy.linalg.solve_triangular(jnp.eye(n) + a, rhs, lower=True, unit_diagonal=True)
-  aqk = jnp.einsum("bhtc,bhsc,bhtsc->bhts", q, k, dec, precision=hi)
-  o = (jnp.einsum("bhtk,bhkv->bhtv", q * jnp.exp(gc), s0, precision=hi)
-       + jnp.einsum("bhts,bhsv->bhtv", aqk, u, precision=hi))
-  g_end = gc[..., -1:, :]                                               # [B,H,1,Dk]
-  s = (jnp.exp(g_end)[..., 0, :, None] * s0
-       + jnp.einsum("bhsk,bhsv->bhkv", k * jnp.exp(g_end - gc), u, precision=hi))
-  return s, o
-
-
-def kda_prefill_reference(q, k, v, g, beta, initial_state=None, *, config=None):
-  """Pure-jnp chunked KDA (chunk 64, exact pairwise decays). Same signature as `kda_prefill`.
-
-  q, k [B,T,H,Dk] (q pre-scaled), v [B,T,H,Dv], g [B,T,H,Dk], beta [B,T,H], initial_state
-  [B,H,Dk,Dv] or None. Returns o [B,T,H,Dv] f32 and the final state [B,H,Dk,Dv] f32.
-  """
-  del config
-  bsz, t, h, dk = q.shape
-  dv = v.shape[-1]
-  s0 = (jnp.zeros((bsz, h, dk, dv), jnp.float32) if initial_state is None
-        else initial_state.astype(jnp.float32))
-  n = -(-t // CHUNK)
-  pad = n * CHUNK - t                       # padded rows: g = 0, beta = 0 leave S unchanged
-
-  def prep(a):                              # [B,T,H,...] -> [N,B,H,L,...] f32
-    a = jnp.pad(a.astype(jnp.float32), [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
-    a = a.reshape((bsz, n, CHUNK) + a.shape[2:])
-    return jnp.moveaxis(jnp.moveaxis(a, 1, 0), 2, 3)
-
-  s, o = lax.scan(_chunk_reference, s0, tuple(map(prep, (q, k, v, g, beta))))
-  o = jnp.moveaxis(jnp.moveaxis(o, 0, 1), 2, 3).reshape(bsz, n * CHUNK, h, dv)[:, :t]
-  return o, s
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -232,7 +183,7 @@ def _prefill_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, s0_ref, o_ref, s_ref, *, 
 
 @functools.partial(jax.jit, static_argnames=("config",))
 def kda_prefill(q, k, v, g, beta, initial_state=None, *, config=None):
-  """Pallas (Triton) chunked KDA; same signature and results as `kda_prefill_reference`.
+  """Pallas (Triton) chunked KDA; the reference is the model's ling_jax.layers.kda.kda_chunked (chunk 64).
 
   q, k [B,T,H,Dk] (q pre-scaled), v [B,T,H,Dv], g [B,T,H,Dk] fp32, beta [B,T,H] fp32 (any float
   dtype is upcast), initial_state [B,H,Dk,Dv] f32 or None (zeros).

@@ -3,9 +3,9 @@
 Shape legend: B batch, T positions (<= ~17), H heads, Dk = Dv head dims, HD = H*Dk,
 W conv kernel (4), BV value tile of one program.
 
-Per position t, per head (all fp32):
-  y_t[c] = silu(sum_j w[c, 0, j] * xcat_{t+j}[c])        xcat = concat(conv_state, raw) along time
-  q, k   = y / sqrt(sum y^2 + 1e-6);  q *= Dk^-0.5
+Per position t, per head (fp32; R(.) = round to the activation dtype, the raw streams', and back):
+  y_t[c] = R(silu(sum_j w[c, 0, j] * xcat_{t+j}[c]))     xcat = concat(conv_state, raw) along time
+  q, k   = R(y rsqrt(sum y^2 + 1e-6));  q *= Dk^-0.5
   g      = lower_bound * sigmoid(exp(A_log[h]) * (f_raw + dt_bias))     [Dk]
   beta   = sigmoid(b_raw[h])
   S      = diag(exp(g)) S                                  S [Dk, Dv], decay on the K rows
@@ -13,6 +13,8 @@ Per position t, per head (all fp32):
   o_t    = S^T q
 Verify returns o and the per-position (k, v, g, beta) the commit needs; commit replays the
 accepted prefix t < n_accept[b] from the pre-verify state (reads S once, writes S once).
+Reference: the model's own jnp, ling_jax/layers/kda.py (kda_inputs + kda_recurrent for verify, kda_replay for
+commit, with its rounding points R above); tests/kernel_oracles.py calls it with these layouts.
 
 Kernels (Triton): grid (B, H, Dv/BV). Each program loads its head's q/k conv window (full Dk,
 recomputed by the Dv/BV programs of a head: only raw rows, tiny) and its [Dk, BV] state tile.
@@ -34,6 +36,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
+
+L2_EPS = 1e-6  # ling_jax.layers.norms.l2_normalize's eps (KDA's q and k)
 
 
 class KdaCommitInputs(NamedTuple):
@@ -80,98 +84,16 @@ class KdaConfig:
       raise ValueError(f"precision={self.precision!r}: 'tf32x3' or 'ieee' (fp32 dots)")
 
 
-# ----------------------------------------------------------------------------- reference
-
-
-def _conv_silu(raw, state, w):
-  """raw [B, T, C], state [B, W-1, C], w [C, 1, W] -> silu(causal depthwise conv) [B, T, C] f32."""
-  t = raw.shape[1]
-  width = w.shape[-1]
-  xcat = jnp.concatenate([state, raw], axis=1).astype(jnp.float32)     # [B, W-1+T, C]
-  wf = w[:, 0, :].astype(jnp.float32)                                  # [C, W]
-  y = sum(wf[:, j] * xcat[:, j:j + t] for j in range(width))
-  return jax.nn.silu(y)
-
-
-def _l2norm(x):
-  return x / jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
-
-
-def kda_prepare(q_raw, k_raw, v_raw, f_raw, b_raw, A_log, dt_bias, q_conv_w, k_conv_w,
-                v_conv_w, conv_state, *, lower_bound=-5.0):
-  """Conv + norms + gates (jnp). Returns q [B,T,H,Dk] (scaled), k, v, g, beta (fp32)."""
-  bsz, t, hd = q_raw.shape
-  h = b_raw.shape[-1]
-  dk = hd // h
-  cs_q, cs_k, cs_v = jnp.split(conv_state, 3, axis=-1)
-  q = _conv_silu(q_raw, cs_q, q_conv_w).reshape(bsz, t, h, dk)
-  k = _conv_silu(k_raw, cs_k, k_conv_w).reshape(bsz, t, h, dk)
-  v = _conv_silu(v_raw, cs_v, v_conv_w).reshape(bsz, t, h, -1)
-  q = _l2norm(q) * dk ** -0.5
-  k = _l2norm(k)
-  f = f_raw.astype(jnp.float32).reshape(bsz, t, h, dk) + dt_bias.reshape(h, dk)
-  g = lower_bound * jax.nn.sigmoid(jnp.exp(A_log.astype(jnp.float32))[:, None] * f)
-  beta = jax.nn.sigmoid(b_raw.astype(jnp.float32))
-  return q, k, v, g, beta
-
-
-def _delta_step(s, k, v, g, beta):
-  """s [B,H,Dk,Dv]; k,g [B,H,Dk]; v [B,H,Dv]; beta [B,H] -> new s."""
-  s = s * jnp.exp(g)[..., None]                                        # diag(e^g) S
-  kv = jnp.einsum("bhkv,bhk->bhv", s, k)                               # S^T k
-  return s + jnp.einsum("bhk,bhv->bhkv", k, beta[..., None] * (v - kv))
-
-
-def kda_verify_reference(q_raw, k_raw, v_raw, f_raw, b_raw, A_log, dt_bias, q_conv_w,
-                         k_conv_w, v_conv_w, conv_state, rec_state, *, lower_bound=-5.0,
-                         config=None):
-  """Pure-jnp verify. Inputs: *_raw [B,T,HD] (b_raw [B,T,H]), A_log [H], dt_bias [HD],
-  conv weights [HD,1,W], conv_state [B,W-1,3HD], rec_state [B,H,Dk,Dv] f32.
-  Returns (o [B,T,H,Dv] f32, KdaCommitInputs)."""
-  del config
-  q, k, v, g, beta = kda_prepare(q_raw, k_raw, v_raw, f_raw, b_raw, A_log, dt_bias,
-                                 q_conv_w, k_conv_w, v_conv_w, conv_state,
-                                 lower_bound=lower_bound)
-
-  def step(s, xs):
-    qt, kt, vt, gt, bt = xs
-    s = _delta_step(s, kt, vt, gt, bt)
-    return s, jnp.einsum("bhkv,bhk->bhv", s, qt)                      # o_t = S^T q
-
-  tm = lambda a: jnp.moveaxis(a, 1, 0)
-  _, o = lax.scan(step, rec_state, (tm(q), tm(k), tm(v), tm(g), tm(beta)))
-  return jnp.moveaxis(o, 0, 1), KdaCommitInputs(k, v, g, beta)
-
-
-def kda_commit_reference(rec_state, commit_inputs, n_accept, *, config=None):
-  """Replay positions t < n_accept[b] from rec_state [B,H,Dk,Dv]; returns the new state."""
-  del config
-  k, v, g, beta = commit_inputs
-
-  def step(s, xs):
-    t, kt, vt, gt, bt = xs
-    keep = (t < n_accept)[:, None, None, None]
-    return jnp.where(keep, _delta_step(s, kt, vt, gt, bt), s), None
-
-  tm = lambda a: jnp.moveaxis(a, 1, 0)
-  steps = jnp.arange(k.shape[1], dtype=jnp.int32)
-  s, _ = lax.scan(step, rec_state, (steps, tm(k), tm(v), tm(g), tm(beta)))
-  return s
-
-
-def conv_window_commit(conv_state, qkv_raw, n_accept):
-  """conv_state [B,W-1,C], qkv_raw [B,T,C], n_accept [B] -> last W-1 rows of concat(state, raw[:n])."""
-  wm1 = conv_state.shape[1]
-  xcat = jnp.concatenate([conv_state, qkv_raw.astype(conv_state.dtype)], axis=1)
-  take = lambda xc, n: lax.dynamic_slice_in_dim(xc, n, wm1, axis=0)
-  return jax.vmap(take)(xcat, n_accept.astype(jnp.int32))
-
-
 # ----------------------------------------------------------------------------- kernels
 
 
 def _sigmoid(x):
   return 1.0 / (1.0 + jnp.exp(-x))
+
+
+def _round(x, act):
+  """R(x): the model's hand-over in the activation dtype (ling_jax.layers.kda.kda_inputs): round, back to fp32."""
+  return x.astype(act).astype(jnp.float32)
 
 
 def _conv_rows(raw_ref, cs_ref, w_ref, b, c0, n, cs_off, t_len, width):
@@ -185,7 +107,7 @@ def _conv_rows(raw_ref, cs_ref, w_ref, b, c0, n, cs_off, t_len, width):
     y = w[0] * xcat[t]
     for j in range(1, width):
       y = y + w[j] * xcat[t + j]
-    out.append(y * _sigmoid(y))
+    out.append(_round(y * _sigmoid(y), raw_ref.dtype))
   return out
 
 
@@ -206,11 +128,11 @@ def _verify_kernel(q_ref, k_ref, v_ref, f_ref, b_ref, alog_ref, dtb_ref, qw_ref,
   fs = [f_ref[b, t, pl.ds(c0, dk)].astype(jnp.float32) for t in range(t_len)]
   bs = [b_ref[b, t, h].astype(jnp.float32) for t in range(t_len)]
   s = s_ref[b, h, :, pl.ds(vb * bv, bv)]                               # [Dk, BV] f32
-  scale = dk ** -0.5
+  scale, act = dk ** -0.5, q_ref.dtype
   qn, kn, gs, betas, outs = [], [], [], [], []
   for t in range(t_len):                                               # position-parallel part
-    qn.append(qs[t] * lax.rsqrt(jnp.sum(qs[t] * qs[t]) + 1e-6) * scale)
-    kn.append(ks[t] * lax.rsqrt(jnp.sum(ks[t] * ks[t]) + 1e-6))
+    qn.append(_round(qs[t] * lax.rsqrt(jnp.sum(qs[t] * qs[t]) + L2_EPS), act) * scale)
+    kn.append(_round(ks[t] * lax.rsqrt(jnp.sum(ks[t] * ks[t]) + L2_EPS), act))
     gs.append(lower_bound * _sigmoid(a * (fs[t] + dtb)))
     betas.append(_sigmoid(bs[t]))
   for t in range(t_len):                                               # the serial recurrence
@@ -298,7 +220,7 @@ def _conv_tile(raw_ref, cs_ref, w_ref, b, c0, n, cs_off, t_len, tp, width):
     wj = w_ref[pl.ds(c0, n), 0, j].astype(jnp.float32)
     term = wj[None, :] * jnp.where(src < width - 1, xs, xr)
     y = term if y is None else y + term
-  return y * _sigmoid(y)
+  return _round(y * _sigmoid(y), raw_ref.dtype)
 
 
 def _chunk_prepare(k_ref, v_ref, f_ref, b_ref, alog_ref, dtb_ref, kw_ref, vw_ref, cs_ref, *,
@@ -313,7 +235,7 @@ def _chunk_prepare(k_ref, v_ref, f_ref, b_ref, alog_ref, dtb_ref, kw_ref, vw_ref
   braw = b_ref[b, rows1, h].astype(jnp.float32)
   a = jnp.exp(alog_ref[h].astype(jnp.float32))
   dtb = dtb_ref[pl.ds(c0, dk)].astype(jnp.float32)
-  k = jnp.where(valid, k * lax.rsqrt(jnp.sum(k * k, axis=1, keepdims=True) + 1e-6), 0.0)
+  k = jnp.where(valid, _round(k * lax.rsqrt(jnp.sum(k * k, axis=1, keepdims=True) + L2_EPS), k_ref.dtype), 0.0)
   v = jnp.where(valid, v, 0.0)
   g = jnp.where(valid, lower_bound * _sigmoid(a * (f + dtb[None, :])), 0.0)
   beta = jnp.where(valid[:, 0], _sigmoid(braw), 0.0)
@@ -354,7 +276,7 @@ def _verify_chunk_kernel(q_ref, k_ref, v_ref, f_ref, b_ref, alog_ref, dtb_ref, q
                                  cs_ref, b=b, h=h, c0=c0, v0=v0, t_len=t_len, tp=tp, width=width,
                                  hd=hd, dk=dk, bv=bv, lower_bound=lower_bound)
   q = _conv_tile(q_ref, cs_ref, qw_ref, b, c0, dk, 0, t_len, tp, width)
-  q = q * lax.rsqrt(jnp.sum(q * q, axis=1, keepdims=True) + 1e-6) * dk ** -0.5
+  q = _round(q * lax.rsqrt(jnp.sum(q * q, axis=1, keepdims=True) + L2_EPS), q_ref.dtype) * dk ** -0.5
   q = jnp.where(_iota2((tp, 1), 0) < t_len, q, 0.0)
   u, _, eg, eg_mid, kinv = _chunk_solve(k, v, g, beta, s0, prec, t_len, tp)
   r, c = _iota2((tp, tp), 0), _iota2((tp, tp), 1)
@@ -398,7 +320,9 @@ def _commit_chunk_kernel(s_ref, n_ref, k_ref, v_ref, g_ref, beta_ref, out_ref, *
 @functools.partial(jax.jit, static_argnames=("lower_bound", "config"))
 def kda_verify(q_raw, k_raw, v_raw, f_raw, b_raw, A_log, dt_bias, q_conv_w, k_conv_w, v_conv_w,
                conv_state, rec_state, *, lower_bound=-5.0, config=None):
-  """Pallas (Triton) verify; same signature and results as `kda_verify_reference`."""
+  """Pallas (Triton) verify: q/k/v/f raw [B,T,HD], b_raw [B,T,H], A_log [H], dt_bias [HD], conv weights
+  [HD,1,W], conv_state [B,W-1,3HD], rec_state [B,H,Dk,Dv] f32 -> (o [B,T,H,Dv] f32, KdaCommitInputs), the
+  model's kda_inputs + kda_recurrent (its verify path) on these streams."""
   cfg = config or KdaConfig()
   bsz, t, hd = q_raw.shape
   h = b_raw.shape[-1]
@@ -431,7 +355,7 @@ def kda_verify(q_raw, k_raw, v_raw, f_raw, b_raw, A_log, dt_bias, q_conv_w, k_co
 
 @functools.partial(jax.jit, static_argnames=("config",))
 def kda_commit(rec_state, commit_inputs, n_accept, *, config=None):
-  """Pallas (Triton) commit; same signature and result as `kda_commit_reference`.
+  """Pallas (Triton) commit: the state after the first n_accept[b] positions (the model's kda_replay).
   The output aliases rec_state (donate it to update in place)."""
   cfg = config or KdaConfig()
   bsz, h, dk, dv = rec_state.shape

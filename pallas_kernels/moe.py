@@ -106,42 +106,16 @@ class MoeConfig:
         raise ValueError(f"{name}={blk} must divide {dim}")
 
 
-# ----------------------------------------------------------------------------- reference
+# ----------------------------------------------------------------------------- epilogue
 
 
 def _swiglu(g, u, limit):
-  """g, u fp32 -> h = min(silu(g), L) * clip(u, -L, L) fp32 (no clamp when limit <= 0); routed and shared alike."""
+  """The up kernels' epilogue: g, u fp32 -> h = min(silu(g), L) * clip(u, -L, L) fp32 (no clamp when limit <= 0);
+  routed and shared alike. The model's form (ling_jax.layers.linear.swiglu) rounds g, u and silu(g) to the
+  activation dtype first; these kernels keep them in fp32 (a bf16 rounding apart, within the tests' 1e-2)."""
   if limit > 0:
     return jnp.minimum(jax.nn.silu(g), limit) * jnp.clip(u, -limit, limit)
   return jax.nn.silu(g) * u
-
-
-def _dense_expert(x, wg, wu, wd, limit):
-  """x [T, D], wg/wu [I, D], wd [D, I] -> [T, D] fp32."""
-  g = jnp.einsum("td,id->ti", x, wg, preferred_element_type=jnp.float32)
-  u = jnp.einsum("td,id->ti", x, wu, preferred_element_type=jnp.float32)
-  h = _swiglu(g, u, limit).astype(x.dtype)
-  return jnp.einsum("ti,di->td", h, wd, preferred_element_type=jnp.float32)
-
-
-def moe_reference(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, limit=0.0,
-                  shared=None, shared_limit=0.0, config=None):
-  """Pure-jnp MoE (gathers the selected experts' weights: small T only).
-
-  x [T, D]; topk_ids [T, A] int32; topk_weights [T, A] f32; w_gate/w_up [E, I, D];
-  w_down [E, D, I]; shared = (sw_gate [Is, D], sw_up [Is, D], sw_down [D, Is]) or None.
-  Returns [T, D] in x.dtype.
-  """
-  del config
-  wg, wu, wd = w_gate[topk_ids], w_up[topk_ids], w_down[topk_ids]      # [T, A, I, D] ...
-  g = jnp.einsum("td,taid->tai", x, wg, preferred_element_type=jnp.float32)
-  u = jnp.einsum("td,taid->tai", x, wu, preferred_element_type=jnp.float32)
-  h = _swiglu(g, u, limit).astype(x.dtype)                             # [T, A, I]
-  y = jnp.einsum("tai,tadi->tad", h, wd, preferred_element_type=jnp.float32)
-  out = jnp.einsum("tad,ta->td", y, topk_weights.astype(jnp.float32))
-  if shared is not None:
-    out = out + _dense_expert(x, *shared, shared_limit)
-  return out.astype(x.dtype)
 
 
 # ----------------------------------------------------------------------------- align
@@ -483,7 +457,9 @@ def _rows(topk_ids, topk_weights, cfg, has_shared):
 @functools.partial(jax.jit, static_argnames=("limit", "shared_limit", "config"))
 def moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, limit=0.0, shared=None,
         shared_limit=0.0, config=None):
-  """Pallas (Triton) MoE; same signature and result as `moe_reference`."""
+  """Pallas (Triton) MoE: x [T, D], topk_ids / topk_weights [T, A], experts [E, I, D] / [E, D, I], shared (gate
+  [I, D], up [I, D], down [D, I]) or None -> [T, D] in x.dtype; the reference is the model's
+  ling_jax.layers.moe.moe_experts, rounded to x.dtype."""
   cfg = config or MoeConfig()
   t, d = x.shape
   e, i, d2 = w_gate.shape
@@ -491,11 +467,9 @@ def moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, limit=0.0, shared=No
   assert d2 == d and w_up.shape == w_gate.shape and w_down.shape == (e, d, i), (
       x.shape, w_gate.shape, w_up.shape, w_down.shape)
   cfg.check(d, i)
-  if shared is not None and shared[0].shape[0] != i:
-    # Shared width differs: run it as its own dense call (weight 1) and add.
-    routed = moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, limit=limit, config=cfg)
-    sh = _dense_expert(x, *shared, shared_limit)
-    return (routed.astype(jnp.float32) + sh).astype(x.dtype)
+  if shared is not None and shared[0].shape != (i, d):
+    raise ValueError(f"shared expert width {shared[0].shape}: the kernels run it as one more segment of the "
+                     f"routed width I={i} (ling_jax.kernel_calls runs another width through the model)")
 
   p = t * a
   has_shared = shared is not None

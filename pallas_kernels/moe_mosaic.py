@@ -4,7 +4,7 @@ Shape legend: T tokens, N token columns (T padded to 64), D hidden, A experts pe
 E experts, I expert width, P = T*A (token, expert) pairs, S = P + 1 expert slots (slot P is
 the shared expert), BI/BK up tiles, BD/BKD down tiles, KS the fixed split of I in the down GEMM.
 
-Math (same as `pallas_kernels.moe.moe_reference`; clamp L > 0 only when on):
+Math (the reference is the model's ling_jax.layers.moe.moe_experts; clamp L > 0 only when on):
   g = W_gate[e] @ x^T ; u = W_up[e] @ x^T                          [I, N] fp32 (wgmma)
   h = min(silu(g), L) * clip(u, -L, L)   (routed, limit L; the shared slot: its own limit Ls; the limit after the SiLU)
   h'[s] = bf16(wc[s] * h)         wc[s, t] = routing weight of token t on slot s's expert (0: not picked)
@@ -43,7 +43,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.moe import _dense_expert, _swiglu, moe_reference  # noqa: F401  (reference re-export)
+from pallas_kernels.moe import _swiglu
 
 
 @dataclasses.dataclass(frozen=True)
@@ -303,7 +303,7 @@ def _down_kernel(meta, h_gmem, *rest, cfg, d, i, p, has_shared, fp8):
 @functools.partial(jax.jit, static_argnames=("limit", "shared_limit", "config"))
 def moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, limit=0.0, shared=None,
         shared_limit=0.0, config=None):
-  """Mosaic GPU MoE; same signature and result as `moe_reference` (bf16 / f16 operands)."""
+  """Mosaic GPU MoE; same signature and result as pallas_kernels.moe.moe (bf16 / f16 operands)."""
   cfg = config or MosaicMoeConfig()
   t, d = x.shape
   e, i, d2 = w_gate.shape
@@ -314,11 +314,9 @@ def moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, limit=0.0, shared=No
     raise ValueError(f"x {x.dtype} / weights {w_gate.dtype}: the wgmma path takes bf16 or f16 "
                      "(f32 would run as tf32); use pallas_kernels.moe.moe for f32")
   cfg.check(t, d, i)
-  if shared is not None and shared[0].shape[0] != i:
-    # Shared width differs: run it as its own dense XLA expert (weight 1) and add.
-    routed = moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, limit=limit, config=cfg)
-    sh = _dense_expert(x, *shared, shared_limit)
-    return (routed.astype(jnp.float32) + sh).astype(x.dtype)
+  if shared is not None and shared[0].shape != (i, d):
+    raise ValueError(f"shared expert width {shared[0].shape}: slot P needs the routed width I={i} "
+                     "(ling_jax.kernel_calls runs another width through the model)")
 
   meta, wc = _align(topk_ids, topk_weights, cfg.n_tokens, shared is not None)  # [1+P], [S, N]
   return run_kernels(x, meta, wc, w_gate, w_up, w_down, shared, limit=limit, shared_limit=shared_limit, cfg=cfg)

@@ -1,4 +1,6 @@
-"""MoE router (DeepSeek-V3 noaux_tc, sigmoid scores, grouped top-k): XLA reference + Pallas (Triton).
+"""MoE router (DeepSeek-V3 noaux_tc, sigmoid scores, grouped top-k) in Pallas (Triton).
+
+Reference: the model's own ling_jax.layers.moe.router_logits (fp32_weight=False) + route.
 
 Shape legend: T tokens (T' padded to a power of 2, >= 16), D hidden, E experts, G groups
 (n_group), EG = E / G experts per group, A experts per token (top_k), BE/BK gate tiles.
@@ -24,7 +26,7 @@ Tie rule (same as lax.top_k, which returns the lower index first among equal val
 selection (the top-2 inside a group, the kept groups, the final experts) takes the LOWEST
 index among equal values; ids come out in descending score order.
 Numerics: sigmoid is 1 / (1 + exp(-z)) (Triton has no logistic); the matvec's fp32 sum order
-differs from XLA's, so ids can differ from `route_reference` only on scores tied within
+differs from XLA's, so ids can differ from the model's `route` only on scores tied within
 rounding (not seen on random inputs).
 """
 from __future__ import annotations
@@ -38,28 +40,6 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
-
-
-@functools.partial(jax.jit, static_argnames=("n_group", "topk_group", "top_k",
-                                             "routed_scaling_factor", "norm_topk_prob"))
-def route_reference(x, gate_w, expert_bias, *, n_group, topk_group, top_k,
-                    routed_scaling_factor, norm_topk_prob=True):
-  """x [T, D], gate_w [E, D], expert_bias [E] f32 -> (ids [T, A] int32, weights [T, A] f32)."""
-  t = x.shape[0]
-  e = gate_w.shape[0]
-  logits = jnp.einsum("td,ed->te", x, gate_w, preferred_element_type=jnp.float32)  # [T, E]
-  s = jax.nn.sigmoid(logits)
-  sb = s + expert_bias.astype(jnp.float32)[None, :]
-  grouped = sb.reshape(t, n_group, e // n_group)                      # [T, G, E/G]
-  group_score = jax.lax.top_k(grouped, 2)[0].sum(-1)                  # [T, G]
-  _, keep = jax.lax.top_k(group_score, topk_group)                    # [T, topk_group]
-  group_mask = jnp.zeros((t, n_group), bool).at[jnp.arange(t)[:, None], keep].set(True)
-  masked = jnp.where(jnp.repeat(group_mask, e // n_group, axis=1), sb, -jnp.inf)
-  _, ids = jax.lax.top_k(masked, top_k)                               # [T, A]
-  w = jnp.take_along_axis(s, ids, axis=1)
-  if norm_topk_prob:
-    w = w / (w.sum(-1, keepdims=True) + 1e-20)
-  return ids.astype(jnp.int32), w * routed_scaling_factor
 
 
 SMEM_BYTES = 227 * 1024   # H100/H200 opt-in shared memory per block (232448 B)
@@ -323,7 +303,8 @@ def _topk_slots_kernel(s_ref, b_ref, *rest, t, g, eg, topk_group, top_k, ap, sca
                                              "config"))
 def route(x, gate_w, expert_bias, *, n_group, topk_group, top_k, routed_scaling_factor,
           norm_topk_prob=True, config=None):
-  """Pallas (Triton) router; same signature and result as `route_reference` (+ config)."""
+  """Pallas (Triton) router: x [T, D], gate_w [E, D], expert_bias [E] f32 -> (ids [T, A] int32, weights [T, A]
+  f32), the result of the model's route(router_logits(x, gate_w, fp32_weight=False), expert_bias, cfg)."""
   cfg = config or RouterConfig()
   t, d = x.shape
   e = gate_w.shape[0]

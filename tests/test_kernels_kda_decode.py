@@ -1,30 +1,36 @@
-"""Fused kda_decode (Pallas Triton, interpret mode on CPU) vs kda_decode_reference, the reference
-vs verify + commit(n=1) + conv window, and the CUDA lowering at Ling-3.0-flash shapes."""
+"""Fused kda_decode (Pallas Triton, interpret mode on CPU) vs the model's decode step (ling_jax/layers/kda.py:
+kda_inputs, kda_recurrent, slide_window; through tests/kernel_oracles.py) in bf16, the model vs a float64 numpy
+loop in fp32, and the CUDA lowering at Ling-3.0-flash shapes."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.kda_decode import kda_decode, kda_decode_reference
+from pallas_kernels.kda_decode import kda_decode
 from pallas_kernels.kda_verify import KdaConfig
+from tests import kernel_oracles as model
 from tests.test_kernels_kda import make, numpy_kda, rel_err
 from tests.cuda_lowering import H200, S
 
 W = 4
 
 
-def test_kda_decode_matches_reference_and_numpy_loop():
+def test_kda_decode_matches_model_and_numpy_loop():
   args = make(9, 2, 1, 3, 32, jnp.bfloat16)
-  o_ref, s_ref, cs_ref = kda_decode_reference(*args)
+  o_ref, s_ref, cs_ref = model.kda_decode(*args)
   o, s, cs = kda_decode(*args, config=KdaConfig(block_v=16, interpret=True))
   assert o.shape == o_ref.shape and s.shape == s_ref.shape and cs.dtype == cs_ref.dtype
   assert rel_err(o, o_ref) <= 1e-5
   assert rel_err(s, s_ref) <= 1e-5
   np.testing.assert_array_equal(np.asarray(cs), np.asarray(cs_ref))   # a pure copy
-  o_np, states = numpy_kda(args)                                      # the reference vs the math
-  assert rel_err(o_ref, o_np) <= 1e-5 and rel_err(s_ref, states[1]) <= 1e-5
+  o_np, states = numpy_kda(args)   # unrounded math: the kernel sits far closer to the bf16 model's roundings
+  assert rel_err(o, o_np) > 10 * max(rel_err(o, o_ref), 1e-7)
   cat = np.concatenate([np.asarray(args[10]),
                         np.concatenate([np.asarray(a) for a in args[:3]], axis=-1)], axis=1)
   np.testing.assert_array_equal(np.asarray(cs_ref), cat[:, 1:])
+  args32 = make(9, 2, 1, 3, 32, jnp.float32)                       # the model vs the math (fp32)
+  o32, s32, _ = model.kda_decode(*args32)
+  o_np, states = numpy_kda(args32)
+  assert rel_err(o32, o_np) <= 1e-5 and rel_err(s32, states[1]) <= 1e-5
 
 
 def test_kda_decode_lowers_for_cuda():

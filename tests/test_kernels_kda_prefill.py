@@ -1,6 +1,6 @@
-"""KDA prefill (chunked, chunk 64): the Pallas Triton kernel (interpret mode on CPU) vs its jnp
-reference, both vs ling_jax's recurrent form (an independent oracle: a plain scan over T), on
-outputs AND final state; plus CUDA lowering at Ling-3.0-flash dims (H=32, Dk=Dv=128).
+"""KDA prefill (chunked, chunk 64): the Pallas Triton kernel (interpret mode on CPU) vs the model's own chunked
+form (ling_jax.layers.kda.kda_chunked, its reference) and its recurrent form (an independent oracle: a plain scan
+over T), on outputs AND final state; plus CUDA lowering at Ling-3.0-flash dims (H=32, Dk=Dv=128).
 
 Inputs: l2-normed q (scaled) and k, gates from the model's own lower-bound gate with half the
 channels pinned near the bound (g ~ -5: pairwise decays over a chunk reach e^-320) and half
@@ -11,9 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ling_jax.layers.kda import kda_chunked, kda_gate, kda_recurrent
-from pallas_kernels.kda_prefill import KdaPrefillConfig, kda_prefill, kda_prefill_reference
+from ling_jax.layers.kda import kda_gate, kda_recurrent
+from pallas_kernels.kda_prefill import KdaPrefillConfig, kda_prefill
 from tests.cuda_lowering import H200, S
+from tests.kernel_oracles import kda_prefill as model_chunked
 
 TOL = 1e-5      # fp32; measured kernel vs recurrent <= ~1e-6 on these cases (see the report)
 
@@ -52,18 +53,6 @@ def compiled(fn, *args):
   return jax.jit(fn).lower(*args).compile({"xla_backend_optimization_level": 0})(*args)
 
 
-# ----------------------------------------------------------------------------- reference
-
-
-def test_reference_matches_recurrent_and_model_chunked():
-  args = make(7, 2, 130, 2, 32, 32)
-  o, s = compiled(kda_prefill_reference, *args)
-  o_rec, s_rec = compiled(oracle, *args)
-  assert rel_err(o, o_rec) <= TOL and rel_err(s, s_rec) <= TOL
-  o_ch, s_ch = compiled(kda_chunked, *args)            # the model's own chunked form
-  assert rel_err(o, o_ch) <= TOL and rel_err(s, s_ch) <= TOL
-
-
 # ----------------------------------------------------------------------------- kernel
 
 CASES = [  # (t, b, h, dk, dv, block_v, make kwargs)
@@ -76,13 +65,13 @@ CASES = [  # (t, b, h, dk, dv, block_v, make kwargs)
 
 
 @pytest.mark.parametrize("t,b,h,dk,dv,bv,kw", CASES)
-def test_kernel_matches_reference_and_recurrent(t, b, h, dk, dv, bv, kw):
+def test_kernel_matches_model_chunked_and_recurrent(t, b, h, dk, dv, bv, kw):
   args = make(100 + t, b, t, h, dk, dv, **kw)
   cfg = KdaPrefillConfig(block_v=bv, interpret=True)
   o, s = compiled(lambda *a: kda_prefill(*a, config=cfg), *args)
   assert o.shape == (b, t, h, dv) and s.shape == (b, h, dk, dv)
   assert np.isfinite(np.asarray(o)).all() and np.isfinite(np.asarray(s)).all()
-  o_ref, s_ref = compiled(kda_prefill_reference, *args)
+  o_ref, s_ref = compiled(model_chunked, *args)
   o_rec, s_rec = compiled(oracle, *args)
   errs = dict(o_ref=rel_err(o, o_ref), s_ref=rel_err(s, s_ref), o_rec=rel_err(o, o_rec),
               s_rec=rel_err(s, s_rec))

@@ -1,4 +1,5 @@
-"""MoE kernel (Pallas Triton, interpret mode on CPU) vs moe_reference; router; the reference vs the model.
+"""MoE kernel (Pallas Triton, interpret mode on CPU) vs the model's moe_experts (ling_jax.layers.moe, through
+tests/kernel_oracles.py); the model's experts and router vs float64 numpy loops.
 
 Shapes are small real shapes: D = 256, I = 64..128, E = 4..64, A = 8, T in {1, 3, 5, 6, 17}.
 Tolerance ||out - ref|| / ||ref||: fp32 1e-5, bf16 operands 1e-2.
@@ -14,8 +15,9 @@ import numpy as np
 import pytest
 
 from pallas_kernels import moe as moe_mod
-from pallas_kernels.moe import MoeConfig, moe, moe_reference
-from pallas_kernels.router import route_reference
+from pallas_kernels.moe import MoeConfig, moe
+from tests.kernel_oracles import moe as moe_model
+from tests.kernel_oracles import route as route_model
 
 A = 8
 CFG = MoeConfig(block_i=32, block_k=128, block_d=128, block_kd=64, interpret=True)
@@ -55,21 +57,21 @@ CASES = [  # (t, e, i, dtype, ids_mode, shared, limit, tol)
 
 
 @pytest.mark.parametrize("t,e,i,dtype,ids_mode,shared,limit,tol", CASES)
-def test_moe_kernel_matches_reference(t, e, i, dtype, ids_mode, shared, limit, tol):
+def test_moe_kernel_matches_model(t, e, i, dtype, ids_mode, shared, limit, tol):
   x, ids, w, wg, wu, wd, sh = make(t * 7 + e, t, 256, e, i, dtype, ids_mode, shared)
   kw = dict(limit=limit, shared=sh, shared_limit=limit)
   out = moe(x, ids, w, wg, wu, wd, config=CFG, **kw)
-  ref = moe_reference(x, ids, w, wg, wu, wd, **kw)
+  ref = moe_model(x, ids, w, wg, wu, wd, **kw)
   assert out.shape == x.shape and out.dtype == x.dtype
   assert np.all(np.isfinite(np.asarray(out, np.float32)))
   assert rel_err(out, ref) <= tol
   if limit > 0:   # the clamps bite at this limit: turning them off changes the result
-    unclamped = moe_reference(x, ids, w, wg, wu, wd, shared=sh)
+    unclamped = moe_model(x, ids, w, wg, wu, wd, shared=sh)
     assert rel_err(unclamped, ref) > 10 * tol
 
 
-def test_moe_reference_matches_dense_loop():
-  """The reference against a per-token, per-expert numpy loop (float64); the routed clamp as SGLang deploys it:
+def test_model_experts_match_dense_loop():
+  """The model's experts against a per-token, per-expert numpy loop (float64); the routed clamp as SGLang deploys it:
   min(silu(g), L) * clip(u, -L, L)."""
   x, ids, w, wg, wu, wd, sh = make(5, 3, 256, 16, 64, jnp.float32)
   L = 0.3
@@ -83,17 +85,17 @@ def test_moe_reference_matches_dense_loop():
       out[t] += float(w[t, a]) * (ws[2][e] @ (np.minimum(silu(g), L) * np.clip(u, -L, L)))  # limit after SiLU
     sg, su, sd = (np.asarray(s, np.float64) for s in sh)
     out[t] += sd @ (np.minimum(silu(sg @ xs[t]), L) * np.clip(su @ xs[t], -L, L))
-  ref = moe_reference(x, ids, w, wg, wu, wd, limit=L, shared=sh, shared_limit=L)
+  ref = moe_model(x, ids, w, wg, wu, wd, limit=L, shared=sh, shared_limit=L)
   assert rel_err(ref, out) <= 1e-5
 
 
-def test_route_reference():
+def test_model_route_matches_numpy():
   t, d, e, g, kg, k = 5, 64, 64, 8, 4, 8
   ks = jax.random.split(jax.random.key(3), 3)
   x = jax.random.normal(ks[0], (t, d), jnp.bfloat16)
   gate = (jax.random.normal(ks[1], (e, d), jnp.float32) * 0.2).astype(jnp.bfloat16)
   bias = jax.random.normal(ks[2], (e,), jnp.float32) * 0.1
-  ids, w = route_reference(x, gate, bias, n_group=g, topk_group=kg, top_k=k,
+  ids, w = route_model(x, gate, bias, n_group=g, topk_group=kg, top_k=k,
                            routed_scaling_factor=2.5)
   s = 1 / (1 + np.exp(-(np.asarray(x, np.float64) @ np.asarray(gate, np.float64).T)))
   sb = s + np.asarray(bias, np.float64)
@@ -109,21 +111,23 @@ def test_route_reference():
     np.testing.assert_allclose(np.asarray(w[r]), ww / ww.sum() * 2.5, rtol=1e-5)
 
 
-def test_reference_is_the_models_math():
-  """The kernels' reference against the MODEL's own jnp functions (ling_jax.layers.moe: routed_experts +
-  dense_mlp), clamps biting; and the one kernel-choosing object routes CPU to the jnp model."""
+def test_kernel_calls_choice_and_shared_width_fallback():
+  """The one kernel-choosing object routes CPU to the jnp model; and where the shared expert's width is not the
+  routed width I (the kernels take it only as one more segment of width I), KernelCalls.moe runs the routed
+  experts in the kernel and the shared expert through the model's shared_expert, summed in fp32 as the model sums
+  them (the kernels themselves reject that call)."""
   from ling_jax.kernel_calls import kernel_calls
-  from ling_jax.layers.moe import dense_mlp, routed_experts
   assert kernel_calls("auto") is None and kernel_calls("reference") is None   # CPU: the model's jnp
-  assert kernel_calls("interpret").interpret and not kernel_calls("pallas").interpret
-  x, ids, w, wg, wu, wd, sh = make(9, 3, 256, 16, 64, jnp.float32)
-  L, Ls = 0.3, 0.4
-  out = moe_reference(x, ids, w, wg, wu, wd, limit=L, shared=sh, shared_limit=Ls)
-  model = routed_experts(x, ids, w, wg, wu, wd, L) + dense_mlp(
-      {"gate_proj": sh[0], "up_proj": sh[1], "down_proj": sh[2]}, x, Ls)
-  assert rel_err(out, model) <= 1e-6
-  unclamped = routed_experts(x, ids, w, wg, wu, wd, 0.0)
-  assert rel_err(out, unclamped) > 1e-2
+  calls = kernel_calls("interpret")
+  assert calls.interpret and not kernel_calls("pallas").interpret
+  x, ids, w, wg, wu, wd, _ = make(9, 3, 256, 16, 64, jnp.float32, shared=False)
+  *_, sh = make(10, 3, 256, 16, 128, jnp.float32)                             # Is = 128 != I = 64
+  kw = dict(limit=0.3, shared=sh, shared_limit=0.4)
+  with pytest.raises(ValueError, match="shared expert width"):
+    moe(x, ids, w, wg, wu, wd, config=CFG, **kw)
+  out = calls.moe(x, ids, w, wg, wu, wd, **kw)
+  assert out.dtype == jnp.float32 and rel_err(out, moe_model(x, ids, w, wg, wu, wd, **kw)) <= 1e-5
+  assert rel_err(out, moe_model(x, ids, w, wg, wu, wd, limit=0.3)) > 1e-2      # the shared expert is in
 
 
 # ----------------------------------------------------------------------------- align, paths
@@ -165,12 +169,12 @@ PATH_CASES = [  # (config, t, e, i, dtype, ids_mode, shared, limit, tol)
 
 
 @pytest.mark.parametrize("cfg,t,e,i,dtype,ids_mode,shared,limit,tol", PATH_CASES)
-def test_moe_paths_match_reference(cfg, t, e, i, dtype, ids_mode, shared, limit, tol):
+def test_moe_paths_match_model(cfg, t, e, i, dtype, ids_mode, shared, limit, tol):
   x, ids, w, wg, wu, wd, sh = make(t * 5 + e, t, 256, e, i, dtype, ids_mode, shared)
   kw = dict(limit=limit, shared=sh, shared_limit=limit)
   out = moe(x, ids, w, wg, wu, wd, config=cfg, **kw)
   assert out.shape == x.shape and out.dtype == x.dtype
-  assert rel_err(out, moe_reference(x, ids, w, wg, wu, wd, **kw)) <= tol
+  assert rel_err(out, moe_model(x, ids, w, wg, wu, wd, **kw)) <= tol
 
 
 def test_fused_combine_batch_invariant():
@@ -179,7 +183,7 @@ def test_fused_combine_batch_invariant():
   x, ids, w, wg, wu, wd, sh = make(11, 6, 256, 16, 64, jnp.float32, "random", True)
   kw = dict(limit=0.3, shared=sh, shared_limit=0.3, config=FUSED)
   batch = np.asarray(moe(x, ids, w, wg, wu, wd, **kw))
-  assert rel_err(batch, moe_reference(x, ids, w, wg, wu, wd, **{**kw, "config": None})) <= 1e-5
+  assert rel_err(batch, moe_model(x, ids, w, wg, wu, wd, limit=0.3, shared=sh, shared_limit=0.3)) <= 1e-5
   for t in range(6):
     alone = np.asarray(moe(x[t:t + 1], ids[t:t + 1], w[t:t + 1], wg, wu, wd, **kw))
     np.testing.assert_array_equal(alone[0], batch[t])

@@ -1,4 +1,5 @@
-"""Mosaic GPU MoE (pallas_kernels/moe_mosaic.py): the Mosaic GPU interpreter on CPU vs moe_reference,
+"""Mosaic GPU MoE (pallas_kernels/moe_mosaic.py): the Mosaic GPU interpreter on CPU vs the model's
+moe_experts (ling_jax.layers.moe, through tests/kernel_oracles.py),
 and the CUDA lowering at full Ling-3.0-flash shapes.
 
 The interpreter simulates TMA copies, barriers, SMEM and wgmma (as a matmul of the SMEM tiles), so
@@ -13,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.moe import moe_reference
 from pallas_kernels.moe_mosaic import MosaicMoeConfig, moe
 from tests.cuda_lowering import H200, S, lower_cuda
+from tests.kernel_oracles import moe as moe_model
 
 A, D, I, E = 8, 256, 128, 16
 BF = jnp.bfloat16
@@ -57,16 +58,16 @@ CASES = [  # (t, ids_mode, shared, limit)
 
 
 @pytest.mark.parametrize("t,ids_mode,shared,limit", CASES)
-def test_moe_mosaic_matches_reference(t, ids_mode, shared, limit):
+def test_moe_mosaic_matches_model(t, ids_mode, shared, limit):
   x, ids, w, wg, wu, wd, sh = make(t * 7 + len(ids_mode), t, ids_mode, shared)
   kw = dict(limit=limit, shared=sh, shared_limit=limit)
   out = moe(x, ids, w, wg, wu, wd, config=CFG, **kw)
-  ref = moe_reference(x, ids, w, wg, wu, wd, **kw)
+  ref = moe_model(x, ids, w, wg, wu, wd, **kw)
   assert out.shape == x.shape and out.dtype == x.dtype
   assert np.all(np.isfinite(np.asarray(out, np.float32)))
   assert rel_err(out, ref) <= 1e-2
   if limit > 0:   # the clamps bite at this limit: turning them off changes the result
-    unclamped = moe_reference(x, ids, w, wg, wu, wd, shared=sh)
+    unclamped = moe_model(x, ids, w, wg, wu, wd, shared=sh)
     assert rel_err(unclamped, ref) > 0.1
   if t == 6:      # batch invariance: token 2 alone gives the bit-identical row
     alone = moe(x[2:3], ids[2:3], w[2:3], wg, wu, wd, config=CFG, **kw)

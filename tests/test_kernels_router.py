@@ -1,6 +1,7 @@
-"""Pallas (Triton) router in interpret mode vs route_reference (XLA); tie rule; CUDA lowering.
+"""Pallas (Triton) router in interpret mode vs the model's router (ling_jax.layers.moe: router_logits + route,
+through tests/kernel_oracles.py); tie rule; CUDA lowering.
 
-Ids must equal the reference's exactly (same order: descending score, lowest index first among
+Ids must equal the model's exactly (same order: descending score, lowest index first among
 equal scores); weights within 1e-6 (fp32 sum order and 1/(1+exp(-z)) vs XLA's logistic).
 """
 import jax
@@ -9,7 +10,8 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh
 
-from pallas_kernels.router import RouterConfig, route, route_reference
+from pallas_kernels.router import RouterConfig, route
+from tests import kernel_oracles
 
 CFG = RouterConfig(block_e=16, block_k=128, interpret=True)
 
@@ -34,7 +36,7 @@ def test_route_matches_reference(t, d, e, g, kg, k, dtype, norm):
   x, gate, bias = inputs(t + e, t, d, e, dtype)
   kw = dict(n_group=g, topk_group=kg, top_k=k, routed_scaling_factor=2.5, norm_topk_prob=norm)
   ids, w = route(x, gate, bias, config=CFG, **kw)
-  rids, rw = route_reference(x, gate, bias, **kw)
+  rids, rw = kernel_oracles.route(x, gate, bias, **kw)
   assert ids.shape == (t, k) and ids.dtype == jnp.int32 and w.dtype == jnp.float32
   np.testing.assert_array_equal(ids, rids)
   np.testing.assert_allclose(w, rw, rtol=1e-6, atol=1e-7)
@@ -56,9 +58,9 @@ def test_route_tie_rule():
   bias = jnp.asarray(per.reshape(e))
   kw = dict(n_group=g, topk_group=4, top_k=8, routed_scaling_factor=1.0)
   ids, w = route(x, gate, bias, config=CFG, **kw)
-  rids, _ = route_reference(x, gate, bias, **kw)
+  rids, _ = kernel_oracles.route(x, gate, bias, **kw)
   want = np.array([0, 1, 8, 9, 16, 17, 24, 25])
-  np.testing.assert_array_equal(rids, np.tile(want, (t, 1)))        # the reference's rule
+  np.testing.assert_array_equal(rids, np.tile(want, (t, 1)))        # the model's rule
   np.testing.assert_array_equal(ids, rids)
   np.testing.assert_allclose(w, np.full((t, 8), 1 / 8), rtol=1e-6)
 

@@ -130,13 +130,13 @@ def _moe_inputs(T=3, D=64, E=16, I=32, A=4):
 @pytest.mark.parametrize("expert_parallel", [False, True])
 def test_sharded_moe_kernel_under_shard_map(expert_parallel):
     """The Pallas MoE (interpreter) run per device under shard_map, TP over the expert width or EP over the
-    experts, equals the unsharded jnp reference."""
-    from pallas_kernels.moe import moe_reference
+    experts, equals the unsharded model (ling_jax.layers.moe.moe_experts)."""
+    from tests.kernel_oracles import moe as moe_model
 
     mesh = make_mesh(4)
     rules = ShardingRules.tensor_parallel(expert_parallel=expert_parallel)
     x, ids, w, wg, wu, wd, sh = _moe_inputs()
-    want = moe_reference(x, ids, w, wg, wu, wd, limit=0.7, shared=sh, shared_limit=0.5)
+    want = moe_model(x, ids, w, wg, wu, wd, limit=0.7, shared=sh, shared_limit=0.5)
     calls = ShardedKernelCalls(interpret=True, mesh=mesh, rules=rules)
     got = jax.jit(lambda *a: calls.moe(*a[:6], limit=0.7, shared=a[6], shared_limit=0.5))(x, ids, w, wg, wu, wd, sh)
     assert got.shape == want.shape
@@ -157,18 +157,19 @@ def _kda_inputs(B=1, T=4, H=4, K=16, W=4):
 
 
 def test_sharded_kda_verify_and_commit_under_shard_map():
-    """KDA verify + commit kernels (interpreter) split by heads over 4 devices equal the unsharded references."""
-    from pallas_kernels.kda_verify import kda_commit_reference, kda_verify_reference
+    """KDA verify + commit kernels (interpreter) split by heads over 4 devices equal the unsharded model
+    (ling_jax.layers.kda: kda_inputs + kda_recurrent, kda_replay)."""
+    from tests import kernel_oracles as model
 
     mesh = make_mesh(4)
     raw, b, A_log, dt, cw, conv, rec = _kda_inputs()
     B, Wm1 = conv.shape[:2]
-    want = kda_verify_reference(*raw, b, A_log, dt, *cw, conv.reshape(B, Wm1, -1), rec)
+    want = model.kda_verify(*raw, b, A_log, dt, *cw, conv.reshape(B, Wm1, -1), rec)
     calls = ShardedKernelCalls(interpret=True, mesh=mesh)
     got = jax.jit(lambda *a: calls.kda_verify(*a, lower_bound=-5.0))(*raw, b, A_log, dt, *cw, conv, rec)
     for g_, w_ in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         assert rel_err(g_, w_) <= 1e-5
     n_accept = jnp.array([3], jnp.int32)
-    want_s = kda_commit_reference(rec, want[1], n_accept)
+    want_s = model.kda_commit(rec, want[1], n_accept)
     got_s = jax.jit(calls.kda_commit)(rec, got[1], n_accept)
     assert rel_err(got_s, want_s) <= 1e-5

@@ -160,20 +160,30 @@ def kda_project(p, x, conv_window, cfg, kernels=None):
     x [B, T, D] (or a Normed) -> (q [B,T,H,K] scaled f32, k [B,T,H,K] f32, v [B,T,H,V] f32, g, beta,
     qkv_raw [B,T,3,C], out_gate [B,T,C]).
     """
-    B, T, _ = x.shape
-    H, Kd = cfg.num_attention_heads, cfg.head_dim
     proj, b_raw = kda_projections(p, x, kernels)  # [B, T, 5, C], [B, T, H]
-    qkv_raw = proj[:, :, :3]  # [B, T, 3, C]
-    qkv = short_conv(qkv_raw, p["conv_w"][:, :, 0, :], conv_window)  # conv_w [3, C, 1, W]
+    q, k, v, g, beta = kda_inputs(proj, b_raw, p, conv_window, cfg.kda_lower_bound, x.dtype)
+    return q, k, v, g, beta, proj[:, :, :3], proj[:, :, 4]
+
+
+def kda_inputs(proj, b_raw, p, conv_window, lower_bound: float, dtype):
+    """The recurrence's inputs from the raw streams (the fused KDA kernels' reference: they take the same streams).
+
+    proj [B, T, >=4, C] (the q, k, v, f streams; a 5th, the out gate, is not read), b_raw [B, T, H], p: conv_w
+    [3, C, 1, W], A_log [H], dt_bias [C]; conv_window [B, W-1, 3, C]; dtype the activation dtype
+    -> (q [B,T,H,K] scaled, k [B,T,H,K], v [B,T,H,V], g [B,T,H,K], beta [B,T,H]), all f32.
+    Rounding points (bf16 activations): the conv + SiLU output, and q, k after the l2norm (before q's scale).
+    """
+    B, T, H = b_raw.shape
+    Kd = proj.shape[-1] // H
+    qkv = short_conv(proj[:, :, :3], p["conv_w"][:, :, 0, :], conv_window)  # conv_w [3, C, 1, W]
     # l2norm in fp32, rounded to the activation dtype before the fp32 recurrence (as fla does).
-    to_act = lambda a: a.astype(x.dtype).astype(jnp.float32)
+    to_act = lambda a: a.astype(dtype).astype(jnp.float32)
     q = to_act(l2_normalize(qkv[:, :, 0].reshape(B, T, H, Kd))) * (Kd**-0.5)
     k = to_act(l2_normalize(qkv[:, :, 1].reshape(B, T, H, Kd)))
     v = qkv[:, :, 2].reshape(B, T, H, Kd).astype(jnp.float32)
-    g = kda_gate(proj[:, :, 3].reshape(B, T, H, Kd), p["A_log"], p["dt_bias"], cfg.kda_lower_bound)
+    g = kda_gate(proj[:, :, 3].reshape(B, T, H, Kd), p["A_log"], p["dt_bias"], lower_bound)
     beta = jax.nn.sigmoid(b_raw.astype(jnp.float32))
-    out_gate = proj[:, :, 4]
-    return q, k, v, g, beta, qkv_raw, out_gate
+    return q, k, v, g, beta
 
 
 def kda_output(p, o, out_gate, cfg, dtype, kernels=None, residual=None):
@@ -279,7 +289,13 @@ def kda_commit(conv_window, rec_state, pending: KdaPending, n_accept, kernels=No
         inputs = KdaCommitInputs(pending.k, pending.v, pending.g, pending.beta)
         new_state = kernels.kda_commit(rec_state, inputs, n_accept)
         return slide_window(conv_window, pending.qkv_raw, n_accept), new_state
-    g, beta = no_op_mask(pending.g, pending.beta, n_accept)
-    zeros_q = jnp.zeros_like(pending.k)
-    _, new_state = kda_recurrent(zeros_q, pending.k, pending.v, g, beta, rec_state)
+    new_state = kda_replay(rec_state, pending.k, pending.v, pending.g, pending.beta, n_accept)
     return slide_window(conv_window, pending.qkv_raw, n_accept), new_state
+
+
+def kda_replay(rec_state, k, v, g, beta, n_accept):
+    """The state after the first n_accept[b] positions of (k, v, g, beta) (as KdaPending holds them) from
+    rec_state [B, H, K, V]: the commit kernel's reference."""
+    g, beta = no_op_mask(g, beta, n_accept)
+    _, new_state = kda_recurrent(jnp.zeros_like(k), k, v, g, beta, rec_state)
+    return new_state

@@ -79,6 +79,23 @@ def routed_experts(x, ids, weights, w_gate, w_up, w_down, limit: float):
     return jnp.einsum("ted,te->td", y.astype(jnp.float32), combine)
 
 
+def moe_experts(x, ids, weights, w_gate, w_up, w_down, *, limit: float, shared=None, shared_limit: float = 0.0):
+    """The routed experts plus the shared expert, as one fp32 sum (rounded once, by the caller): x [T, D], ids and
+    weights [T, A], the experts as in `routed_experts`, shared = (gate [Is, D], up [Is, D], down [D, Is]) or None
+    -> [T, D] f32. The MoE kernels' reference (KernelCalls.moe takes the same arguments)."""
+    y = routed_experts(x, ids, weights, w_gate, w_up, w_down, limit)
+    if shared is None:
+        return y
+    return y + shared_expert(x, shared, shared_limit)
+
+
+def shared_expert(x, shared, limit: float):
+    """The shared expert (a dense SwiGLU MLP) of x [T, D]: shared = (gate [Is, D], up [Is, D], down [D, Is])
+    -> [T, D] f32 (its output in the activation dtype, widened for the fp32 sum with the routed experts)."""
+    gate, up, down = shared
+    return dense_mlp({"gate_proj": gate, "up_proj": up, "down_proj": down}, x, limit).astype(jnp.float32)
+
+
 def borrow_routing(ids, w, live_rows, bt):
     """ids, w [B*T, A]; rows t >= live_rows[b] take row live_rows[b]-1's (ids, w)."""
     B, T = bt
@@ -125,7 +142,7 @@ def moe_layer(p, x, cfg, *, routed_limit: float, shared_limit: float, router_fp3
                        shared=(sh["gate_proj"], sh["up_proj"], sh["down_proj"]), shared_limit=shared_limit)
         y = y.astype(x.dtype).reshape(shape)
     else:
-        y = routed_experts(xt, ids, w, p["w_gate"], p["w_up"], p["w_down"], routed_limit)
-        y = y + dense_mlp(p["shared"], xt, shared_limit).astype(jnp.float32)  # one fp32 sum, one rounding
+        y = moe_experts(xt, ids, w, p["w_gate"], p["w_up"], p["w_down"], limit=routed_limit,
+                        shared=(sh["gate_proj"], sh["up_proj"], sh["down_proj"]), shared_limit=shared_limit)
         y = y.astype(x.dtype).reshape(shape)
     return (y, expert_load(ids, cfg.num_experts)) if return_load else y

@@ -1,0 +1,88 @@
+"""The kernels' references: the MODEL's own jnp functions (ling_jax/layers/*), called with the kernels' argument
+layouts. Layout only here (stack, reshape, name the config fields); every piece of math and every rounding point
+is the model's, written once in ling_jax. Used by the kernel tests and by the benches (their XLA baselines).
+
+Kernel layouts (pallas_kernels): router x [T, D], gate_w [E, D], expert_bias [E]; MoE x [T, D], ids / weights
+[T, A], experts [E, I, D] / [E, D, I], shared (gate [Is, D], up [Is, D], down [D, Is]); KDA raw streams
+q/k/v/f [B, T, C], b_raw [B, T, H], conv weights 3 x [C, 1, W], conv_state [B, W-1, 3C] (q | k | v channels),
+rec_state [B, H, K, V] f32.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from ling_jax.config import ModelConfig
+from ling_jax.layers import kda as model_kda
+from ling_jax.layers import moe as model_moe
+from pallas_kernels.kda_verify import KdaCommitInputs
+
+
+@functools.partial(jax.jit, static_argnames=("n_group", "topk_group", "top_k", "routed_scaling_factor",
+                                             "norm_topk_prob"))
+def route(x, gate_w, expert_bias, *, n_group, topk_group, top_k, routed_scaling_factor, norm_topk_prob=True):
+  """pallas_kernels.router.route's contract through the model's router_logits (bf16 weight, fp32 accumulation:
+  the kernel's path in moe_layer) and route -> (ids [T, A] int32, weights [T, A] f32)."""
+  cfg = ModelConfig(num_experts=gate_w.shape[0], num_experts_per_tok=top_k, n_group=n_group, topk_group=topk_group,
+                    routed_scaling_factor=routed_scaling_factor, norm_topk_prob=norm_topk_prob)
+  return model_moe.route(model_moe.router_logits(x, gate_w, fp32_weight=False), expert_bias, cfg)
+
+
+@functools.partial(jax.jit, static_argnames=("limit", "shared_limit"))
+def moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, limit=0.0, shared=None, shared_limit=0.0):
+  """The MoE kernels' contract (-> [T, D] in x.dtype) through the model's moe_experts, rounded once as
+  moe_layer rounds it."""
+  y = model_moe.moe_experts(x, topk_ids, topk_weights, w_gate, w_up, w_down, limit=limit, shared=shared,
+                            shared_limit=shared_limit)
+  return y.astype(x.dtype)
+
+
+def _model_layout(q_raw, k_raw, v_raw, f_raw, A_log, dt_bias, q_conv_w, k_conv_w, v_conv_w, conv_state):
+  """The kernel's KDA operands in the model's layout: (proj [B, T, 4, C], params, conv_window [B, W-1, 3, C])."""
+  bsz, wm1 = conv_state.shape[:2]
+  proj = jnp.stack([q_raw, k_raw, v_raw, f_raw], axis=2)
+  p = dict(conv_w=jnp.stack([q_conv_w, k_conv_w, v_conv_w]), A_log=A_log, dt_bias=dt_bias)
+  return proj, p, conv_state.reshape(bsz, wm1, 3, -1)
+
+
+@functools.partial(jax.jit, static_argnames=("lower_bound",))
+def kda_verify(q_raw, k_raw, v_raw, f_raw, b_raw, A_log, dt_bias, q_conv_w, k_conv_w, v_conv_w, conv_state,
+               rec_state, *, lower_bound=-5.0):
+  """pallas_kernels.kda_verify.kda_verify's contract through the model's kda_inputs + kda_recurrent (its verify
+  path) -> (o [B, T, H, V] f32, KdaCommitInputs). The activation dtype is the raw streams'."""
+  proj, p, window = _model_layout(q_raw, k_raw, v_raw, f_raw, A_log, dt_bias, q_conv_w, k_conv_w, v_conv_w,
+                                  conv_state)
+  q, k, v, g, beta = model_kda.kda_inputs(proj, b_raw, p, window, lower_bound, q_raw.dtype)
+  o, _ = model_kda.kda_recurrent(q, k, v, g, beta, rec_state)
+  return o, KdaCommitInputs(k, v, g, beta)
+
+
+@jax.jit
+def kda_commit(rec_state, commit_inputs, n_accept):
+  """pallas_kernels.kda_verify.kda_commit's contract through the model's kda_replay."""
+  return model_kda.kda_replay(rec_state, *commit_inputs, n_accept)
+
+
+@functools.partial(jax.jit, static_argnames=("lower_bound",))
+def kda_decode(q_raw, k_raw, v_raw, f_raw, b_raw, A_log, dt_bias, q_conv_w, k_conv_w, v_conv_w, conv_state,
+               rec_state, *, lower_bound=-5.0):
+  """pallas_kernels.kda_decode.kda_decode's contract (T = 1) through the model's decode path (kda_inputs,
+  kda_recurrent, slide_window) -> (o [B, 1, H, V] f32, rec_state, conv_state [B, W-1, 3C])."""
+  proj, p, window = _model_layout(q_raw, k_raw, v_raw, f_raw, A_log, dt_bias, q_conv_w, k_conv_w, v_conv_w,
+                                  conv_state)
+  q, k, v, g, beta = model_kda.kda_inputs(proj, b_raw, p, window, lower_bound, q_raw.dtype)
+  o, state = model_kda.kda_recurrent(q, k, v, g, beta, rec_state)
+  ones = jnp.ones((q_raw.shape[0],), jnp.int32)
+  new_window = model_kda.slide_window(window, proj[:, :, :3], ones)
+  return o, state, new_window.reshape(conv_state.shape)
+
+
+@jax.jit
+def kda_prefill(q, k, v, g, beta, initial_state=None):
+  """pallas_kernels.kda_prefill.kda_prefill's contract through the model's kda_chunked (chunk 64, the kernel's
+  chunk); initial_state None is zeros."""
+  if initial_state is None:
+    initial_state = jnp.zeros(q.shape[:1] + q.shape[2:] + v.shape[-1:], jnp.float32)
+  return model_kda.kda_chunked(q, k, v, g, beta, initial_state, chunk=64)
