@@ -31,6 +31,7 @@ Shapes (per call, the layers' view; a subclass sees its per-device slices inside
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import jax
@@ -38,12 +39,14 @@ import jax.numpy as jnp
 
 from ling_jax.layers.moe import shared_expert
 from ling_jax.layers.norms import rms_norm
+from ling_jax import quant
 from ling_jax.quant import Fp8Weight, dense
 from pallas_kernels import allreduce as _allreduce
 from pallas_kernels import kda_chain as _kda_chain
 from pallas_kernels import kda_decode as _kda_decode
 from pallas_kernels import kda_prefill as _kda_prefill
 from pallas_kernels import fused_linear as _fused_linear
+from pallas_kernels import fused_linear_fp8 as _fused_linear_fp8
 from pallas_kernels import kda_verify as _kda_verify
 from pallas_kernels import mla_attention as _mla_attention
 from pallas_kernels import moe as _moe_triton
@@ -94,8 +97,11 @@ class KernelCalls:
       projection of one normed input in ONE kernel (the RMSNorm in its prologue, epilogues linear / sigmoid /
       SwiGLU: KDA's w_qkvfg | b_proj, MLA's q | kv_a | g_proj and q_b, the dense MLP's gate | up, the MTP's
       eh_proj over [enorm | hnorm]), and the output projections (KDA o_proj, MLA dense, dense down_proj) with the
-      residual add in the epilogue. bf16 activations and dense weights only; a call the kernel does not take (fp32,
-      fp8 weights, widths or rows past its limits, e.g. prefill chunks whose x does not fit its SMEM) runs the jnp.
+      residual add in the epilogue. bf16 activations; block-fp8 weights (quant.Fp8Weight) run the fp8 form of the
+      kernel (pallas_kernels/fused_linear_fp8.py: e4m3 tiles + block scales, see fp8_linear_scale), dense bf16
+      weights the bf16 one; a call mixing both runs one kernel per group (two reads of x). A call the kernel does
+      not take (fp32, widths or rows past its limits, e.g. prefill chunks whose x does not fit its SMEM, fp8
+      weights [S, C, D] with C not a multiple of 128) runs the jnp.
       Off by default: the kernel alone beats XLA's norm + einsum for KDA's and MLA's input projections at T <= 6
       on the H200 (29.6 vs 31.5 us, 15.5 vs 19.0 us) but not for the dense MLP, o_proj + residual (10.2 vs 8.2 us)
       or T = 17 (bench/results/kernels-fused-linear-h200-2026-12-01-persistent.json), and the wired step was not
@@ -105,6 +111,10 @@ class KernelCalls:
       + semaphores, fixed device order) instead of XLA's psum (NCCL: 18-19 us per small dependent all-reduce on
       two H200s) and two more kernels. Off by default (psum) until bench/kernels_allreduce.py has measured it on
       nvidia-h200-x2; no interpret mode (the CPU interpreter has no GMEM semaphores).
+    fp8_linear_scale: where the fp8 kernel applies the block scale: "partial" (on each K step's fp32 partial: the
+      exact block product, one wgmma wait per step) or "weight" (on the weight before its bf16 rounding: the model's
+      quant.dense weight, one wgmma group in flight). Not yet measured on the GPU (bench/kernels_fused_linear.py
+      --fp8 is the A/B).
     """
 
     interpret: bool = False
@@ -118,11 +128,14 @@ class KernelCalls:
     moe_tiles: _moe_mosaic.MosaicMoeConfig | None = None
     fused_linear: bool = False
     p2p_allreduce: bool = False
+    fp8_linear_scale: str = "partial"
 
     def __post_init__(self):
         if self.p2p_allreduce and self.interpret:
             raise ValueError("p2p_allreduce=True with interpret=True: the Mosaic GPU interpreter runs no GMEM "
                              "semaphores or remote refs (the kernel's math is tested through allreduce.combine)")
+        if self.fp8_linear_scale not in _fused_linear_fp8.SCALE_ON:
+            raise ValueError(f"fp8_linear_scale={self.fp8_linear_scale!r} not in {_fused_linear_fp8.SCALE_ON}")
         if self.moe_tiles is not None and (self.interpret or self.moe_tiles.interpret):
             raise ValueError("moe_tiles with interpret: the interpreter runs its own test tiles (interpret=True)")
         if self.moe_n_tokens not in (16, 32) and (self.moe_n_tokens <= 0 or self.moe_n_tokens % 64):
@@ -330,46 +343,75 @@ class KernelCalls:
         """epilogue_s(RMSNorm(x) @ W_s^T) for every projection in one fused kernel (see layers.linear), or None.
         Weights with several output axes ([S, C, D]) are read as [S*C, D] (a free reshape); output widths the
         kernel's TMA store cannot tile (e.g. b_proj / g_proj of H = 4 heads, kv_a of 160 rows in small models)
-        are zero-padded rows of the weight (an XLA pad, only where the width does not fit) and sliced off."""
+        are zero-padded rows of the weight (an XLA pad, only where the width does not fit) and sliced off.
+        fp8 weights go to the fp8 kernel, bf16 ones to the bf16 kernel (one launch per kind present)."""
         xs, norm_ws = zip(*h.parts)
         weights = [w for p in projections for w in (p.weight if p.kind == "swiglu" else (p.weight,))]
         # bf16 throughout (a norm weight of another dtype would promote rms_norm's output: not the kernel's math)
         if (not self.fused_linear or any(a.dtype != jnp.bfloat16 for a in xs + norm_ws)
-                or any(isinstance(w, Fp8Weight) or w.dtype != jnp.bfloat16 for w in weights)):
+                or any(not isinstance(w, Fp8Weight) and w.dtype != jnp.bfloat16 for w in weights)):
             return None
         lead = xs[0].shape[:-1]
         flat = tuple(x.reshape(-1, x.shape[-1]) for x in xs)                     # [B*T, D_i]
+        is_fp8 = [isinstance(p.weight if p.kind != "swiglu" else p.weight[0], Fp8Weight) for p in projections]
+        outs = [None] * len(projections)
+        for fp8 in (False, True):
+            group = [j for j, f in enumerate(is_fp8) if f == fp8]
+            if not group:
+                continue
+            got = self._norm_linear_group(flat, norm_ws, h.eps, [projections[j] for j in group], fp8)
+            if got is None:
+                return None
+            for j, o in zip(group, got):
+                outs[j] = o.reshape(lead + o.shape[1:])
+        return tuple(outs)
+
+    def _norm_linear_group(self, flat, norm_ws, eps, projections, fp8: bool):
+        """One fused kernel over projections whose weights are all bf16 (fp8=False) or all quant.Fp8Weight ->
+        [B*T, *N_s] outputs, or None where the kernel does not take the call."""
         args, projs, widths = [], [], []
         for p in projections:
             proj = _fused_linear.Proj(p.kind, limit=p.limit)
             ws = p.weight if p.kind == "swiglu" else (p.weight,)
             n_out = ws[0].shape[:-1]
-            n = ws[0].reshape(-1, ws[0].shape[-1]).shape[0]
-            rows = _store_rows(n, proj.out_dtype)
-            ws = tuple(jnp.pad(w.reshape(n, -1), ((0, rows - n), (0, 0))) for w in ws)  # no-op pad where it fits
+            rows = _store_rows(math.prod(n_out), proj.out_dtype)
+            ws = tuple((_fp8_rows if fp8 else _bf16_rows)(w, rows) for w in ws)
+            if any(w is None for w in ws):
+                return None
             args.append(ws if p.kind == "swiglu" else ws[0])
             projs.append(proj)
-            widths.append((n, n_out))
+            widths.append((math.prod(n_out), n_out))
+        x = flat if len(flat) > 1 else flat[0]
+        nw = norm_ws if len(flat) > 1 else norm_ws[0]
+        cfg = self._linear_config(sum(a.shape[-1] for a in flat))
         try:
-            outs = _fused_linear.norm_linear(flat if len(flat) > 1 else flat[0], norm_ws if len(xs) > 1 else
-                                             norm_ws[0], tuple(args), projs=tuple(projs), eps=h.eps,
-                                             config=self._linear_config(sum(x.shape[-1] for x in flat)))
+            if fp8:
+                outs = _fused_linear_fp8.norm_linear_fp8(x, nw, tuple(args), projs=tuple(projs), eps=eps, config=cfg,
+                                                         scale_on=self.fp8_linear_scale)
+            else:
+                outs = _fused_linear.norm_linear(x, nw, tuple(args), projs=tuple(projs), eps=eps, config=cfg)
         except ValueError:  # past the kernel's limits (its message says which): the jnp form serves the call
             return None
-        return tuple(o[:, :n].reshape(lead + n_out) for o, (n, n_out) in zip(outs, widths))
+        return [o[:, :n].reshape((-1,) + n_out) for o, (n, n_out) in zip(outs, widths)]
 
     def linear_residual(self, o, w, residual):
-        """residual + o @ w^T in one kernel (the residual add in the projection's epilogue), or None."""
-        if (not self.fused_linear or isinstance(w, Fp8Weight)
-                or any(a.dtype != jnp.bfloat16 for a in (o, w, residual))):
+        """residual + o @ w^T in one kernel (the residual add in the projection's epilogue), or None.
+        w: bf16 [N, K] or a quant.Fp8Weight (the fp8 kernel)."""
+        fp8 = isinstance(w, Fp8Weight)
+        if (not self.fused_linear or any(a.dtype != jnp.bfloat16 for a in (o, residual))
+                or (not fp8 and w.dtype != jnp.bfloat16)):
             return None
-        lead = o.shape[:-1]
+        lead, n = o.shape[:-1], w.shape[0]
+        args = (o.reshape(-1, o.shape[-1]), w, residual.reshape(-1, n))
+        cfg = self._linear_config(o.shape[-1])
         try:
-            out = _fused_linear.linear_residual(o.reshape(-1, o.shape[-1]), w, residual.reshape(-1, w.shape[0]),
-                                                config=self._linear_config(o.shape[-1]))
+            if fp8:
+                out = _fused_linear_fp8.linear_residual_fp8(*args, config=cfg, scale_on=self.fp8_linear_scale)
+            else:
+                out = _fused_linear.linear_residual(*args, config=cfg)
         except ValueError:
             return None
-        return out.reshape(lead + (w.shape[0],))
+        return out.reshape(lead + (n,))
 
     def allreduce_residual_norm(self, partial, residual, weight, *, eps: float, axis: str):
         """The layer boundary under TP, per device (call inside shard_map over mesh axis `axis`): y = the sum
@@ -386,6 +428,25 @@ class KernelCalls:
         if self.interpret:
             config = _kda_prefill.KdaPrefillConfig(block_v=min(32, v.shape[-1]), interpret=True)
         return _kda_prefill.kda_prefill(q, k, v, g, beta, state, config=config)
+
+
+def _bf16_rows(w, rows: int):
+    """A bf16 weight [*N, D] as [rows, D]: flattened, zero rows appended where the store needs them."""
+    w = w.reshape(-1, w.shape[-1])
+    return jnp.pad(w, ((0, rows - w.shape[0]), (0, 0)))  # no-op pad where it fits
+
+
+def _fp8_rows(w: Fp8Weight, rows: int):
+    """An Fp8Weight [*N, D] as the (w8 [rows, D], scale [ceil(rows/128), nD]) pair the fp8 kernel reads, or None
+    where flattening breaks the blocks (leading axes over a C that is not a multiple of 128)."""
+    *lead, c, d = w.w8.shape
+    if lead and math.prod(lead) > 1 and c % quant.BLOCK:
+        return None
+    w8 = w.w8.reshape(-1, d)
+    s = w.scale_inv.reshape(-1, w.scale_inv.shape[-1])
+    w8 = jnp.pad(w8, ((0, rows - w8.shape[0]), (0, 0)))
+    s = jnp.pad(s, ((0, -(-rows // quant.BLOCK) - s.shape[0]), (0, 0)))
+    return w8, s
 
 
 def _store_rows(n: int, dtype) -> int:

@@ -123,7 +123,8 @@ class LinearConfig:
     block_n: weight rows per tile (wgmma M; multiple of 64).
     block_k: reduction tile per ring slot (multiple of 64: 128 B swizzle of bf16); BK * 2 bytes is the
       contiguous run read from each weight row per TMA.
-    ring_bytes: weight bytes in flight per CTA (R = ring_bytes // (BN BK 2) slots, at least 2, at most KB);
+    ring_bytes: weight bytes in flight per CTA (R = ring_bytes // (BN BK 2) slots, BN BK 1 for fp8 weights; at
+      least 2, at most KB);
       None: as many slots as the CTA's SMEM share holds next to x and the output tile.
     ctas_per_sm: persistent CTAs per SM (1 or 2); each gets SM_SMEM_BYTES / ctas_per_sm of shared memory.
     sms: SMs of the target GPU (132 on the H100 / H200 SXM); the grid is min(tiles, sms * ctas_per_sm).
@@ -180,6 +181,7 @@ class _Plan:
   stream_x: bool
   ring: int                 # R slots
   cfg: LinearConfig
+  fp8: object = None        # fused_linear_fp8.Fp8Ring: e4m3 weight tiles + their block scales (None: bf16)
 
   @property
   def kb(self) -> int:
@@ -211,19 +213,21 @@ class _Plan:
     return self.kb * self.projs[s].n_weights
 
 
-def _swizzled():
-  return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+def _swizzled(itemsize: int = 2, cols: int = 128):
+  """128 B swizzle of a [rows, cols] tile of 2-byte (or, for fp8 weight tiles, 1-byte: 64 B when BK = 64) elements."""
+  swizzle = min(128, cols * itemsize)
+  return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def _fixed_smem(tp, k, norm, stream_x, cfg):
+def _fixed_smem(tp, k, norm, stream_x, cfg, extra=0):
   """SMEM besides the weight ring: resident x (or per-slot x chunks, counted with the ring), the norm
-  weights, the bf16 and f32 output tiles."""
+  weights, the bf16 and f32 output tiles, `extra` (fp8: the dequantised tiles and the scale rows)."""
   x = 0 if stream_x else tp * k * 2
-  return x + (k * 2 if norm else 0) + tp * cfg.block_n * (2 + 4) + SMEM_SLACK
+  return x + (k * 2 if norm else 0) + tp * cfg.block_n * (2 + 4) + SMEM_SLACK + extra
 
 
-def _slot_bytes(tp, stream_x, cfg):
-  return cfg.tile_bytes + (tp * cfg.block_k * 2 if stream_x else 0)
+def _slot_bytes(tp, stream_x, cfg, w_bytes=2):
+  return cfg.block_n * cfg.block_k * w_bytes + (tp * cfg.block_k * 2 if stream_x else 0)
 
 
 # ----------------------------------------------------------------------------- prologue
@@ -324,6 +328,7 @@ class _Ring:
   x_slots: object     # [R, TP, BK] bf16 (streamed x) or None
   bars: object        # R barriers (1 arrival, 2 with streamed x)
   cta: object         # c
+  fp8: tuple = ()     # fp8 weights: (per projection its scale refs in GMEM, then Fp8Ring.scratch's SMEM refs)
 
   def tile(self, m):
     """Flat tile index of the CTA's m-th tile."""
@@ -445,17 +450,20 @@ def _kernel(*refs, plan):
   res_gmem, refs = (refs[0], refs[1:]) if plan.residual else (None, refs)
   n_w = sum(p.n_weights for p in plan.projs)
   w_flat, outs = refs[:n_w], refs[n_w:]
+  scales, outs = (outs[:n_w], outs[n_w:]) if plan.fp8 else ((), outs)
   ws, at = [], 0
   for p in plan.projs:
     ws.append(tuple(w_flat[at:at + p.n_weights]))
     at += p.n_weights
   cfg = plan.cfg
 
-  def scope(slots, bars, xs, x_bar, nw_smem, nw_bar, o_bf, o_f32, res_bar):
+  def scope(slots, bars, xs, x_bar, nw_smem, nw_bar, o_bf, o_f32, res_bar, *fp8_smem):
     r = _Ring(plan, tuple(ws), x_gmems[0] if plan.stream_x else None, slots, xs if plan.stream_x else None,
-              bars, lax.axis_index("n"))
+              bars, lax.axis_index("n"), (tuple(scales), *fp8_smem) if plan.fp8 else ())
     for j in range(plan.ring):                                        # 1. producer-independent loads
       _issue(r, 0, j, j)
+    if plan.fp8:                                                      # ... and the scale rows of the CTA's tiles
+      plan.fp8.load_scales(r)
     if cfg.pdl and not cfg.interpret:                                 # PDL: x is the producer's output
       plgpu.griddepcontrol_wait()
       plgpu.griddepcontrol_launch_dependents()
@@ -475,7 +483,7 @@ def _kernel(*refs, plan):
 
         @pl.when(mine)
         def _tile(s=s, lo=lo):
-          accs = _gemm(r, xs, s, m, f - lo, base)
+          accs = (plan.fp8.gemm if plan.fp8 else _gemm)(r, xs, s, m, f - lo, base)
           _store(_epilogue(plan.projs[s], accs), outs[s], res_gmem, f - lo, plan, o_bf, o_f32, res_bar)
         n_loads = jnp.where(mine, jnp.int32(plan.loads(s)), n_loads)
       return base + n_loads
@@ -486,9 +494,10 @@ def _kernel(*refs, plan):
   x_smem = (plgpu.SMEM((plan.ring, tp, bk), jnp.bfloat16, transforms=_swizzled()) if plan.stream_x else
             plgpu.SMEM((plan.kb, tp, bk), jnp.bfloat16, transforms=_swizzled()))
   g = 1 if plan.stream_x else _x_group(plan.kb)
+  w_dtype = jnp.dtype(plan.fp8.weight_dtype if plan.fp8 else jnp.bfloat16)
   pl.run_scoped(
       scope,
-      plgpu.SMEM((plan.ring, bn, bk), jnp.bfloat16, transforms=_swizzled()),
+      plgpu.SMEM((plan.ring, bn, bk), w_dtype, transforms=_swizzled(w_dtype.itemsize, bk)),
       plgpu.Barrier(num_arrivals=2 if plan.stream_x else 1, num_barriers=plan.ring),
       x_smem,
       plgpu.Barrier(num_arrivals=g, num_barriers=1 if plan.stream_x else plan.kb // g),
@@ -496,14 +505,15 @@ def _kernel(*refs, plan):
       plgpu.Barrier(num_barriers=n_in),
       plgpu.SMEM((tp, bn), jnp.bfloat16),
       plgpu.SMEM((bn, tp), jnp.float32),
-      plgpu.Barrier(num_barriers=1))
+      plgpu.Barrier(num_barriers=1),
+      *(plan.fp8.scratch(plan) if plan.fp8 else ()))
 
 
 # ----------------------------------------------------------------------------- wrappers
 
 
-def _check(xs, weights, projs, cfg):
-  """Shapes and dtypes; returns (TR, TP, N_s per projection)."""
+def _check(xs, weights, projs, cfg, w_dtype=jnp.bfloat16):
+  """Shapes and dtypes (weights of w_dtype); returns (TR, TP, N_s per projection)."""
   t = xs[0].shape[0]
   for x in xs:
     if x.ndim != 2 or x.shape[0] != t or x.dtype != jnp.bfloat16:
@@ -518,8 +528,8 @@ def _check(xs, weights, projs, cfg):
   n_rows = []
   for p, w in zip(projs, weights):
     ws = w if p.kind == "swiglu" else (w,)
-    if len(ws) != p.n_weights or any(a.shape != ws[0].shape or a.dtype != jnp.bfloat16 for a in ws):
-      raise ValueError(f"{p.kind} takes {p.n_weights} bfloat16 weight(s) of one shape, got "
+    if len(ws) != p.n_weights or any(a.shape != ws[0].shape or a.dtype != w_dtype for a in ws):
+      raise ValueError(f"{p.kind} takes {p.n_weights} {jnp.dtype(w_dtype).name} weight(s) of one shape, got "
                        f"{[(a.shape, a.dtype) for a in ws]}")
     n, kw = ws[0].shape
     tile = 64 if p.out_dtype == jnp.bfloat16 else 8
@@ -533,15 +543,17 @@ def _check(xs, weights, projs, cfg):
   return rows, max(8, -(-rows // 8) * 8), tuple(n_rows)
 
 
-def _ring_and_stream(tp, k, norm, cfg):
-  """(R ring slots, streamed x?) for the CTA's SMEM share; a clear error when not even 2 slots fit."""
+def _ring_and_stream(tp, k, norm, cfg, w_bytes=2, extra=0):
+  """(R ring slots, streamed x?) for the CTA's SMEM share; a clear error when not even 2 slots fit.
+  w_bytes: bytes per weight element (2 bf16, 1 fp8); extra: SMEM the fp8 step needs besides the ring."""
   stream = cfg.stream_x
   if stream and norm:
     raise ValueError("stream_x=True: the norm needs all of x resident; only linear_residual streams x")
   if stream is None:
-    stream = not norm and _fixed_smem(tp, k, norm, False, cfg) + 4 * cfg.tile_bytes > cfg.cta_smem
-  fixed, slot = _fixed_smem(tp, k, norm, stream, cfg), _slot_bytes(tp, stream, cfg)
-  ring = (cfg.cta_smem - fixed) // slot if cfg.ring_bytes is None else cfg.ring_bytes // cfg.tile_bytes
+    stream = not norm and _fixed_smem(tp, k, norm, False, cfg, extra) + 4 * cfg.tile_bytes > cfg.cta_smem
+  fixed, slot = _fixed_smem(tp, k, norm, stream, cfg, extra), _slot_bytes(tp, stream, cfg, w_bytes)
+  ring = (cfg.cta_smem - fixed) // slot if cfg.ring_bytes is None else cfg.ring_bytes // (
+      cfg.block_n * cfg.block_k * w_bytes)
   ring = min(ring, k // cfg.block_k)                                  # R <= KB: load g + R is in tile m or m + 1
   if ring < 2 or fixed + ring * slot > cfg.cta_smem:
     raise ValueError(f"SMEM: {fixed} B (x [{tp}, {k}] {'streamed' if stream else 'resident'}, outputs) + "
@@ -550,15 +562,19 @@ def _ring_and_stream(tp, k, norm, cfg):
   return ring, bool(stream)
 
 
-def _call(xs, norm_ws, residual, weights, projs, eps, cfg):
-  rows, tp, n_rows = _check(xs, weights, projs, cfg)
+def _call(xs, norm_ws, residual, weights, projs, eps, cfg, fp8=None, scales=()):
+  """fp8: a fused_linear_fp8.Fp8Ring (weights e4m3, `scales` one f32 array per weight, flat in weight order)."""
+  rows, tp, n_rows = _check(xs, weights, projs, cfg, fp8.weight_dtype if fp8 else jnp.bfloat16)
   t, k = xs[0].shape[0], sum(x.shape[1] for x in xs)
   if norm_ws is not None and cfg.block_k > 256:
     raise ValueError(f"block_k={cfg.block_k}: the norm weight is loaded as [KB, BK] TMA boxes (<= 256 wide); "
                      "norm_linear takes block_k <= 256")
-  ring, stream = _ring_and_stream(tp, k, norm_ws is not None, cfg)
+  n_tiles = sum(pl.cdiv(n, cfg.block_n) for n in n_rows)
+  tiles_per_cta = pl.cdiv(n_tiles, min(n_tiles, cfg.sms * cfg.ctas_per_sm))
+  extra = fp8.smem_bytes(cfg, tiles_per_cta, max(p.n_weights for p in projs)) if fp8 else 0
+  ring, stream = _ring_and_stream(tp, k, norm_ws is not None, cfg, 1 if fp8 else 2, extra)
   plan = _Plan(rows, tp, tuple(x.shape[1] for x in xs), n_rows, tuple(projs), float(eps),
-               norm_ws is not None, residual is not None, stream, ring, cfg)
+               norm_ws is not None, residual is not None, stream, ring, cfg, fp8)
   pad = lambda a: jnp.pad(a, ((0, rows - t), (0, 0))) if rows != t else a
   args = [pad(x) for x in xs]
   if norm_ws is not None:
@@ -567,6 +583,7 @@ def _call(xs, norm_ws, residual, weights, projs, eps, cfg):
     args.append(pad(residual))
   for p, w in zip(projs, weights):
     args += list(w) if p.kind == "swiglu" else [w]
+  args += list(scales)
   out_type = [jax.ShapeDtypeStruct((rows, n) if p.out_dtype == jnp.bfloat16 else (n, tp), p.out_dtype)
               for p, n in zip(projs, n_rows)]
   kernel = plgpu.kernel(
@@ -591,12 +608,17 @@ def norm_linear(x, norm_w, weights, *, projs, eps, config=None):
   weights: one entry per projection: [N_s, K] bf16, or (gate [F, K], up [F, K]) for "swiglu".
   projs: tuple of Proj (static). Returns a tuple of [T, N_s] (or [T, F]) arrays.
   """
-  cfg = config or LinearConfig()
-  xs = x if isinstance(x, (tuple, list)) else (x,)
-  nws = norm_w if isinstance(norm_w, (tuple, list)) else (norm_w,)
+  xs, nws = normed_inputs(x, norm_w)
+  return _call(xs, nws, None, weights, projs, eps, config or LinearConfig())
+
+
+def normed_inputs(x, norm_w):
+  """(inputs, bf16 norm weights) as tuples, one norm weight [K_i] per input [T, K_i]."""
+  xs = tuple(x) if isinstance(x, (tuple, list)) else (x,)
+  nws = tuple(norm_w) if isinstance(norm_w, (tuple, list)) else (norm_w,)
   if len(nws) != len(xs) or any(w.shape != (a.shape[1],) for w, a in zip(nws, xs)):
     raise ValueError(f"one norm weight [K_i] per input: {[w.shape for w in nws]} vs {[a.shape for a in xs]}")
-  return _call(tuple(xs), tuple(w.astype(jnp.bfloat16) for w in nws), None, weights, projs, eps, cfg)
+  return xs, tuple(w.astype(jnp.bfloat16) for w in nws)
 
 
 @functools.partial(jax.jit, static_argnames=("config",))

@@ -193,8 +193,7 @@ def test_flash_layer_passes_lower_for_cuda_with_fused_projections(t):
 
 
 def test_chooser_falls_back_where_the_kernel_does_not_take_the_call():
-    """KernelCalls.norm_linear / linear_residual return None (the caller's jnp) for fp32, fp8 weights, the field
-    off, and shapes past the kernel's limits (its ValueError: x [24, 8192] does not fit SMEM); a bf16 call that
+    """KernelCalls.norm_linear / linear_residual return None (the caller's jnp) for fp32, the field off, and shapes past the kernel's limits (its ValueError: x [24, 8192] does not fit SMEM); a bf16 call that
     fits returns the outputs in the model's shapes (KDA's [5, C, D] weight -> [B, T, 5, C], b_proj's 4 rows
     padded for the kernel's store and sliced back). Traced only (eval_shape): nothing runs."""
     from compile.sharding import ShardedKernelCalls
@@ -221,7 +220,9 @@ def test_chooser_falls_back_where_the_kernel_does_not_take_the_call():
     assert none(lambda x, w: norm_linear(calls, x, w), S((1, 3, 256), F32), S((128, 256), F32))
     assert none(lambda x, w: norm_linear(KernelCalls(fused_linear=False), x, w), S((1, 3, 256), BF), S((128, 256), BF))
     assert none(lambda x, w: norm_linear(calls, x, w), S((1, 24, 8192), BF), S((64, 8192), BF))
-    assert none(lambda x: norm_linear(calls, x, q8), S((1, 3, 256), BF))
+    # fp8 weights: the fp8 kernel takes them (pallas_kernels/fused_linear_fp8.py); fp32 activations still fall back
+    assert not none(lambda x: norm_linear(calls, x, q8), S((1, 3, 256), BF))
+    assert none(lambda x: norm_linear(calls, x, q8), S((1, 3, 256), F32))
     # o_proj at T = 17 (K = 4096): x no longer fits SMEM resident; the kernel streams it in chunks and takes it
     assert not none(lambda o, w, r: calls.linear_residual(o, w, r), S((1, 17, 4096), BF), S((2560, 4096), BF),
                     S((1, 17, 2560), BF))

@@ -10,9 +10,10 @@ Shape legend: B batch, T positions, D (or K) the projection's input width, N_s o
     out = residual + o @ W^T                (output projections: the projection rounded first, then the add)
 
 Every projection that reads the same normed input is one `norm_projections` call: with a KernelCalls that takes
-it (ling_jax/kernel_calls.py: `norm_linear`, the Mosaic GPU kernel of pallas_kernels/fused_linear.py) that is
-ONE kernel (the norm in its prologue, each weight read once, the epilogue in registers); otherwise (kernels
-None, fp32, fp8 weights, shapes past the kernel's limits) the jnp below, which is the kernel's reference.
+it (ling_jax/kernel_calls.py: `norm_linear`, the Mosaic GPU kernel of pallas_kernels/fused_linear.py, or of
+fused_linear_fp8.py for quant.Fp8Weight weights) that is ONE kernel (the norm in its prologue, each weight read once,
+the epilogue in registers); otherwise (kernels None, fp32, shapes past the kernel's limits) the jnp below, which is
+the kernel's reference (fp8 weights: dequantised to the activation dtype first, quant.dense).
 """
 
 from __future__ import annotations
