@@ -18,7 +18,7 @@ from ling_jax.weights import load_params
 MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "ling-demo")
 NEW_TOKENS = 64
 
-pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(MODEL, "model.safetensors")),
+pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(MODEL, "model.safetensors.index.json")),
                                 reason="models/ling-demo is not checked out")
 
 
