@@ -3,6 +3,7 @@ alone through the batch-1 Generator (greedy tokens; seeded samples; logprobs), w
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import jax
@@ -10,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from compile.stages import slice_config
 from ling_jax.batching import BatchGenerator, row_buckets
 from ling_jax.config import get_preset
 from ling_jax.model import Numerics, RuntimeOptions
@@ -20,14 +22,23 @@ from ling_jax.spec import SpecConfig, deterministic_rows, spec_init
 from ling_jax.weights import init_params
 
 
+# test-tiny's first 3 layers (KDA + dense, KDA + MoE, MLA + MoE, then the MTP layer): every layer kind
+CFG = slice_config(get_preset("test-tiny"), 3)
+
+
+@functools.lru_cache(maxsize=None)
+def params():
+    return init_params(CFG, 0, jnp.float32)  # drawn once: every init_params call compiles its ~20 draw programs
+
+
 @pytest.fixture(scope="module")
 def gens():
-    cfg = get_preset("test-tiny")
-    params = init_params(cfg, 0, jnp.float32)
     spec = SpecConfig("NEXTN", 3)
     opts = RuntimeOptions(numerics=Numerics(target_rows=deterministic_rows(spec.draft_tokens)))
-    kw = dict(spec=spec, max_len=96, chunked_prefill_size=16, dtype=jnp.float32, opts=opts)
-    return Generator(cfg, params, **kw), BatchGenerator(Generator(cfg, params, **kw), max_running=2)
+    gen = Generator(CFG, params(), spec=spec, max_len=96, chunked_prefill_size=16, dtype=jnp.float32, opts=opts)
+    # the batcher runs the batch-1 Generator's own programs for its prefills and a lone slot (as the server does);
+    # a batch of 2 rows runs the row-bucket program, which the one-at-a-time oracle never compiles
+    return gen, BatchGenerator(gen, max_running=2)
 
 
 def _concurrently(bg, requests):
@@ -131,10 +142,9 @@ def test_stop_token_ends_one_row(gens):
 
 def test_plain_decoding_batches_match_one_at_a_time():
     """Without speculation (PlainState slots): 2 greedy rows (one with logprobs) and a seeded sampled row."""
-    cfg = get_preset("test-tiny")
-    params = init_params(cfg, 1, jnp.float32)
-    kw = dict(max_len=64, chunked_prefill_size=16, dtype=jnp.float32)
-    gen, bg = Generator(cfg, params, **kw), BatchGenerator(Generator(cfg, params, **kw), max_running=2)
+    cfg = CFG
+    gen = Generator(cfg, params(), max_len=64, chunked_prefill_size=16, dtype=jnp.float32)
+    bg = BatchGenerator(gen, max_running=2)
     reqs = _requests(cfg, 2) + [(p, dict(k, temperature=1.0, seed=4, min_p=0.05)) for p, k in _requests(cfg, 1)]
     reqs[0][1]["top_logprobs"] = 1
     alone = [gen.generate(p, stop_token_ids=(), **k) for p, k in reqs]

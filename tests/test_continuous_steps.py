@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from compile.stages import slice_config
 from ling_jax.config import get_preset
 from ling_jax.runner import Generator
 from ling_jax.spec import SpecConfig
@@ -17,13 +18,21 @@ from ling_jax.weights import init_params
 PROMPT = [3, 7, 1, 9, 4, 11, 2]
 
 
+# a 12-token vocabulary, so random drafts are accepted often enough to exercise partial acceptance; 3 layers
+# (KDA + dense, KDA + MoE, MLA + MoE, then the MTP layer): every layer kind at half of test-tiny's depth
+CFG = slice_config(get_preset("test-tiny"), 3).replace(vocab_size=12, eos_token_id=1, pad_token_id=0)
+
+
+@functools.lru_cache(maxsize=None)
+def params():
+    return init_params(CFG, 5, jnp.float32)  # drawn once: every init_params call compiles its ~20 draw programs
+
+
 @functools.lru_cache(maxsize=None)
 def generator(steps: int, decode_steps: int):
-    # a 12-token vocabulary, so random drafts are accepted often enough to exercise partial acceptance
-    cfg = get_preset("test-tiny").replace(vocab_size=12, eos_token_id=1, pad_token_id=0)
     spec = SpecConfig("NEXTN", steps) if steps else SpecConfig("NONE")
-    return Generator(cfg, init_params(cfg, 5, jnp.float32), spec=spec, max_len=256, chunked_prefill_size=16,
-                     dtype=jnp.float32, decode_steps=decode_steps)
+    return Generator(CFG, params(), spec=spec, max_len=256, chunked_prefill_size=16, dtype=jnp.float32,
+                     decode_steps=decode_steps)
 
 
 @pytest.mark.parametrize("steps,decode_steps", [(0, 4), (3, 4)])

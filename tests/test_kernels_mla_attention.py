@@ -6,7 +6,7 @@ is attend_absorbed itself, unmodified, with kv_b_proj = [I; I] per head (qk_nope
 kv_lora_rank): then q_lat = q_nope and the output is ctx exactly, with the model's own scores, mask,
 softmax and bf16 rounding points. Two oracles: the model in bf16 (<= 1e-2) and the model in fp32 (inputs
 upcast; the kernel must be at least as close to it as the bf16 model is, and <= 5e-3).
-Shapes: ling-demo's H = 4, Lr = 128, R = 32; S = 256; tiles BS = 32 (one case 64), splits of 2 blocks
+Shapes: ling-demo v2's H = 5, Lr = 128, R = 32; S = 256; tiles BS = 32 (one case 64), splits of 2 blocks
 (NS = 4), ctx columns in 2 chunks of 64. Lengths: inside one block, at a block (and split) boundary,
 mid-cache with T = 6 causal verify rows, T = 17 (two row tiles), B = 2 with different lengths.
 """
@@ -23,7 +23,7 @@ from pallas_kernels.mla_attention import MlaAttentionConfig, mla_attention
 from tests.cuda_lowering import H200
 
 BF, F32 = jnp.bfloat16, jnp.float32
-DEMO = get_preset("ling-demo")
+DEMO = get_preset("ling-demo-v2")  # the shipped models/ling-demo (v2): H = 5
 LR, R, H, S = DEMO.kv_lora_rank, DEMO.qk_rope_head_dim, DEMO.num_attention_heads, 256
 CFG_ID = dataclasses.replace(DEMO, qk_nope_head_dim=LR, v_head_dim=LR)      # W_uk = W_uv = I
 SCALE = CFG_ID.qk_head_dim ** -0.5

@@ -26,11 +26,11 @@ from tests.cuda_lowering import S, lower_cuda
 
 BF = jnp.bfloat16
 # E = 64 in 8 groups, keep 4, top 8: Ling's routing structure at a size the Triton interpreter runs fast.
-ROUTE_CFG = dataclasses.replace(PRESETS["ling-demo"], num_experts=64, num_experts_per_tok=8, n_group=8,
+ROUTE_CFG = dataclasses.replace(PRESETS["ling-demo-v2"], num_experts=64, num_experts_per_tok=8, n_group=8,
                                 topk_group=4)
-# The layer test: D 256, I 128 (the Mosaic interpreter's tiles), ling-demo's routing (E 16 in 4 groups, keep 2,
-# top 4).
-LAYER_CFG = dataclasses.replace(PRESETS["ling-demo"], hidden_size=256, moe_intermediate_size=128,
+# The layer test: D 256, I 128 (the Mosaic interpreter's tiles; v2's D 320 is not a multiple of 128), the shipped
+# ling-demo v2's routing (E 16 in 4 groups, keep 2, top 4).
+LAYER_CFG = dataclasses.replace(PRESETS["ling-demo-v2"], hidden_size=256, moe_intermediate_size=128,
                                 moe_shared_expert_intermediate_size=128)
 RC = R.RouterConfig(block_e=16, block_k=128, interpret=True)
 
