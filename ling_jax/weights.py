@@ -253,11 +253,17 @@ def _draw(init: str, shape, dtype, fan_in: int, key):
 
 def init_program(a: ArrayInfo, dtype, sharding=None, quantization: str | None = None):
     """The jitted `key -> array` that draws `a` (an Fp8Weight drawn directly in fp8 when is_fp8(a))."""
-    if is_fp8(a, quantization):
+    return _draw_program(a.init, a.shape, resolve_dtype(a, dtype), a.fan_in, sharding, is_fp8(a, quantization))
+
+
+@functools.lru_cache(maxsize=512)
+def _draw_program(init: str, shape: tuple, dt, fan_in, sharding, fp8: bool):
+    """One jitted draw per signature for the whole process: a fresh jax.jit per init_params call recompiled its
+    20-44 programs every time (~10 s per model on the CI's CPU, in every test module that draws parameters)."""
+    if fp8:
         sh = None if sharding is None else quant.Fp8Weight(sharding, sharding)
-        return jax.jit(functools.partial(quant.random_fp8, shape=a.shape, fan_in=a.fan_in), out_shardings=sh)
-    dt = resolve_dtype(a, dtype)
-    return jax.jit(functools.partial(_draw, a.init, a.shape, dt, a.fan_in), out_shardings=sharding)
+        return jax.jit(functools.partial(quant.random_fp8, shape=shape, fan_in=fan_in), out_shardings=sh)
+    return jax.jit(functools.partial(_draw, init, shape, dt, fan_in), out_shardings=sharding)
 
 
 def init_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.bfloat16, shardings: Callable | None = None,
