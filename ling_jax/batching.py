@@ -22,10 +22,13 @@ Membership changes, and only then is state copied (each a small program, one dis
     + padding: the group's bytes once);
   * when nothing waits or prefills and the live rows fit a smaller bucket, the group is compacted into it (the
     live rows copied once); its last row becomes a batch-1 state again, stepped by the batch-1 program.
-A re-form briefly holds the old and the new group (up to max_running + the next bucket down + the staging slot
-rows: serve.launch_server.request_rows counts that peak). Membership changes at most once per request end or
-start (~every 70 steps per row at ling-demo's accept lengths), so the copies are rare; the step itself copies
-nothing.
+Trade-off (vs the per-slot step this replaced, which joined bucket slot states, stepped and split them back:
+~bucket x 20 buffers in and out and 2 x bucket x (KDA state + caches) bytes copied EVERY step): the step copies
+nothing and dispatches one state's buffers; copies happen once per request start or end (a 256-token request at
+ling-demo's accept ~3.5 is ~70 steps), at most the group's bytes (ling-demo: KDA 0.4 MB + 0.94 MB of latent
+caches per 1k context, per row; at Ling-3.0-flash size, KDA 73 MB per row, a re-form of 8 rows moves ~0.6 GB +
+caches, ~0.2 ms of H200 bandwidth, still rare). A re-form briefly holds the old and the new group: up to
+max_running + the next bucket down + the staging slot rows (serve.launch_server.request_rows counts that peak).
 
 Host. One scheduler thread: admit -> one prefill chunk (the last one joins the group) -> dispatch the step ->
 read the previous step's outputs and the new rows' first tokens (one step late, as Generator.stream: the device
