@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ling_jax.batching import BatchGenerator, row_buckets
+from ling_jax.batching import _END, BatchGenerator, _Row, _Turns, row_buckets
 from ling_jax.config import get_preset
 from ling_jax.model import Numerics, RuntimeOptions
-from ling_jax.runner import Generator
+from ling_jax.runner import GenerationStats, Generator
 from ling_jax.sampling import SamplingOptions
 from ling_jax.slots import cat_rows, join_rows, put_row, split_rows, take_rows
 from ling_jax.spec import SpecConfig, deterministic_rows, spec_init
@@ -155,6 +155,42 @@ def test_joining_leaving_and_closing_change_nothing_for_the_others(gens):
         assert b == gen.generate(p, stop_token_ids=(), **kw)[0]
     # nothing of the earlier requests lingers in the slots
     assert bg.generate(long_req[0], stop_token_ids=(), **long_req[1])[0] == expect
+
+
+def test_group_membership_changes_keep_every_row_exact(gens):
+    """The scheduler driven turn by turn: A decodes alone (the batch-1 state), B joins (re-formed into a 2-row
+    group) and ends, sampled C is put into B's dead position, C ends and the group is compacted back to A alone;
+    every row's tokens are what it gives alone."""
+    gen, bg = gens
+    prompts = [[5 + 3 * i for i in range(8)], [7, 11, 13, 2, 9], [4, 8, 15, 16, 23, 42]]
+    kws = [dict(max_new_tokens=60), dict(max_new_tokens=3), dict(max_new_tokens=4, temperature=1.0, seed=5)]
+    alone = [gen.generate(p, stop_token_ids=(), **kw)[0] for p, kw in zip(prompts, kws)]
+    a, b, c = [_Row(p, kw["max_new_tokens"], frozenset(), None,
+                    SamplingOptions(**{k: v for k, v in kw.items() if k == "temperature"}), kw.get("seed", 0),
+                    GenerationStats()) for p, kw in zip(prompts, kws)]
+    turns, sizes = _Turns(bg), []
+
+    def run_until(done):
+        while not done():
+            turns.turn()
+            sizes.append(len(turns.members))
+
+    turns.waiting.append(a)
+    run_until(lambda: a.emitted > 1)
+    assert turns.members == [a] and not turns.group.key.shape  # alone: the batch-1 state
+    turns.waiting.append(b)
+    run_until(lambda: b.done)
+    assert turns.members == [a, b] and not a.done
+    turns.waiting.append(c)
+    run_until(lambda: c.done)
+    assert turns.members == [a, c] and not a.done  # C took B's position: put there, not re-formed
+    run_until(lambda: a.done)
+    assert turns.members == [a] and sizes[-1] == 1 and 2 in sizes  # compacted back to the batch-1 state
+    for row, expect in zip((a, b, c), alone):
+        got = []
+        while (item := row.out.get_nowait()) is not _END:
+            got.extend(item)
+        assert got == expect
 
 
 def test_stop_token_ends_one_row(gens):
