@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
-from ling_jax.runner import GenerationStats, Generator, _record_logprobs, collect
+from ling_jax.runner import GenerationStats, Generator, _record_logprobs, collect, warm_up_prompts
 from ling_jax.sampling import SamplingOptions
 from ling_jax.slots import cat_rows, is_joined, join_rows, put_row, split_rows, take_rows
 
@@ -152,11 +152,18 @@ class BatchGenerator:
 
     def warm_up_batches(self, progress=None):
         """Compile every program a group can need, before traffic, on fresh states (their results dropped): the
-        staging reset; per bucket > 1 the re-form that grows the full bucket below it by one row, the step
-        (greedy / sampled, with / without logprobs), the insert, and the compactions into each smaller bucket."""
+        staging reset, the greedy prefill chunks and batch-1 steps on the staging slot's sampled layout (runner's
+        warm_up builds them on the greedy layout); per bucket > 1 the re-form that grows the full bucket below it
+        by one row, the step (greedy / sampled, with / without logprobs), the insert, and the compactions into
+        each smaller bucket."""
         gen = self.gen
         neutral = SamplingOptions().device(gen.cfg.vocab_size)
         self.staging = self.reset_fn()(self.staging, neutral, jax.random.key(0))
+        for prompt in warm_up_prompts(gen):
+            self.staging = gen.prefill(prompt, neutral, jax.random.key(0), True, state=self.staging)[0]
+        for lp in (False, True):
+            self.staging, out = self.batch_step_fn(1, True, lp)(gen.params, self.staging)
+            jax.block_until_ready(out)
         group, rows = self.fresh_slot(), 1
         for bucket in self.row_buckets[1:]:
             idx = np.minimum(np.arange(bucket), rows).astype(np.int32)  # the full group, the new row, padding
