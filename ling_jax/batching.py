@@ -1,29 +1,40 @@
-"""Continuous batching: up to `max_running` requests decode together, each in its own slot of device state.
+"""Continuous batching: up to `max_running` requests decode together in one group of device state.
 
-Slots. A slot holds one request's whole state (KDA state, MLA and draft caches, sampling state: a batch-1
-SpecState / PlainState), allocated once at start: max_running + 1 of them (the spare pads a bucket while a prefill
-holds a slot), each --context-length rows (ling_jax.memory.serving_budget checks they fit). A request is prefilled
-into a free slot by the batch-1 prefill programs, one chunk per scheduler turn, while the other slots keep decoding.
+Staging. A request is prefilled, one chunk per scheduler turn while the group keeps decoding, by the batch-1
+prefill programs into the staging slot: one batch-1 SpecState / PlainState (KDA state, MLA and draft caches,
+sampling state) of --context-length rows, reset (every leaf overwritten) before each prefill.
 
-Steps. Each turn runs ONE step program over the slots that still decode:
-  * one slot: the batch-1 step program itself, on the slot's state in place (a lone request runs exactly the
-    program it ran before batching; nothing is copied);
-  * b > 1 slots: the program of the smallest row bucket (2, 4, 8, ..., max_running) >= b. It joins the bucket's
-    slot states into one [bucket]-row state (ling_jax.slots), runs the step and splits the rows back; the rows
-    past b are free slots, their results never read. Per row: lengths, accept lengths, sampling fields, keys
-    (row b draws from its own key as it would alone) and greedy-or-sampled (a batch with a sampled row runs the
-    sampled program; its temperature-0 rows take the argmax and the greedy verdict there).
-Trade-off of joining (vs indexing the slot rows in place inside the layers): the bucket's states are copied in and
-out every step, 2 x bucket x (KDA state + caches) bytes. At ling-demo size (KDA 0.4 MB + 0.94 MB of latent caches
-per 1k context, per row) that is ~40 MB per step at 8 rows x 2k context, ~10 us of H200 bandwidth against a
-~1 ms step; at Ling-3.0-flash size (KDA 73 MB per row, ~46 KB of caches per position) it would dominate, and the
-step should gather/scatter slot rows by index instead. Batch 1 pays nothing either way.
+The group. The requests that decode hold the rows of ONE state, kept across steps:
+  * one request: its prefilled state itself (the staging slot becomes the group; the next prefill gets a fresh
+    one), stepped in place by the batch-1 step program: a lone request runs exactly the program it ran before
+    batching and nothing is copied;
+  * b > 1 requests: a joined [bucket]-row state (ling_jax.slots; bucket: the smallest of 2, 4, 8, ...,
+    max_running >= b), stepped in place (donated) by the B-row step program. Per row: lengths, accept lengths,
+    sampling fields, keys (a row draws from its own key as it would alone) and greedy-or-sampled (a group with a
+    sampled row runs the sampled program; its temperature-0 rows take the argmax and the greedy verdict there).
+A step is one dispatch of one state, whatever the row count: the program's buffers are the weights' and one
+state's, never one per row. Positions past the live rows are dead: a request that ended (EOS, stop, length,
+abort), or padding; they step on (the step is row-independent, so they touch no live row) and their outputs are
+never read.
+Membership changes, and only then is state copied (each a small program, one dispatch):
+  * a prefilled request joins: into a dead position, its staging row copied in (put_row, the group donated:
+    one row's bytes); into a full group, the group is re-formed in the next bucket (its live rows + the new one
+    + padding: the group's bytes once);
+  * when nothing waits or prefills and the live rows fit a smaller bucket, the group is compacted into it (the
+    live rows copied once); its last row becomes a batch-1 state again, stepped by the batch-1 program.
+Trade-off (vs the per-slot step this replaced, which joined bucket slot states, stepped and split them back:
+~bucket x 20 buffers in and out and 2 x bucket x (KDA state + caches) bytes copied EVERY step): the step copies
+nothing and dispatches one state's buffers; copies happen once per request start or end (a 256-token request at
+ling-demo's accept ~3.5 is ~70 steps), at most the group's bytes (ling-demo: KDA 0.4 MB + 0.94 MB of latent
+caches per 1k context, per row; at Ling-3.0-flash size, KDA 73 MB per row, a re-form of 8 rows moves ~0.6 GB +
+caches, ~0.2 ms of H200 bandwidth, still rare). A re-form briefly holds the old and the new group: up to
+max_running + the next bucket down + the staging slot rows (serve.launch_server.request_rows counts that peak).
 
-Host. One scheduler thread: admit -> one prefill chunk -> dispatch the step -> read the previous step's outputs
-and the new rows' first tokens (one step late, as Generator.stream: the device is busy with the step just
-queued) -> hand each row its tokens. EOS / stop ids / max tokens / a closed stream end a row at that read; the
-step already dispatched for it runs on masked (its outputs are dropped, never committed to the request) and its
-slot is free for the next prefill, whose init overwrites every leaf.
+Host. One scheduler thread: admit -> one prefill chunk (the last one joins the group) -> dispatch the step ->
+read the previous step's outputs and the new rows' first tokens (one step late, as Generator.stream: the device
+is busy with the step just queued) -> hand each row its tokens. EOS / stop ids / max tokens / a closed stream
+end a row at that read; the step already dispatched for it runs on masked (its outputs are dropped, never
+committed to the request) and its position is dead until a new request is put there.
 """
 
 from __future__ import annotations
@@ -39,9 +50,9 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
-from ling_jax.runner import GenerationStats, Generator, _record_logprobs, collect
+from ling_jax.runner import GenerationStats, Generator, _record_logprobs, collect, warm_up_prompts
 from ling_jax.sampling import SamplingOptions
-from ling_jax.slots import join_rows, split_rows
+from ling_jax.slots import cat_rows, is_joined, join_rows, put_row, split_rows, take_rows
 
 log = logging.getLogger("ling_jax.batching")
 _END = object()  # a row's last queue item
@@ -70,7 +81,6 @@ class _Row:
     t0: float = field(default_factory=time.perf_counter)
     closed: bool = False  # the consumer closed its stream
     done: bool = False
-    slot: int = -1
     chunks: list = field(default_factory=list)  # prefill chunks not yet dispatched
     emitted: int = 0
     unread: int = 0
@@ -93,19 +103,18 @@ class BatchGenerator:
                              f"decode_steps={gen.decode_steps}, algorithm {gen.spec.algorithm})")
         self.gen, self.max_running = gen, max_running
         self.row_buckets = row_buckets(max_running)
-        self.n_slots = max_running + 1
         self.inbox: queue.Queue[_Row] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._start = threading.Lock()
-        self.slots = self._fresh_slots()
+        self.staging = self.fresh_slot()
 
     def __getattr__(self, name):
         return getattr(self.gen, name)
 
-    def _fresh_slots(self) -> list:
-        """Every slot's state, in the sampled layout (a greedy request's slot joins mixed batches too)."""
+    def fresh_slot(self):
+        """A batch-1 state in the sampled layout (a greedy request's row joins mixed groups too)."""
         neutral = SamplingOptions().device(self.gen.cfg.vocab_size)
-        return [self.gen.init_fn(False)(neutral, jax.random.key(0)) for _ in range(self.n_slots)]
+        return self.gen.init_fn(False)(neutral, jax.random.key(0))
 
     # ---- compiled programs ----------------------------------------------------------------------------------
     @functools.lru_cache(maxsize=None)
@@ -116,24 +125,56 @@ class BatchGenerator:
 
     @functools.lru_cache(maxsize=None)
     def batch_step_fn(self, rows: int, is_greedy: bool, with_logprobs: bool):
-        """(params, tuple of `rows` slot states) -> (the states after one step, StepOutput [rows, ...]); donated."""
-        step = self.gen.step(is_greedy, with_logprobs)
+        """(params, group of `rows` rows) -> (the group after one step, StepOutput [rows, ...]); the group is
+        donated (updated in place). rows = 1: the batch-1 step program itself, on a batch-1 state."""
+        if rows == 1:
+            return self.gen.step_fn(is_greedy, with_logprobs)
+        return jax.jit(self.gen.step(is_greedy, with_logprobs), donate_argnums=(1,))
 
-        def run(params, states):
-            state, out = step(params, join_rows(states))
-            return split_rows(state, rows), out
+    @functools.lru_cache(maxsize=None)
+    def insert_fn(self):
+        """(group, position int32[], batch-1 state) -> the group with that row replaced; the group is donated."""
+        return jax.jit(put_row, donate_argnums=(0,))
 
-        return jax.jit(run, donate_argnums=(1,))
+    @functools.lru_cache(maxsize=None)
+    def regroup_fn(self):
+        """(group (joined or batch-1), batch-1 state | None, idx int32[m]) -> rows idx of the group's rows followed
+        by the new state's, as a group of m rows (m = 1: a batch-1 state). Not donated: the shapes change."""
+
+        def regroup(group, new, idx):
+            rows = group if is_joined(group) else join_rows([group])
+            if new is not None:
+                rows = cat_rows(rows, join_rows([new]))
+            out = take_rows(rows, idx)
+            return split_rows(out, 1)[0] if idx.shape[0] == 1 else out
+
+        return jax.jit(regroup)
 
     def warm_up_batches(self, progress=None):
-        """Compile every bucket > 1 (greedy / sampled, with / without logprobs) on the free slots (before traffic:
-        their results are overwritten by the next prefill)."""
-        for rows in self.row_buckets[1:]:
+        """Compile every program a group can need, before traffic, on fresh states (their results dropped): the
+        staging reset, the greedy prefill chunks and batch-1 steps on the staging slot's sampled layout (runner's
+        warm_up builds them on the greedy layout); per bucket > 1 the re-form that grows the full bucket below it
+        by one row, the step (greedy / sampled, with / without logprobs), the insert, and the compactions into
+        each smaller bucket."""
+        gen = self.gen
+        neutral = SamplingOptions().device(gen.cfg.vocab_size)
+        self.staging = self.reset_fn()(self.staging, neutral, jax.random.key(0))
+        for prompt in warm_up_prompts(gen):
+            self.staging = gen.prefill(prompt, neutral, jax.random.key(0), True, state=self.staging)[0]
+        for lp in (False, True):
+            self.staging, out = self.batch_step_fn(1, True, lp)(gen.params, self.staging)
+            jax.block_until_ready(out)
+        group, rows = self.fresh_slot(), 1
+        for bucket in self.row_buckets[1:]:
+            idx = np.minimum(np.arange(bucket), rows).astype(np.int32)  # the full group, the new row, padding
+            group, rows = self.regroup_fn()(group, self.staging, idx), bucket
             for is_greedy in (True, False):
                 for lp in (False, True):
-                    states, out = self.batch_step_fn(rows, is_greedy, lp)(self.gen.params, tuple(self.slots[:rows]))
-                    self.slots[:rows] = states
+                    group, out = self.batch_step_fn(bucket, is_greedy, lp)(gen.params, group)
                     jax.block_until_ready(out)
+            group = self.insert_fn()(group, np.int32(bucket - 1), self.staging)
+            for smaller in self.row_buckets[: self.row_buckets.index(bucket)]:
+                jax.block_until_ready(self.regroup_fn()(group, None, np.arange(smaller, dtype=np.int32)))
             if progress:
                 progress()
 
@@ -180,7 +221,7 @@ class BatchGenerator:
                     row.out.put(RuntimeError(f"batched decoding failed: {e}"))
                     row.end("abort")
                 turns = _Turns(self)
-                self.slots = self._fresh_slots()
+                self.staging = self.fresh_slot()
 
 
 class _Turns:
@@ -189,25 +230,31 @@ class _Turns:
     def __init__(self, bg: BatchGenerator):
         self.bg = bg
         self.waiting: collections.deque[_Row] = collections.deque()
-        self.live: dict[int, _Row] = {}  # slot -> prefilled row that has not ended
+        self.group = None  # the decoding rows' state: batch-1 (one position) or joined ([bucket] positions)
+        self.members: list[_Row | None] = []  # the group's request per position; None or a done row: dead
         self.prefilling: _Row | None = None
         self.firsts: list = []  # (row, first token, logprobs | None), read at the next read
-        self.in_flight = None  # (host copies of the step's outputs, rows in bucket order)
+        self.in_flight = None  # (host copies of the step's outputs, [(position, row)] they are read for)
+
+    def live(self) -> list[int]:
+        """The positions of the group's rows that have not ended."""
+        return [j for j, r in enumerate(self.members) if r is not None and not r.done]
 
     def rows(self):
-        return list(self.waiting) + list(self.live.values()) + ([self.prefilling] if self.prefilling else [])
+        live = [self.members[j] for j in self.live()]
+        return list(self.waiting) + live + ([self.prefilling] if self.prefilling else [])
 
     def turn(self):
-        idle = not (self.waiting or self.live or self.prefilling or self.firsts or self.in_flight)
+        idle = not (self.waiting or self.live() or self.prefilling or self.firsts or self.in_flight)
         self._take(block=idle)
-        for slot, row in list(self.live.items()):
-            if row.closed:
+        for row in self.members:
+            if row is not None and row.closed:
                 row.end(None)
-            if row.done:
-                del self.live[slot]
         self._admit()
         if self.prefilling is not None:
             self._prefill_chunk()
+        elif not self.waiting:
+            self._compact()
         dispatched = self._step()
         firsts, self.firsts = self.firsts, []
         for row, first, lp in firsts:
@@ -224,26 +271,25 @@ class _Turns:
         except queue.Empty:
             pass
 
-    def _free_slots(self, busy) -> list[int]:
-        return [s for s in range(self.bg.n_slots) if s not in busy]
-
     def _admit(self):
         bg = self.bg
-        while self.prefilling is None and self.waiting and len(self.live) < bg.max_running:
+        while self.prefilling is None and self.waiting and len(self.live()) < bg.max_running:
             row = self.waiting.popleft()
             if row.closed:
                 row.end(None)
                 continue
-            row.slot = self._free_slots(self.live)[0]
-            sp = row.options.device(bg.gen.cfg.vocab_size)
-            bg.slots[row.slot] = bg.reset_fn()(bg.slots[row.slot], sp, jax.random.key(row.seed))
+            sp, key = row.options.device(bg.gen.cfg.vocab_size), jax.random.key(row.seed)
+            if bg.staging is None:  # the last staging slot became a lone group
+                bg.staging = bg.gen.init_fn(False)(sp, key)
+            else:
+                bg.staging = bg.reset_fn()(bg.staging, sp, key)
             row.chunks = bg.gen.prefill_chunks(row.prompt)
             self.prefilling = row
 
     def _prefill_chunk(self):
         bg, row = self.bg, self.prefilling
         run = bg.gen.prefill_fn(row.options.is_greedy)
-        bg.slots[row.slot], first, lp = run(bg.gen.params, bg.slots[row.slot], *row.chunks.pop(0))
+        bg.staging, first, lp = run(bg.gen.params, bg.staging, *row.chunks.pop(0))
         if row.chunks:
             return
         self.prefilling = None
@@ -252,32 +298,53 @@ class _Turns:
             a.copy_to_host_async()
         self.firsts.append((row, first, lp))
         row.unread = 1
-        self.live[row.slot] = row
+        self._join(row)
+
+    def _join(self, row: _Row):
+        """Put the prefilled staging state into the group: as the lone row, into a dead position, or re-formed."""
+        bg, live = self.bg, self.live()
+        if not live:  # the group's rows all ended: the staging state is the group now, nothing is copied
+            self.group, self.members, bg.staging = bg.staging, [row], None
+        elif len(live) < len(self.members):
+            j = next(j for j in range(len(self.members)) if j not in live)
+            self.group = bg.insert_fn()(self.group, np.int32(j), bg.staging)
+            self.members[j] = row
+        else:
+            self._regroup(live, row)
+
+    def _compact(self):
+        """Nothing waits: move the live rows into the smallest bucket that holds them (or drop an ended group)."""
+        live = self.live()
+        if not live:
+            self.group, self.members = None, []
+        elif next(b for b in self.bg.row_buckets if b >= len(live)) < len(self.members):
+            self._regroup(live, None)
+
+    def _regroup(self, keep: list[int], new: _Row | None):
+        """A group of the smallest bucket holding the rows at positions `keep` (in order) and the staged `new`."""
+        bg = self.bg
+        rows = [self.members[j] for j in keep] + ([new] if new is not None else [])
+        bucket = next(b for b in bg.row_buckets if b >= len(rows))
+        idx = keep + ([len(self.members)] if new is not None else [])  # the new row follows the group's
+        idx += [idx[-1]] * (bucket - len(idx))  # padding: a copy of a row, stepped and never read
+        self.group = bg.regroup_fn()(self.group, bg.staging if new is not None else None, np.array(idx, np.int32))
+        self.members = rows + [None] * (bucket - len(rows))
 
     def _step(self):
-        """Dispatch one step over the rows that need more tokens; returns (outputs, rows) or None."""
+        """Dispatch one step of the group when a row needs more tokens; returns (outputs, [(position, row)])."""
         bg = self.bg
-        rows = [r for r in self.live.values() if not r.done and r.emitted + r.unread < r.max_new]
+        rows = [(j, r) for j, r in enumerate(self.members)
+                if r is not None and not r.done and r.emitted + r.unread < r.max_new]
         if not rows:
             return None
-        is_greedy = all(r.options.is_greedy for r in rows)
-        with_lp = any(r.top_logprobs is not None for r in rows)
-        bucket = next(b for b in bg.row_buckets if b >= len(rows))
+        is_greedy = all(r.options.is_greedy for _, r in rows)
+        with_lp = any(r.top_logprobs is not None for _, r in rows)
         with jax.transfer_guard("disallow"):
-            if bucket == 1:
-                slot = rows[0].slot
-                bg.slots[slot], out = bg.gen.step_fn(is_greedy, with_lp)(bg.gen.params, bg.slots[slot])
-            else:
-                busy = {r.slot for r in rows} | ({self.prefilling.slot} if self.prefilling else set())
-                order = [r.slot for r in rows] + self._free_slots(busy)[: bucket - len(rows)]
-                states, out = bg.batch_step_fn(bucket, is_greedy, with_lp)(bg.gen.params,
-                                                                           tuple(bg.slots[s] for s in order))
-                for s, state in zip(order, states):
-                    bg.slots[s] = state
+            self.group, out = bg.batch_step_fn(len(self.members), is_greedy, with_lp)(bg.gen.params, self.group)
         out = (out.tokens, out.n_emit) + ((out.logprobs,) if with_lp else ())
         for a in jax.tree.leaves(out):
             a.copy_to_host_async()
-        for r in rows:
+        for _, r in rows:
             r.unread += 1
         return out, rows
 
@@ -300,7 +367,7 @@ class _Turns:
 
     def _read_step(self, out, rows):
         tokens, n_emit, *lp = jax.device_get(out)  # explicit, one step late: the device is busy
-        for j, row in enumerate(rows):
+        for j, row in rows:
             row.unread -= 1
             if row.done:
                 continue  # ended at an earlier read (or its stream closed): this step is masked for it

@@ -100,8 +100,8 @@ def serving_budget(cfg: ModelConfig, dtype, chunk: int, context: int, *, rows: i
                   per_request_bytes=per_request, total_bytes=total, limit_bytes=int(fraction * device_bytes))
     if total > budget["limit_bytes"]:
         gib = lambda b: f"{b / 2**30:.2f} GiB"
-        raise ValueError(f"{rows} request slots x --context-length {context} do not fit: {gib(total)} (weights "
-                         f"{gib(weights)}, {gib(per_request)} per request slot, prefill workspace, "
+        raise ValueError(f"{rows} request state rows x --context-length {context} do not fit: {gib(total)} (weights "
+                         f"{gib(weights)}, {gib(per_request)} per row, prefill workspace, "
                          f"reserve) > {fraction:g} x {gib(device_bytes)} of device memory; lower "
                          f"--max-running-requests or --context-length")
     return budget

@@ -324,17 +324,24 @@ def _continuous_steps(params, state, *, step, n: int):
     return jax.lax.scan(lambda s, _: step(params, s), state, None, length=n)
 
 
+def warm_up_prompts(gen) -> list[list[int]]:
+    """One prompt per prefill bucket, sized to it (3 new tokens fit), for the buckets a prompt can need."""
+    prompts = []
+    for i, b in enumerate(gen.buckets):
+        n = min(b, gen.max_len - 2 * gen.rows_per_step - 3)
+        if n < 1 or (i and n <= gen.buckets[i - 1]):
+            continue  # the context is too short for this bucket: no prompt can need it
+        prompts.append([2 + t % (gen.cfg.vocab_size - 2) for t in range(n)])
+    return prompts
+
+
 def warm_up(gen, progress=None):
     """Compile and run every program serving uses (blocking; before accepting traffic): per greedy / sampled, every
     prefill bucket and the step with and without logprobs (prompts sized to each bucket, 3 new tokens each).
     gen: a Generator, or anything with its generate / buckets / max_len / rows_per_step / cfg (the multi-host
     leader's LockstepGenerator, whose generate the followers replay)."""
     for is_greedy in (True, False):
-        for i, b in enumerate(gen.buckets):
-            n = min(b, gen.max_len - 2 * gen.rows_per_step - 3)
-            if n < 1 or (i and n <= gen.buckets[i - 1]):
-                continue  # the context is too short for this bucket: no prompt can need it
-            prompt = [2 + t % (gen.cfg.vocab_size - 2) for t in range(n)]
+        for i, prompt in enumerate(warm_up_prompts(gen)):
             for lp in ((None, 0) if i == 0 else (None,)):
                 gen.generate(prompt, max_new_tokens=3, temperature=0.0 if is_greedy else 1.0, seed=0,
                              stop_token_ids=(), top_logprobs=lp)

@@ -5,6 +5,10 @@ leaf's batch axis (DecodeState leaves are [layers, B, ...]: axis 1; the others [
 leaves a batch-1 state keeps per request without a batch axis (the PRNG key, the SamplingParams scalars and
 logit_bias, the accept histogram) into a new leading axis: the joined state carries per-row keys, sampling fields
 and histograms, which ling_jax.sampling / spec / decode treat row by row. split_rows(join_rows(s), n) == s.
+
+A joined state is also edited row by row (the continuous-batching group, ling_jax.batching): put_row overwrites
+one row with a batch-1 state (every leaf), take_rows gathers rows into a joined state of another size, and
+cat_rows appends one joined state's rows to another's.
 """
 
 from __future__ import annotations
@@ -43,3 +47,35 @@ def split_rows(state, n: int) -> tuple:
     axes = batch_axes(state)
     take = lambda i, axis, x: x[i] if axis == STACKED else jax.lax.slice_in_dim(x, i, i + 1, axis=axis)
     return tuple(jax.tree.map(lambda axis, x: take(i, axis, x), axes, state) for i in range(n))
+
+
+def is_joined(state) -> bool:
+    """A joined state (per-row keys) rather than a batch-1 state (one scalar key)."""
+    return state.key.ndim == 1
+
+
+def put_row(group, position, state):
+    """A joined state, position int32[], a batch-1 state -> the joined state with row `position` replaced by the
+    batch-1 state's row, every leaf (dynamic_update_slice along each leaf's batch axis: donate the group and this
+    copies one row)."""
+
+    def put(axis, g, x):
+        if axis == STACKED:
+            x, axis = x[None], 0
+        start = [jnp.int32(0)] * g.ndim
+        start[axis] = jnp.asarray(position, jnp.int32)
+        return jax.lax.dynamic_update_slice(g, x, start)
+
+    return jax.tree.map(put, batch_axes(group), group, state)
+
+
+def take_rows(group, idx):
+    """A joined state, idx int32[m] -> the joined state of its rows idx (m rows, in that order)."""
+    take = lambda axis, x: x[idx] if axis in (0, STACKED) else x[:, idx]
+    return jax.tree.map(take, batch_axes(group), group)
+
+
+def cat_rows(a, b):
+    """Two joined states -> one holding a's rows then b's."""
+    cat = lambda axis, x, y: jnp.concatenate((x, y), axis=0 if axis == STACKED else axis)
+    return jax.tree.map(cat, batch_axes(a), a, b)

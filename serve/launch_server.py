@@ -151,9 +151,13 @@ def max_running(a: argparse.Namespace) -> int:
 
 
 def request_rows(a: argparse.Namespace) -> int:
-    """Request slots the state holds: max_running + 1 with batching (the spare pads a row bucket), else 1."""
+    """Request rows of state at the peak: with batching, a group re-formed between its largest bucket
+    (max_running) and the one below holds both for a moment, beside the staging slot of the next prefill
+    (ling_jax.batching); else 1."""
+    from ling_jax.batching import row_buckets
+
     n = max_running(a)
-    return n + 1 if n > 1 else 1
+    return n + row_buckets(n)[-2] + 1 if n > 1 else 1
 
 
 def memory_budget(a: argparse.Namespace, cfg, spec, context_length: int) -> dict:

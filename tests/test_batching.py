@@ -4,6 +4,7 @@ alone through the batch-1 Generator (greedy tokens; seeded samples; logprobs), w
 from __future__ import annotations
 
 import functools
+import re
 import threading
 
 import jax
@@ -12,12 +13,12 @@ import numpy as np
 import pytest
 
 from compile.stages import slice_config
-from ling_jax.batching import BatchGenerator, row_buckets
+from ling_jax.batching import _END, BatchGenerator, _Row, _Turns, row_buckets
 from ling_jax.config import get_preset
 from ling_jax.model import Numerics, RuntimeOptions
-from ling_jax.runner import Generator
+from ling_jax.runner import GenerationStats, Generator
 from ling_jax.sampling import SamplingOptions
-from ling_jax.slots import join_rows, split_rows
+from ling_jax.slots import cat_rows, join_rows, put_row, split_rows, take_rows
 from ling_jax.spec import SpecConfig, deterministic_rows, spec_init
 from ling_jax.weights import init_params
 
@@ -78,6 +79,46 @@ def test_buckets_and_join_split_round_trip():
             np.testing.assert_array_equal(x, y)
 
 
+def test_group_row_edits_equal_joins_of_the_rows():
+    """put_row / take_rows / cat_rows (the group's membership changes) against join_rows of the batch-1 states."""
+    cfg = get_preset("test-tiny")
+    states = [spec_init(SamplingOptions(temperature=0.1 * i, logit_bias=((i, 1.0),)).device(cfg.vocab_size),
+                        jax.random.key(i), cfg, batch=1, slots=8, steps=2, is_greedy=False, dtype=jnp.float32)
+              for i in range(4)]
+    states = [s.replace(target=s.target.replace(lengths=s.target.lengths + i),
+                        draft_cache=s.draft_cache + i) for i, s in enumerate(states)]
+    a, b, c, d = states
+    _assert_same(jax.jit(put_row)(join_rows([a, b, c]), np.int32(1), d), join_rows([a, d, c]))
+    _assert_same(take_rows(cat_rows(join_rows([a, b]), join_rows([c])), np.array([2, 0, 0])), join_rows([c, a, a]))
+
+
+def _assert_same(x, y):
+    assert jax.tree.structure(x) == jax.tree.structure(y)
+    for u, v in zip(jax.tree.leaves(jax.tree.map(_data, x)), jax.tree.leaves(jax.tree.map(_data, y))):
+        assert u.shape == v.shape
+        np.testing.assert_array_equal(u, v)
+
+
+def _main_args(fn, *args) -> int:
+    """How many buffers the lowered program's entry takes (unused arguments are pruned)."""
+    text = fn.lower(*args).as_text()
+    sig = text[text.index("func.func public @main("):]
+    return len(set(re.findall(r"%arg\d+", sig[: sig.index("{")])))
+
+
+def test_group_step_takes_one_state_whatever_the_rows(gens):
+    """The group's step program takes the weights and ONE state's buffers at 1, 2 and 8 rows; the per-slot
+    formulation it replaced (a tuple of batch-1 states joined inside) takes a state's buffers per row."""
+    _, bg = gens
+    one = bg.fresh_slot()
+    counts = [_main_args(bg.batch_step_fn(1, True, False), bg.gen.params, one)]
+    counts += [_main_args(bg.batch_step_fn(b, True, False), bg.gen.params, join_rows([one] * b)) for b in (2, 8)]
+    assert counts[0] == counts[1] == counts[2] <= len(jax.tree.leaves((bg.gen.params, one))), counts
+    step = bg.gen.step(True, False)
+    per_slot = _main_args(jax.jit(lambda p, states: step(p, join_rows(states))), bg.gen.params, (one,) * 8)
+    assert per_slot >= counts[2] + 7 * len(jax.tree.leaves(one)) // 2, (per_slot, counts)
+
+
 def _data(x):
     return jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x
 
@@ -125,6 +166,42 @@ def test_joining_leaving_and_closing_change_nothing_for_the_others(gens):
         assert b == gen.generate(p, stop_token_ids=(), **kw)[0]
     # nothing of the earlier requests lingers in the slots
     assert bg.generate(long_req[0], stop_token_ids=(), **long_req[1])[0] == expect
+
+
+def test_group_membership_changes_keep_every_row_exact(gens):
+    """The scheduler driven turn by turn: A decodes alone (the batch-1 state), B joins (re-formed into a 2-row
+    group) and ends, sampled C is put into B's dead position, C ends and the group is compacted back to A alone;
+    every row's tokens are what it gives alone."""
+    gen, bg = gens
+    prompts = [[5 + 3 * i for i in range(8)], [7, 11, 13, 2, 9], [4, 8, 15, 16, 23, 42]]
+    kws = [dict(max_new_tokens=60), dict(max_new_tokens=3), dict(max_new_tokens=4, temperature=1.0, seed=5)]
+    alone = [gen.generate(p, stop_token_ids=(), **kw)[0] for p, kw in zip(prompts, kws)]
+    a, b, c = [_Row(p, kw["max_new_tokens"], frozenset(), None,
+                    SamplingOptions(**{k: v for k, v in kw.items() if k == "temperature"}), kw.get("seed", 0),
+                    GenerationStats()) for p, kw in zip(prompts, kws)]
+    turns, sizes = _Turns(bg), []
+
+    def run_until(done):
+        while not done():
+            turns.turn()
+            sizes.append(len(turns.members))
+
+    turns.waiting.append(a)
+    run_until(lambda: a.emitted > 1)
+    assert turns.members == [a] and not turns.group.key.shape  # alone: the batch-1 state
+    turns.waiting.append(b)
+    run_until(lambda: b.done)
+    assert turns.members == [a, b] and not a.done
+    turns.waiting.append(c)
+    run_until(lambda: c.done)
+    assert turns.members == [a, c] and not a.done  # C took B's position: put there, not re-formed
+    run_until(lambda: a.done)
+    assert turns.members == [a] and sizes[-1] == 1 and 2 in sizes  # compacted back to the batch-1 state
+    for row, expect in zip((a, b, c), alone):
+        got = []
+        while (item := row.out.get_nowait()) is not _END:
+            got.extend(item)
+        assert got == expect
 
 
 def test_stop_token_ends_one_row(gens):

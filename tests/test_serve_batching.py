@@ -60,7 +60,7 @@ def test_concurrent_requests_equal_one_at_a_time(server):
     info = httpx.get(server.url + "/server_info", timeout=30).json()
     assert info["max_running_requests"] == 4
     budget = info["memory_budget"]
-    assert budget["rows"] == 5 and budget["context_length"] == 512
+    assert budget["rows"] == 4 + 2 + 1 and budget["context_length"] == 512  # re-form peak (buckets 4, 2) + staging
     assert 0 < budget["total_bytes"] <= budget["limit_bytes"]
 
 
@@ -95,5 +95,5 @@ def test_slots_that_do_not_fit_are_refused():
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env={"JAX_PLATFORMS": "cpu",
                        **{k: v for k, v in __import__("os").environ.items() if k != "JAX_PLATFORMS"}})
     assert r.returncode == 2, r.stderr[-2000:]
-    assert "65 request slots x --context-length 67108864 do not fit" in r.stderr
+    assert "97 request state rows x --context-length 67108864 do not fit" in r.stderr
     assert "lower --max-running-requests or --context-length" in r.stderr
