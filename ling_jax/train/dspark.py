@@ -9,6 +9,13 @@ the target's tokenizer, as `python -m ling_jax.train.corpus --tokenizer TARGET [
 
 Shape legend: B windows, T positions, N anchors per window, G block size, V vocab, C context features.
 
+Self-distillation (--distill-seqs N): before training, the frozen target greedily continues N random train-split
+prompts of --distill-prompt tokens to --seq tokens (greedy_continuations; kept in memory, not on disk), and
+--distill-fraction of every batch's windows are rows of that pool. A greedy DSpark step accepts exactly the
+target's greedy tokens, so this is the text whose features, Markov inputs and labels inference sees (the demo
+target's greedy output repeats itself, which corpus windows never teach the draft to copy). The held-out metrics
+are reported on corpus windows (heldout_*) and on the target's greedy continuation of them (heldout_greedy_*).
+
 Per step (one jitted program, the draft's params only are differentiated):
     target:  forward(prefill) over the windows with target_layer_ids captured -> features [B, T, C], logits z [B, T, V]
              (stop_gradient; nothing is cached on disk)
@@ -17,6 +24,7 @@ Per step (one jitted program, the draft's params only are differentiated):
              with logits lm_head(h_k) + W2 W1[x_{a+k}] (teacher-forced Markov input), q_k = softmax
     loss (DeepSpec's config, position weights w_k = exp(-k / 4), normalised over the slots):
         0.1 CE(q_k, x_{a+k+1}) + 0.9 L1 = sum_v |q_k - p_k|   (p_k = softmax z_{a+k}, the target's row)
+        + kl_weight KL(p_k || q_k)   (off by default; the CLI's --ce/--l1/--kl-weight set the three)
         + BCE(c_k, alpha_k), alpha_k = 1 - TV(q_k, p_k) = sum_v min(q_k, p_k)  (stop_gradient target: the
           probability that a sampled slot k is accepted)
         + acceptance-aware: accept_weight * (1 - E / G), E = sum_k prod_{j<=k} alpha_j, the expected accepted
