@@ -186,6 +186,8 @@ def distill_pool(params, ids: np.ndarray, n: int, prompt_len: int, seq: int, bat
                  seed: int) -> np.ndarray:
     """n windows int32[n, seq]: prompt_len corpus tokens at random offsets of ids, then the target's greedy
     continuation to seq tokens (greedy_continuations, `batch` windows per program; kept in memory, never on disk)."""
+    if n < 1:
+        raise ValueError(f"--distill-seqs {n} must be >= 1 (0 turns self-distillation off)")
     if not 1 <= prompt_len < seq:
         raise ValueError(f"--distill-prompt {prompt_len} must be in [1, --seq {seq})")
     starts = np.random.default_rng(seed).integers(0, len(ids) - prompt_len, n)
@@ -194,6 +196,8 @@ def distill_pool(params, ids: np.ndarray, n: int, prompt_len: int, seq: int, bat
 
 def continue_prompts(params, prompts: np.ndarray, seq: int, batch: int, cfg: ModelConfig) -> np.ndarray:
     """prompts [n, P] -> int32[n, seq]: greedy_continuations, at most `batch` rows per program."""
+    if batch < 1 or len(prompts) < 1:
+        raise ValueError(f"--distill-batch {batch} and the prompts ({len(prompts)}) must be >= 1")
     prompts = np.asarray(prompts, np.int32)
     batch = min(batch, len(prompts))
     gen = jax.jit(lambda p, t: greedy_continuations(p, t, seq - prompts.shape[1], cfg))
