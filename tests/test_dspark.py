@@ -1,7 +1,8 @@
 """DSpark block drafting: lossless greedy (block 4 over 256 tokens, block 8, 3 steps per dispatch), planted mismatch
 with committed KDA/MLA states and the draft context, the confidence schedule (only the verify length changes),
 sampled verdict with a proposed-length limit, state pollution, one program per step without host transfers,
-config/checkpoint round trip, and the training CLI against a checkpoint dir and an xz token corpus (the loss falls).
+config/checkpoint round trip, and the training CLI against a checkpoint dir and an xz token corpus (with a
+self-distillation pool; the loss falls).
 
 Compiled programs are shared (lru_cache'd Generators over one 3-layer target), so each test pays mostly run time."""
 
@@ -251,7 +252,8 @@ def test_training_cli_on_a_checkpoint_dir_and_xz_tokens(tmp_path):
     args = ["--target", str(target), "--data", str(data), "--out", str(out), "--steps", "30", "--batch", "2",
             "--seq", "16", "--anchors", "4", "--block-size", "4", "--layers", "1", "--context-layers", "2",
             "--markov-rank", "8", "--lr", "3e-3", "--warmup", "1", "--compute-dtype", "float32", "--eval-windows",
-            "2", "--log-every", "1"]
+            "2", "--log-every", "1", "--distill-seqs", "3", "--distill-prompt", "6", "--distill-batch", "2",
+            "--distill-fraction", "0.5", "--kl-weight", "0.5"]
     report = train.main(args)
     losses = [r["loss"] for r in report["rows"]]
     assert len(losses) == 30 and np.mean(losses[-5:]) < 0.8 * np.mean(losses[:3]), losses
@@ -259,6 +261,7 @@ def test_training_cli_on_a_checkpoint_dir_and_xz_tokens(tmp_path):
     assert 1.0 <= last["expected_accept"] <= 5.0 and 1.0 <= last["greedy_accept"] <= 5.0
     assert 0.0 <= last["l1"] <= 2.0 and len(last["top1_by_slot"]) == 4
     assert 1.0 <= report["final"]["heldout_expected_accept"] <= 5.0
+    assert 1.0 <= report["final"]["heldout_greedy_greedy_accept"] <= 5.0 and last["kl"] >= 0.0
     assert sorted(os.listdir(out)) == ["config.json", "metrics.json", "model.safetensors"]
     assert json.loads((out / "metrics.json").read_text())["steps"] == 30
     dcfg = dspark.load_config(str(out))

@@ -9,6 +9,13 @@ the target's tokenizer, as `python -m ling_jax.train.corpus --tokenizer TARGET [
 
 Shape legend: B windows, T positions, N anchors per window, G block size, V vocab, C context features.
 
+Self-distillation (--distill-seqs N): before training, the frozen target greedily continues N random train-split
+prompts of --distill-prompt tokens to --seq tokens (greedy_continuations; kept in memory, not on disk), and
+--distill-fraction of every batch's windows are rows of that pool. A greedy DSpark step accepts exactly the
+target's greedy tokens, so this is the text whose features, Markov inputs and labels inference sees (the demo
+target's greedy output repeats itself, which corpus windows never teach the draft to copy). The held-out metrics
+are reported on corpus windows (heldout_*) and on the target's greedy continuation of them (heldout_greedy_*).
+
 Per step (one jitted program, the draft's params only are differentiated):
     target:  forward(prefill) over the windows with target_layer_ids captured -> features [B, T, C], logits z [B, T, V]
              (stop_gradient; nothing is cached on disk)
@@ -17,6 +24,7 @@ Per step (one jitted program, the draft's params only are differentiated):
              with logits lm_head(h_k) + W2 W1[x_{a+k}] (teacher-forced Markov input), q_k = softmax
     loss (DeepSpec's config, position weights w_k = exp(-k / 4), normalised over the slots):
         0.1 CE(q_k, x_{a+k+1}) + 0.9 L1 = sum_v |q_k - p_k|   (p_k = softmax z_{a+k}, the target's row)
+        + kl_weight KL(p_k || q_k)   (off by default; the CLI's --ce/--l1/--kl-weight set the three)
         + BCE(c_k, alpha_k), alpha_k = 1 - TV(q_k, p_k) = sum_v min(q_k, p_k)  (stop_gradient target: the
           probability that a sampled slot k is accepted)
         + acceptance-aware: accept_weight * (1 - E / G), E = sum_k prod_{j<=k} alpha_j, the expected accepted
@@ -56,14 +64,26 @@ class DSparkTrainConfig:
     anchors: int = 32
     ce_weight: float = 0.1
     l1_weight: float = 0.9
+    kl_weight: float = 0.0
     confidence_weight: float = 1.0
     accept_weight: float = 0.5
     decay_gamma: float = 4.0
+    distill_fraction: float = 0.0
     compute_dtype: str = "bfloat16"
 
     def __post_init__(self):
         if self.batch < 1 or self.seq < 2 or self.anchors < 1:
             raise ValueError(f"batch={self.batch}, seq={self.seq}, anchors={self.anchors}: need >= 1, >= 2, >= 1")
+        if not 0.0 <= self.distill_fraction <= 1.0:
+            raise ValueError(f"distill_fraction={self.distill_fraction} must be in [0, 1]")
+        if min(self.ce_weight, self.l1_weight, self.kl_weight, self.confidence_weight, self.accept_weight) < 0:
+            raise ValueError(f"loss weights ce={self.ce_weight} l1={self.l1_weight} kl={self.kl_weight} "
+                             f"confidence={self.confidence_weight} accept={self.accept_weight} must be >= 0")
+
+    @property
+    def pool_rows(self) -> int:
+        """Windows of each batch drawn from the self-distillation pool (the rest from the corpus)."""
+        return int(round(self.distill_fraction * self.batch))
 
 
 def target_features(params, tokens, cfg: ModelConfig, dcfg: dspark.DSparkConfig):
@@ -74,6 +94,25 @@ def target_features(params, tokens, cfg: ModelConfig, dcfg: dspark.DSparkConfig)
     return jax.lax.stop_gradient(out.layer_hidden), jax.lax.stop_gradient(lm_logits(params, out.hidden))
 
 
+def greedy_continuations(params, prompts, n_new: int, cfg: ModelConfig):
+    """The target's plain greedy continuation: prompts int32[B, P] -> int32[B, P + n_new] (prompt, then n_new
+    argmax tokens, EOS ignored). This is the text a greedy DSpark step verifies: features, Markov inputs and labels
+    of the accepted prefix are exactly these tokens (self-distillation data)."""
+    B, P = prompts.shape
+    opts = training_options()
+    out = forward(params, prompts, init_state(cfg, B, P + n_new, params["embed"].dtype), cfg, mode="prefill",
+                  opts=opts)
+    first = jnp.argmax(lm_logits(params, out.hidden[:, -1]), axis=-1).astype(jnp.int32)
+
+    def next_token(carry, _):
+        state, tok = carry
+        o = forward(params, tok[:, None], state, cfg, mode="decode", opts=opts)
+        return (o.state, jnp.argmax(lm_logits(params, o.hidden[:, 0]), axis=-1).astype(jnp.int32)), tok
+
+    (_, last), toks = jax.lax.scan(next_token, (out.state, first), None, length=n_new - 1)
+    return jnp.concatenate([prompts, toks.T, last[:, None]], axis=1)
+
+
 def sample_anchors(key, B: int, T: int, N: int, G: int):
     """N distinct sorted anchors per row in [0, T-1-G] (so every slot's label x_{a+G} is inside the window)."""
     n_cand = T - G
@@ -82,24 +121,36 @@ def sample_anchors(key, B: int, T: int, N: int, G: int):
     return jnp.sort(jnp.argsort(jax.random.uniform(key, (B, n_cand)), axis=1)[:, :N], axis=1).astype(jnp.int32)
 
 
+def block_logits(dp, params, tokens, anchors, cfg: ModelConfig, dcfg: dspark.DSparkConfig):
+    """The draft's teacher-forced block logits: tokens int32[B, T], anchors int32[B, N] (a + G <= T) ->
+    (logits f32[B, N, G, V], h [B, N, G, D], prev int32[B, N, G] = x_{a+k} (the Markov inputs), target logits
+    f32[B, N, G, V] of rows a+k). The same functions as the DSpark step (ling_jax.dspark_step.draft_block):
+    context rows t < a from the target's captured layers, block [x_a, MASK...] at positions a..a+G-1."""
+    B, T = tokens.shape
+    G = dcfg.block_size
+    feats, z = target_features(params, tokens, cfg, dcfg)
+    ctx_k, ctx_v = dspark.context_kv(dp, feats, jnp.broadcast_to(jnp.arange(T), (B, T)), dcfg)
+    idx = anchors[..., None] + jnp.arange(G)  # [B, N, G]: slot k sits at a+k
+    take = jax.vmap(lambda row, i: row[i])  # per window gather
+    prev = take(tokens, idx)  # x_{a+k}: the anchor, then the teacher-forced Markov inputs
+    block = jnp.where(jnp.arange(G) == 0, prev, dcfg.mask_token_id)
+    h = dspark.block_hidden(dp, params["embed"], block, anchors, ctx_k, ctx_v, dcfg)  # [B, N, G, D]
+    logits = lm_logits(params, h) + dspark.markov_bias(dp, prev)  # [B, N, G, V] f32
+    return logits, h, prev, take(z, idx)
+
+
 def losses(dp, params, tokens, key, cfg: ModelConfig, dcfg: dspark.DSparkConfig, tc: DSparkTrainConfig):
     """tokens int32[B, T] -> (loss, metrics dict of f32 scalars / [G] vectors)."""
     dt = jnp.dtype(tc.compute_dtype)
     dp = jax.tree.map(lambda a: a.astype(dt), dp)
     B, T = tokens.shape
     G = dcfg.block_size
-    feats, z = target_features(params, tokens, cfg, dcfg)
-    ctx_k, ctx_v = dspark.context_kv(dp, feats, jnp.broadcast_to(jnp.arange(T), (B, T)), dcfg)
     anchors = sample_anchors(key, B, T, tc.anchors, G)  # [B, N]
-    idx = anchors[..., None] + jnp.arange(G)  # [B, N, G]: slot k sits at a+k
-    take = jax.vmap(lambda row, i: row[i])  # per window gather
-    prev = take(tokens, idx)  # x_{a+k}: the anchor, then the teacher-forced Markov inputs
-    labels = take(tokens, idx + 1)
-    block = jnp.where(jnp.arange(G) == 0, prev, dcfg.mask_token_id)
-    h = dspark.block_hidden(dp, params["embed"], block, anchors, ctx_k, ctx_v, dcfg)  # [B, N, G, D]
-    logits = lm_logits(params, h) + dspark.markov_bias(dp, prev)  # [B, N, G, V] f32
+    logits, h, prev, z = block_logits(dp, params, tokens, anchors, cfg, dcfg)
+    labels = jax.vmap(lambda row, i: row[i])(tokens, anchors[..., None] + jnp.arange(G) + 1)
     log_q = jax.nn.log_softmax(logits, axis=-1)
-    p = jax.nn.softmax(take(z, idx), axis=-1)  # the target's row a+k predicts x_{a+k+1}
+    log_p = jax.nn.log_softmax(z, axis=-1)  # the target's row a+k predicts x_{a+k+1}
+    p = jnp.exp(log_p)
     q = jnp.exp(log_q)
     w = jnp.exp(-jnp.arange(G) / tc.decay_gamma)
     wmean = lambda x: jnp.mean(jnp.sum(x * w, axis=-1) / jnp.sum(w))  # position-weighted mean over [B, N, G]
@@ -107,8 +158,10 @@ def losses(dp, params, tokens, key, cfg: ModelConfig, dcfg: dspark.DSparkConfig,
     l1 = jnp.sum(jnp.abs(q - p), axis=-1)
     alpha = jnp.clip(1.0 - 0.5 * l1, 0.0, 1.0)  # = sum_v min(q, p)
     expected = jnp.sum(jnp.cumprod(alpha, axis=-1), axis=-1)  # E[accepted drafts] of each block
-    loss = tc.ce_weight * wmean(ce) + tc.l1_weight * wmean(l1) + tc.accept_weight * (1.0 - jnp.mean(expected) / G)
-    m = {"ce": wmean(ce), "l1": wmean(l1), "expected_accept": 1.0 + jnp.mean(expected)}
+    kl = jnp.sum(p * (log_p - log_q), axis=-1)  # KL(p || q): dense gradients towards the target's whole row
+    loss = (tc.ce_weight * wmean(ce) + tc.l1_weight * wmean(l1) + tc.kl_weight * wmean(kl)
+            + tc.accept_weight * (1.0 - jnp.mean(expected) / G))
+    m = {"ce": wmean(ce), "l1": wmean(l1), "kl": wmean(kl), "expected_accept": 1.0 + jnp.mean(expected)}
     if "confidence_head" in dp:
         c_logit = dspark.confidence_logit(dp, h, prev)
         bce = optax.sigmoid_binary_cross_entropy(c_logit, jax.lax.stop_gradient(alpha))
@@ -129,9 +182,42 @@ def make_optimizer(lr: float, steps: int, warmup: int, weight_decay: float, clip
                                                                     mask=decay))
 
 
-def train_step(dp, opt_state, params, tokens_all, key, cfg, dcfg, tc, tx):
-    k_win, k_anchor = jax.random.split(key)
-    windows = random_windows(tokens_all, k_win, tc.batch, tc.seq - 1)  # [B, seq]
+def distill_pool(params, ids: np.ndarray, n: int, prompt_len: int, seq: int, batch: int, cfg: ModelConfig,
+                 seed: int) -> np.ndarray:
+    """n windows int32[n, seq]: prompt_len corpus tokens at random offsets of ids, then the target's greedy
+    continuation to seq tokens (greedy_continuations, `batch` windows per program; kept in memory, never on disk)."""
+    if n < 1:
+        raise ValueError(f"--distill-seqs {n} must be >= 1 (0 turns self-distillation off)")
+    if not 1 <= prompt_len < seq:
+        raise ValueError(f"--distill-prompt {prompt_len} must be in [1, --seq {seq})")
+    starts = np.random.default_rng(seed).integers(0, len(ids) - prompt_len, n)
+    return continue_prompts(params, np.stack([ids[s : s + prompt_len] for s in starts]), seq, batch, cfg)
+
+
+def continue_prompts(params, prompts: np.ndarray, seq: int, batch: int, cfg: ModelConfig) -> np.ndarray:
+    """prompts [n, P] -> int32[n, seq]: greedy_continuations, at most `batch` rows per program."""
+    if batch < 1 or len(prompts) < 1:
+        raise ValueError(f"--distill-batch {batch} and the prompts ({len(prompts)}) must be >= 1")
+    prompts = np.asarray(prompts, np.int32)
+    batch = min(batch, len(prompts))
+    gen = jax.jit(lambda p, t: greedy_continuations(p, t, seq - prompts.shape[1], cfg))
+    out = []
+    for i in range(0, len(prompts), batch):
+        rows = prompts[i : i + batch]
+        pad = batch - len(rows)  # the last program keeps the compiled shape
+        got = np.asarray(gen(params, jnp.asarray(np.concatenate([rows, np.repeat(rows[:1], pad, 0)]))))
+        out.append(got[: len(rows)])
+    return np.concatenate(out)
+
+
+def train_step(dp, opt_state, params, tokens_all, pool, key, cfg, dcfg, tc, tx):
+    """pool int32[P, seq] | None: tc.pool_rows windows of the batch are rows of it (self-distillation text)."""
+    k_win, k_anchor, k_pool = jax.random.split(key, 3)
+    n_pool = tc.pool_rows if pool is not None else 0
+    windows = random_windows(tokens_all, k_win, tc.batch - n_pool, tc.seq - 1)  # [B - n_pool, seq]
+    if n_pool:
+        picked = pool[jax.random.randint(k_pool, (n_pool,), 0, pool.shape[0])]
+        windows = jnp.concatenate([picked, windows], axis=0)
     (_, m), grads = jax.value_and_grad(losses, has_aux=True)(dp, params, windows, k_anchor, cfg, dcfg, tc)
     updates, opt_state = tx.update(grads, opt_state, dp)
     m["grad_norm"] = optax.tree.norm(grads)
@@ -153,6 +239,9 @@ def build_parser():
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--layers", type=int, default=2, help="draft decoder layers")
     p.add_argument("--context-layers", type=int, default=5, help="target layers feeding the context (evenly spaced)")
+    p.add_argument("--target-layers", default=None,
+                   help="comma-separated target layer ids feeding the context (overrides --context-layers), e.g. "
+                        "1,3,5,7 to include the last layer")
     p.add_argument("--markov-rank", type=int, default=256)
     p.add_argument("--kv-heads", type=int, default=None,
                    help="draft kv heads (default: the largest divisor of the target's heads that is <= 2)")
@@ -160,6 +249,15 @@ def build_parser():
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--accept-weight", type=float, default=0.5)
+    p.add_argument("--ce-weight", type=float, default=0.1, help="CE against the text's next token")
+    p.add_argument("--l1-weight", type=float, default=0.9, help="L1 = 2 TV(q, p) to the target's distribution")
+    p.add_argument("--kl-weight", type=float, default=0.0, help="KL(p || q) to the target's distribution")
+    p.add_argument("--distill-seqs", type=int, default=0,
+                   help="self-distillation: this many windows of the target's own greedy continuation of train-split "
+                        "prompts, generated before training (the text a greedy DSpark step verifies)")
+    p.add_argument("--distill-prompt", type=int, default=64, help="corpus tokens before each greedy continuation")
+    p.add_argument("--distill-batch", type=int, default=256, help="windows generated per program")
+    p.add_argument("--distill-fraction", type=float, default=0.5, help="share of each batch from the pool")
     p.add_argument("--compute-dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--eval-windows", type=int, default=32)
     p.add_argument("--log-every", type=int, default=50)
@@ -169,6 +267,9 @@ def build_parser():
 
 def draft_config(a, cfg: ModelConfig) -> dspark.DSparkConfig:
     if a.init:
+        if a.target_layers:
+            raise ValueError(f"--target-layers {a.target_layers} with --init {a.init}: the draft's fc reads the "
+                             f"layers of its config.json")
         return dspark.load_config(a.init)
     H = cfg.num_attention_heads
     kv_heads = a.kv_heads or max(d for d in (1, 2) if H % d == 0)  # the target's heads: 4 in ling-demo, 5 in v2
@@ -177,18 +278,19 @@ def draft_config(a, cfg: ModelConfig) -> dspark.DSparkConfig:
         num_key_value_heads=kv_heads, head_dim=cfg.hidden_size // cfg.num_attention_heads,
         intermediate_size=cfg.intermediate_size, rms_norm_eps=cfg.rms_norm_eps, rope_theta=1e6,
         vocab_size=cfg.vocab_size, block_size=a.block_size,
-        target_layer_ids=dspark.evenly_spaced_layers(cfg.num_hidden_layers, a.context_layers),
+        target_layer_ids=(tuple(int(i) for i in a.target_layers.split(",")) if a.target_layers
+                          else dspark.evenly_spaced_layers(cfg.num_hidden_layers, a.context_layers)),
         num_target_layers=cfg.num_hidden_layers, mask_token_id=cfg.pad_token_id, markov_rank=a.markov_rank)
 
 
-def evaluate(ev, dp, params, held: np.ndarray, batch: int) -> dict:
+def evaluate(ev, dp, params, held: np.ndarray, batch: int, prefix: str = "heldout_") -> dict:
     sums, n = {}, 0
     for i in range(0, len(held) - batch + 1, batch):
         m = jax.device_get(ev(dp, params, jnp.asarray(held[i : i + batch]), jax.random.key(i)))
         for k, v in m.items():
             sums[k] = sums.get(k, 0.0) + np.asarray(v, np.float64)
         n += 1
-    return {f"heldout_{k}": (v / max(n, 1)).tolist() for k, v in sums.items()}
+    return {f"{prefix}{k}": (v / max(n, 1)).tolist() for k, v in sums.items()}
 
 
 def check_tokens(ids: np.ndarray, split: str, a, cfg: ModelConfig) -> np.ndarray:
@@ -209,12 +311,24 @@ def main(argv=None) -> dict:
     cfg = load_config(a.target)
     dcfg = draft_config(a, cfg)
     dcfg.check_target(cfg)
-    tc = DSparkTrainConfig(batch=a.batch, seq=a.seq, anchors=a.anchors, accept_weight=a.accept_weight,
-                           compute_dtype=a.compute_dtype)
+    tc = DSparkTrainConfig(batch=a.batch, seq=a.seq, anchors=a.anchors, ce_weight=a.ce_weight, l1_weight=a.l1_weight,
+                           kl_weight=a.kl_weight, accept_weight=a.accept_weight,
+                           distill_fraction=a.distill_fraction if a.distill_seqs else 0.0, compute_dtype=a.compute_dtype)
     params = load_params(cfg, a.target, dtype=jnp.dtype(a.compute_dtype))
     train_ids, held_ids = (check_tokens(corpus.load_tokens(a.data, s), s, a, cfg) for s in ("train", "heldout"))
     tokens = to_device(train_ids)
     held = fixed_windows(held_ids, a.seq - 1, a.eval_windows)
+    t0 = time.perf_counter()
+    # the target's own greedy text after each held-out window's first distill_prompt tokens: what inference verifies
+    prompt = min(a.distill_prompt, a.seq - 1)
+    held_greedy = continue_prompts(params, held[:, :prompt], a.seq, a.distill_batch, cfg)
+    pool = None
+    if a.distill_seqs:
+        pool = jnp.asarray(distill_pool(params, train_ids, a.distill_seqs, prompt, a.seq, a.distill_batch, cfg,
+                                        a.seed))
+        print(f"self-distillation pool: {a.distill_seqs} x {a.seq} tokens ({prompt} corpus + greedy) in "
+              f"{time.perf_counter() - t0:.1f} s", flush=True)
+    distill_s = time.perf_counter() - t0
     dp = dspark.load_params(dcfg, a.init, jnp.float32) if a.init else dspark.init_params(dcfg, a.seed)
     tx = make_optimizer(a.lr, a.steps, a.warmup, a.weight_decay, 1.0)
     opt_state = tx.init(dp)
@@ -225,7 +339,7 @@ def main(argv=None) -> dict:
     t_compile = t_timed = None
     i = 0
     while i < total:
-        dp, opt_state, m = step(dp, opt_state, params, tokens, jax.random.fold_in(key, i))
+        dp, opt_state, m = step(dp, opt_state, params, tokens, pool, jax.random.fold_in(key, i))
         i += 1
         if i == 1:
             jax.block_until_ready(m)
@@ -243,12 +357,13 @@ def main(argv=None) -> dict:
     jax.block_until_ready(dp)
     train_s = time.perf_counter() - t0
     final = evaluate(ev, dp, params, held, min(a.batch, len(held)))
-    print(json.dumps({k: v for k, v in final.items() if k != "heldout_top1_by_slot"}), flush=True)
+    final |= evaluate(ev, dp, params, held_greedy, min(a.batch, len(held)), "heldout_greedy_")
+    print(json.dumps({k: v for k, v in final.items() if "top1_by_slot" not in k}), flush=True)
     dspark.save(dcfg, dp, a.out)
     report = {"command": "python -m ling_jax.train.dspark " + " ".join(argv if argv is not None else sys.argv[1:]),
               "device": jax.devices()[0].device_kind, "jax_version": jax.__version__,
               "date": time.strftime("%Y-%m-%d"), "target": a.target, "draft_params": dspark.param_count(dcfg),
-              "steps": total, "compile_s": t_compile, "train_s": train_s,
+              "steps": total, "distill_s": distill_s, "compile_s": t_compile, "train_s": train_s,
               "step_ms": 1e3 * (train_s - t_compile) / max(total - 1, 1), "final": final, "rows": rows}
     with open(os.path.join(a.out, "metrics.json"), "w") as f:
         json.dump(report, f, indent=1)
