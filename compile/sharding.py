@@ -189,6 +189,9 @@ class ShardedKernelCalls(KernelCalls):
       EP ("expert" -> tp) gives each device E/N experts: pairs routed elsewhere get weight 0 on local expert 0
       (read once per device when any pair is remote: up to one expert's bytes wasted), and the same one psum
       combines the devices.
+    moe_residual_norm (p2p_allreduce, `fuses_layer_boundary`): the same partial sums, reduced by
+      `allreduce_residual_norm` together with the residual add and the next layer's RMSNorm (one Mosaic kernel
+      in place of the psum and two XLA fusions); the model then feeds that normed input to the next block.
     kda_verify / kda_commit: every head-indexed operand split over "tp"; heads are independent, no collective.
     fused_linear: not sharded yet (the output projections would need their partial sums reduced before the
       residual add): the sharded calls run the model's jnp projections, and fused_linear=True is an error.
@@ -206,13 +209,14 @@ class ShardedKernelCalls(KernelCalls):
                              "shard_map yet; use fused_linear=False (the jnp projections, sharded by XLA)")
         super().__post_init__()
 
-    def moe(self, x, ids, weights, w_gate, w_up, w_down, *, limit: float, shared, shared_limit: float):
+    def _moe_partial(self, n_experts: int, *, limit: float, shared_limit: float):
+        """(this device's MoE kernel -> fp32 partial sums [T, D], the logical axes of its arguments)."""
         rules, base = self.rules, super()
         if rules.mlp is None or (rules.expert is None and rules.expert_mlp is None):
             raise ValueError("sharded MoE needs the shared expert's width (mlp) and either the experts (expert) "
                              f"or their width (expert_mlp) on tp; got {rules}")
         ep = rules.expert is not None
-        n_local = w_gate.shape[0] // self.mesh.shape[TP] if ep else w_gate.shape[0]
+        n_local = n_experts // self.mesh.shape[TP] if ep else n_experts
 
         def kernel(x, ids, w, wg, wu, wd, sg, su, sd):
             if ep:  # global expert ids -> this device's; pairs of other devices' experts contribute 0
@@ -224,8 +228,32 @@ class ShardedKernelCalls(KernelCalls):
 
         ex_in, ex_out = ("expert", "expert_mlp", "embed"), ("expert", "embed", "expert_mlp")
         in_axes = (None, None, None, ex_in, ex_in, ex_out, ("mlp", "embed"), ("mlp", "embed"), ("embed", "mlp"))
-        f = shard_kernel(kernel, self.mesh, in_axes, None, rules, reduce_out=True)
+        return kernel, in_axes
+
+    def moe(self, x, ids, weights, w_gate, w_up, w_down, *, limit: float, shared, shared_limit: float):
+        kernel, in_axes = self._moe_partial(w_gate.shape[0], limit=limit, shared_limit=shared_limit)
+        f = shard_kernel(kernel, self.mesh, in_axes, None, self.rules, reduce_out=True)
         return f(x, ids, weights, w_gate, w_up, w_down, *shared)
+
+    @property
+    def fuses_layer_boundary(self) -> bool:
+        return self.p2p_allreduce
+
+    def moe_residual_norm(self, x, ids, weights, w_gate, w_up, w_down, *, limit: float, shared, shared_limit: float,
+                          residual, norm_weight, eps: float):
+        """The MoE's partial sums, their all-reduce, the residual add and the next RMSNorm in one shard_map: the
+        all-reduce is `allreduce_residual_norm` (the peer-to-peer kernel with p2p_allreduce where it takes the
+        shapes: D a multiple of 128, T <= its max_rows; else psum and the model's add and norm, per device).
+        residual [T, D] and norm_weight [D] replicated; both outputs replicated."""
+        kernel, in_axes = self._moe_partial(w_gate.shape[0], limit=limit, shared_limit=shared_limit)
+        base = super()
+
+        def boundary(*a):
+            *moe_args, res, w = a
+            return base.allreduce_residual_norm(kernel(*moe_args), res, w, eps=eps, axis=TP)
+
+        f = shard_kernel(boundary, self.mesh, in_axes + (None, None), (None, None), self.rules)
+        return f(x, ids, weights, w_gate, w_up, w_down, *shared, residual, norm_weight)
 
     def kda_verify(self, q_raw, k_raw, v_raw, f_raw, b_raw, A_log, dt_bias, q_conv_w, k_conv_w, v_conv_w,
                    conv_window, rec_state, *, lower_bound: float):

@@ -10,6 +10,7 @@ Shapes (per call, the layers' view; a subclass sees its per-device slices inside
   moe:        x [T, D], ids [T, A] int32, weights [T, A] f32, w_gate/w_up [E, I, D], w_down [E, D, I],
               shared = (gate [Is, D], up [Is, D], down [D, Is])           -> [T, D] f32
               (any weight may be a quant.Fp8Weight: w8 of that shape + its 128-block scales)
+  moe_residual_norm: moe's arguments, residual [T, D], the next norm's weight [D] -> (residual [T, D], normed [T, D])
   kda_verify: q/k/v/f raw [B, T, C], b_raw [B, T, H], A_log [H], dt_bias [C], conv weights 3 x [C, 1, W],
               conv_window [B, W-1, 3, C], rec_state [B, H, K, V] f32       -> (o [B, T, H, V] f32, KdaCommitInputs)
   kda_commit: rec_state [B, H, K, V], KdaCommitInputs, n_accept [B]        -> rec_state
@@ -38,7 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from ling_jax.layers.moe import shared_expert
-from ling_jax.layers.norms import rms_norm
+from ling_jax.layers.norms import add_rms_norm
 from ling_jax import quant
 from ling_jax.quant import Fp8Weight, dense
 from pallas_kernels import allreduce as _allreduce
@@ -420,8 +421,23 @@ class KernelCalls:
         peer-to-peer kernel where it takes the shapes; otherwise (the default) psum and the model's jnp."""
         if self.p2p_allreduce and jax.lax.axis_size(axis) > 1 and _allreduce.takes(partial, residual, weight):
             return _allreduce.allreduce_residual_norm(partial, residual, weight, eps=eps, axis=axis)
-        x = residual + jax.lax.psum(partial, axis).astype(residual.dtype)
-        return x, rms_norm(x, weight, eps)
+        return add_rms_norm(residual, jax.lax.psum(partial, axis), weight, eps)
+
+    @property
+    def fuses_layer_boundary(self) -> bool:
+        """Whether the model hands a MoE layer's residual add and the RMSNorm after it (the next layer's input
+        norm, or the final norm) to `moe_residual_norm`, and the next block reads that normed input. One device
+        has no all-reduce to fuse them with: False (the model's program is as without it). The sharded calls
+        (compile.sharding.ShardedKernelCalls) say p2p_allreduce: the all-reduce of the MoE's partial sums, the
+        add and the norm become one `allreduce_residual_norm`."""
+        return False
+
+    def moe_residual_norm(self, x, ids, weights, w_gate, w_up, w_down, *, limit: float, shared, shared_limit: float,
+                          residual, norm_weight, eps: float):
+        """The MoE layer and the layer boundary after it -> (residual + moe(...) rounded to the stream's dtype,
+        rms_norm of that with norm_weight). Here (one device) the MoE kernel, then the model's add and norm."""
+        y = self.moe(x, ids, weights, w_gate, w_up, w_down, limit=limit, shared=shared, shared_limit=shared_limit)
+        return add_rms_norm(residual, y, norm_weight, eps)
 
     def kda_prefill(self, q, k, v, g, beta, state):
         config = None

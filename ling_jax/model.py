@@ -115,32 +115,52 @@ def lm_logits(params, hidden, opts: RuntimeOptions = RuntimeOptions()):
     return jnp.einsum("...d,vd->...v", hidden, w, preferred_element_type=jnp.float32)
 
 
-def ffn(p, x, cfg: ModelConfig, i: int, opts: RuntimeOptions, return_load: bool = False, live_rows=None):
+def ffn(p, x, cfg: ModelConfig, i: int, opts: RuntimeOptions, return_load: bool = False, live_rows=None,
+        next_norm=None):
     """x + FFN(RMSNorm(x)): the feed-forward half of layer i (dense or MoE; p the block's params); i indexes the
     clamp schedule (MTP layers included).
     return_load: return (x', expert load int32[E] or None for a dense layer).
     live_rows: int32[B] or None; rows t >= live_rows[b] are padding and take the routing of the last live row
-    (their outputs are discarded; borrowing keeps them from reading any other expert's weights)."""
+    (their outputs are discarded; borrowing keeps them from reading any other expert's weights).
+    next_norm: (MoE layers, where opts.calls.fuses_layer_boundary) the weight of the RMSNorm that reads x' (the
+    next layer's input norm, or the final norm): x' becomes the pair (x', RMSNorm(x')), both from the MoE's
+    kernel call (under TP: its all-reduce fused with the add and the norm)."""
     h = Normed(x, p["post_norm"], cfg.rms_norm_eps)
     if cfg.is_moe(i):  # the router and the MoE kernel (shared expert included) both read the normed rows
+        boundary = None if next_norm is None else (x, next_norm, cfg.rms_norm_eps)
         y = moe_layer(p["mlp"], h.value(), cfg, routed_limit=cfg.routed_limit(i), shared_limit=cfg.shared_limit(i),
                       router_fp32=opts.numerics.router_fp32, return_load=return_load, kernels=opts.calls,
-                      live_rows=live_rows)
+                      live_rows=live_rows, boundary=boundary)
+        if boundary is not None:  # moe_layer returned the boundary (x', normed) itself
+            return y
         return (x + y[0], y[1]) if return_load else x + y
+    if next_norm is not None:
+        raise ValueError(f"layer {i} is dense: only a MoE layer's boundary is fused (next_norm must be None)")
     # the clamp lists limit MoE layers' experts only (SGLang); a dense MLP is never clamped
     x = dense_mlp(p["mlp"], h, kernels=opts.calls, residual=x)
     return (x, None) if return_load else x
 
 
 def mla_block(p, x, cache, lengths, cfg: ModelConfig, i: int, *, absorbed: bool, opts: RuntimeOptions,
-              return_load: bool = False, live_rows=None, layer: int | None = None):
+              return_load: bool = False, live_rows=None, layer: int | None = None, normed=None, next_norm=None):
     """A decoder block with gated-MLA attention (target MLA layers and the MTP layer). Returns (x, cache),
     or (x, cache, expert load) with return_load. layer: cache is the stacked [Lm, B, S, F], this block's is
-    layer `layer` (see mla_layer)."""
-    x, cache = mla_layer(p["attn"], Normed(x, p["input_norm"], cfg.rms_norm_eps), cache, lengths, cfg,
-                         absorbed=absorbed, layer=layer, kernels=opts.calls, residual=x)
-    f = ffn(p, x, cfg, i, opts, return_load, live_rows)
+    layer `layer` (see mla_layer). normed: RMSNorm(x) with the input norm when the previous layer's boundary
+    computed it (else it is a Normed of x here); next_norm: see ffn (x is then the pair (x, normed x))."""
+    h = Normed(x, p["input_norm"], cfg.rms_norm_eps) if normed is None else normed
+    x, cache = mla_layer(p["attn"], h, cache, lengths, cfg, absorbed=absorbed, layer=layer, kernels=opts.calls,
+                         residual=x)
+    f = ffn(p, x, cfg, i, opts, return_load, live_rows, next_norm)
     return (f[0], cache, f[1]) if return_load else (f, cache)
+
+
+def _boundary_norm(params, cfg: ModelConfig, i: int, opts: RuntimeOptions):
+    """The weight of the RMSNorm after layer i where its boundary is fused (a MoE layer and kernel calls that
+    fuse it: the next layer's input norm, the final norm after the last), else None (the layers norm as usual)."""
+    calls, layers = opts.calls, params["layers"]
+    if calls is None or not calls.fuses_layer_boundary or not cfg.is_moe(i):
+        return None
+    return layers[i + 1]["input_norm"] if i + 1 < len(layers) else params["final_norm"]
 
 
 def forward(params, tokens, state: DecodeState, cfg: ModelConfig, *, mode: str, n_valid=None,
@@ -168,30 +188,35 @@ def forward(params, tokens, state: DecodeState, cfg: ModelConfig, *, mode: str, 
     x = embed(params, tokens)
     captured = {-1: x} if -1 in capture else {}
     ki = mi = 0
+    normed = None  # RMSNorm of x with the next input norm, where the previous layer's fused boundary computed it
     for i, p in enumerate(params["layers"]):
         if i - 1 in capture and i > 0:
             captured[i - 1] = x
+        next_norm = _boundary_norm(params, cfg, i, opts)
         if cfg.is_mla(i):
             x, cache, *load = mla_block(p, x, cache, state.lengths, cfg, i, absorbed=absorbed, opts=opts,
-                                        return_load=expert_load, live_rows=live_rows, layer=mi)
+                                        return_load=expert_load, live_rows=live_rows, layer=mi, normed=normed,
+                                        next_norm=next_norm)
+            x, normed = x if next_norm is not None else (x, None)
             loads += [l for l in load if l is not None]
             mi += 1
             continue
-        x, new_conv, new_rec, pend = kda_layer(p["attn"], Normed(x, p["input_norm"], cfg.rms_norm_eps),
-                                               conv[ki], rec[ki], cfg, mode=mode, n_valid=n_valid, chunked=chunked,
-                                               kernels=opts.calls, residual=x)
+        h = Normed(x, p["input_norm"], cfg.rms_norm_eps) if normed is None else normed
+        x, new_conv, new_rec, pend = kda_layer(p["attn"], h, conv[ki], rec[ki], cfg, mode=mode, n_valid=n_valid,
+                                               chunked=chunked, kernels=opts.calls, residual=x)
         if pend is None:
             conv, rec = conv.at[ki].set(new_conv), rec.at[ki].set(new_rec)
         else:
             pending.append(pend)
         ki += 1
-        x = ffn(p, x, cfg, i, opts, expert_load, live_rows)
+        x = ffn(p, x, cfg, i, opts, expert_load, live_rows, next_norm)
         if expert_load:
             x, load = x
             loads += [load] if load is not None else []
+        x, normed = x if next_norm is not None else (x, None)
     if len(params["layers"]) - 1 in capture:
         captured[len(params["layers"]) - 1] = x
-    hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps) if normed is None else normed
     missing = [i for i in capture if i not in captured]
     if missing:
         raise ValueError(f"capture layer ids {missing} are outside -1..{len(params['layers']) - 1}")

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from ling_jax.layers.linear import Projection, linear, norm_projections, swiglu
+from ling_jax.layers.norms import add_rms_norm
 from ling_jax.quant import dense, take
 
 
@@ -112,23 +113,31 @@ def expert_load(ids, num_experts: int):
 
 
 def moe_layer(p, x, cfg, *, routed_limit: float, shared_limit: float, router_fp32: bool, return_load: bool = False,
-              kernels=None, live_rows=None):
+              kernels=None, live_rows=None, boundary=None):
     """x [..., D] -> [..., D]. p: gate_w [E, D], expert_bias [E], w_gate, w_up, w_down, shared {gate,up,down}_proj.
     return_load: also return the expert load int32[E] of this call (training's router balancing).
     kernels: a ling_jax.kernel_calls.KernelCalls to run the router and experts through, or None for the jnp path.
     live_rows: int32[B] or None (x is [B, T, D]): rows t >= live_rows[b] are padding and borrow row
-    live_rows[b]-1's experts and weights, so they add no expert reads (their outputs are discarded)."""
+    live_rows[b]-1's experts and weights, so they add no expert reads (their outputs are discarded).
+    boundary: (residual [..., D], norm weight [D], eps) or None: return the layer boundary (residual + y, its
+    RMSNorm with that weight) in place of y, computed with the MoE in one `kernels.moe_residual_norm` call (under
+    TP: the all-reduce of the partial sums fused with the add and the norm). Needs kernels."""
+    if boundary is not None and kernels is None:
+        raise ValueError("moe_layer(boundary=...) needs kernels (KernelCalls.moe_residual_norm); the jnp model adds "
+                         "and norms in the caller")
     shape = x.shape
     xt = x.reshape(-1, shape[-1])
     gate_w = dense(p["gate_w"], x.dtype)
     sh = p["shared"]
+    shared = (sh["gate_proj"], sh["up_proj"], sh["down_proj"])
+    with_load = lambda out, ids: (out, expert_load(ids, cfg.num_experts)) if return_load else out
     if kernels is not None and not router_fp32:  # router -> up -> down, the expert alignment inside the router
         fused = kernels.routed_moe(xt, gate_w, p["expert_bias"], cfg, (p["w_gate"], p["w_up"], p["w_down"]),
-                                   (sh["gate_proj"], sh["up_proj"], sh["down_proj"]), limit=routed_limit,
-                                   shared_limit=shared_limit, live_rows=live_rows, rows_per_seq=shape[-2])
+                                   shared, limit=routed_limit, shared_limit=shared_limit, live_rows=live_rows,
+                                   rows_per_seq=shape[-2])
         if fused is not None:
             y = fused[0].astype(x.dtype).reshape(shape)
-            return (y, expert_load(fused[1], cfg.num_experts)) if return_load else y
+            return with_load(y if boundary is None else add_rms_norm(boundary[0], y, *boundary[1:]), fused[1])
     routed = None
     if kernels is not None and not router_fp32:  # one fused Pallas router (matvec + sigmoid + grouped top-k)
         routed = kernels.route(xt, gate_w, p["expert_bias"], cfg)
@@ -137,12 +146,15 @@ def moe_layer(p, x, cfg, *, routed_limit: float, shared_limit: float, router_fp3
     ids, w = routed
     if live_rows is not None:
         ids, w = borrow_routing(ids, w, live_rows, shape[:-1])
+    experts = (xt, ids, w, p["w_gate"], p["w_up"], p["w_down"])
+    if boundary is not None:
+        residual, norm_weight, eps = boundary
+        out = kernels.moe_residual_norm(*experts, limit=routed_limit, shared=shared, shared_limit=shared_limit,
+                                        residual=residual.reshape(xt.shape), norm_weight=norm_weight, eps=eps)
+        return with_load(tuple(o.reshape(shape) for o in out), ids)
     if kernels is not None:  # reads only the activated experts, each once; the shared expert rides along
-        y = kernels.moe(xt, ids, w, p["w_gate"], p["w_up"], p["w_down"], limit=routed_limit,
-                       shared=(sh["gate_proj"], sh["up_proj"], sh["down_proj"]), shared_limit=shared_limit)
-        y = y.astype(x.dtype).reshape(shape)
+        y = kernels.moe(*experts, limit=routed_limit, shared=shared, shared_limit=shared_limit)
     else:
-        y = moe_experts(xt, ids, w, p["w_gate"], p["w_up"], p["w_down"], limit=routed_limit,
-                        shared=(sh["gate_proj"], sh["up_proj"], sh["down_proj"]), shared_limit=shared_limit)
-        y = y.astype(x.dtype).reshape(shape)
-    return (y, expert_load(ids, cfg.num_experts)) if return_load else y
+        y = moe_experts(*experts, limit=routed_limit, shared=shared, shared_limit=shared_limit)
+    y = y.astype(x.dtype).reshape(shape)
+    return with_load(y, ids)

@@ -11,6 +11,13 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * normed.astype(x.dtype)
 
 
+def add_rms_norm(residual: jax.Array, y: jax.Array, weight: jax.Array, eps: float):
+    """A layer boundary: x = residual + y rounded to the stream's dtype (the model's `x + layer(x)`), and the next
+    block's rms_norm(x) -> (x, normed)."""
+    x = residual + y.astype(residual.dtype)
+    return x, rms_norm(x, weight, eps)
+
+
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     """x / sqrt(sum x^2 + eps) over the last axis, in fp32 (KDA's q and k)."""
     xf = x.astype(jnp.float32)
