@@ -31,7 +31,10 @@ def mtp_forward(params, tokens, hidden, cache, start, cfg: ModelConfig, *, absor
     e = embed(params, tokens)
     eh = Normed((e, hidden.astype(e.dtype)), (p["enorm"], p["hnorm"]), cfg.rms_norm_eps)  # [enorm(e) | hnorm(h)]
     (x,) = norm_projections(eh, (Projection(p["eh_proj"]),), opts.calls)
-    x, cache, *load = mla_block(p, x, cache, start, cfg, cfg.mtp_layers[0], absorbed=absorbed, opts=opts,
-                                return_load=expert_load)
-    h = rms_norm(x, p["final_norm"], cfg.rms_norm_eps)
+    i = cfg.mtp_layers[0]
+    # where the kernel calls fuse a MoE layer's boundary (TP + p2p_allreduce), the final norm rides in it
+    fused = opts.calls is not None and opts.calls.fuses_layer_boundary and cfg.is_moe(i)
+    x, cache, *load = mla_block(p, x, cache, start, cfg, i, absorbed=absorbed, opts=opts, return_load=expert_load,
+                                next_norm=p["final_norm"] if fused else None)
+    x, h = x if fused else (x, rms_norm(x, p["final_norm"], cfg.rms_norm_eps))
     return (h, cache, load[0]) if expert_load else (h, cache)
