@@ -6,6 +6,8 @@
   python3 -m bench.bench_step --quantization fp8 --tp 1 --ttft 8192 --out $OUT   (one H200: the full model in fp8)
   python3 -m bench.bench_step --quantization fp8 --tp 1 --dry-run       (CPU: its memory plan, see step_budget.py)
   ... --fused-linear [--baseline-fused-linear]   (KernelCalls.fused_linear on; A/B with it off in the same run)
+  ... --tp 2 --p2p-allreduce                    (KernelCalls.p2p_allreduce: the MoE boundaries through
+                                                 pallas_kernels/allreduce.py; A/B: the same command without it)
 
 Floor = bytes the step must move per device (block-fp8 weights: their fp8 bytes + f32 scales) / the one HBM ceiling (bench/ceiling.py: best of a streaming-read
 Pallas kernel over 4 GiB and XLA's copy). Bytes count each dependent pass's weights once: per MoE call the
@@ -338,8 +340,8 @@ def programs(a, cfg, mesh, rules, kernels, fused_linear: bool = False):
     """[(mode, K, Program, draft vocabulary N or None)] of the runs, in order: plain, each NEXTN --steps, then
     each NEXTN --steps again with --draft-vocab."""
     out = []
-    calls = (kernel_calls(kernels, kda_impl=a.kda_impl, fused_linear=fused_linear) if kernels != "reference"
-             else None)
+    calls = (kernel_calls(kernels, kda_impl=a.kda_impl, fused_linear=fused_linear, p2p_allreduce=a.p2p_allreduce)
+             if kernels != "reference" else None)
     opts = kernel_calls_for(RuntimeOptions(kernels=calls), mesh, rules)
     nextn = [int(k) for k in a.steps.split(",")]
     for mode, K, dv in ([("plain", 0, None)] + [("nextn", k, None) for k in nextn]
@@ -439,6 +441,9 @@ def main():
     ap.add_argument("--kda-impl", default="verify", choices=("chain", "verify"), help="KernelCalls.kda_impl")
     ap.add_argument("--fused-linear", action="store_true", help="KernelCalls.fused_linear=True: the layers' "
                     "projections through pallas_kernels/fused_linear.py instead of XLA (off by default)")
+    ap.add_argument("--p2p-allreduce", action="store_true", help="KernelCalls.p2p_allreduce=True (--tp >= 2): each "
+                    "MoE layer's all-reduce + residual add + next RMSNorm as one peer-to-peer Mosaic kernel instead "
+                    "of psum (shapes the kernel rejects stay on psum)")
     ap.add_argument("--baseline-fused-linear", action="store_true", help="also time the steps with fused_linear "
                     "flipped (same kernels otherwise) in the same run, as the baseline")
     ap.add_argument("--baseline-kernels", default=None, help="also time the steps with these kernels (e.g. "
@@ -469,6 +474,8 @@ def main():
     if a.baseline_kernels and a.baseline_fused_linear:
         ap.error("one baseline per run: --baseline-kernels or --baseline-fused-linear")
     tp = a.tp or len(jax.devices())
+    if a.p2p_allreduce and tp < 2:
+        ap.error(f"--p2p-allreduce needs --tp >= 2 (got TP{tp}: one device has no all-reduce)")
     mesh, rules = make_mesh(tp), ShardingRules.tensor_parallel()
     cfg = model_config(a)
     if a.dry_run:
@@ -504,9 +511,10 @@ def run_all(a, cfg, tp, mesh, rules):
                        "quantization": a.quantization, "memory_plan": plan.lines(), "host_peak_rss_bytes": host,
                        "routing_source": a.routing_from or "captured from this run's router (jnp copy of the step)"}
     fused = a.fused_linear
-    extra.update(kernels=a.kernels, fused_linear=fused)
+    extra.update(kernels=a.kernels, fused_linear=fused, p2p_allreduce=a.p2p_allreduce)
     prefix = "step" + ("-" + os.path.basename(os.path.normpath(a.model)) if a.model else "") + f"-kda{a.kda_impl}"
     prefix += (f"-{a.quantization}" if a.quantization else "") + ("-fl" if fused else "")
+    prefix += "-p2p" if a.p2p_allreduce else ""
     kept = None
     for mode, K, prog, dv, kernels, fl in runs:
         p = params if dv is None else with_draft_vocab(params, random_draft_vocab(cfg, dv))
