@@ -110,7 +110,9 @@ class KernelCalls:
     p2p_allreduce: with TP > 1, the all-reduce at a layer boundary (psum of the partial sums, the residual add,
       the next RMSNorm) runs as ONE peer-to-peer Mosaic GPU kernel (pallas_kernels/allreduce.py: remote stores
       + semaphores, fixed device order) instead of XLA's psum (NCCL: 18-19 us per small dependent all-reduce on
-      two H200s) and two more kernels. Off by default (psum) until bench/kernels_allreduce.py has measured it on
+      two H200s) and two more kernels. Wired at the MoE boundaries (ShardedKernelCalls.moe_residual_norm: the
+      MoE's partial sums + the residual add + the next layer's input norm, or the final norm; the next block reads
+      that normed input); the attention's all-reduces after o_proj stay XLA's. Off by default (psum) until bench/kernels_allreduce.py has measured it on
       nvidia-h200-x2; no interpret mode (the CPU interpreter has no GMEM semaphores).
     fp8_linear_scale: where the fp8 kernel applies the block scale: "partial" (on each K step's fp32 partial: the
       exact block product, one wgmma wait per step) or "weight" (on the weight before its bf16 rounding: the model's
