@@ -69,3 +69,18 @@ def _release_executables():
     jitted_commit.cache_clear()
     jax.clear_caches()
     gc.collect()
+
+
+@pytest.fixture(scope="session")
+def batch1_server(tmp_path_factory):
+    """One real batch-1 server (tests/serve_helpers.py: random weights, seed 3, a tokenizer) shared by the modules
+    that need no flag of their own (test_serve_api, test_serve_sampling): a start costs seconds of tracing and cache
+    loads even when the persistent compilation cache holds every program. --dist-init-addr: test_serve_api checks
+    that server info redacts it."""
+    from tests.serve_helpers import Server, make_model_dir
+
+    d = tmp_path_factory.mktemp("serve-batch1")
+    srv = Server(make_model_dir(str(d / "model")), str(d / "server.log"), "--random-weights", "--seed", "3",
+                 "--dist-init-addr", "10.1.2.3:5000")
+    yield srv
+    srv.stop()

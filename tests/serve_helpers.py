@@ -1,9 +1,9 @@
 """Helpers for the serving tests: a tiny model dir with a trained byte-level BPE tokenizer, and the real server
 (`python -m serve.launch_server`) as a subprocess on loopback.
 
-Every server the tests start uses the same shapes (test-tiny, float32, context 512, NEXTN 3 steps, batch 1 unless a
-test asks for slots: tests/test_serve_batching.py) and one persistent JAX compilation cache, so only the first start
-of a session compiles.
+Every server the tests start uses the same shapes (MODEL_CFG: test-tiny's first 3 layers, float32, context 512, NEXTN
+3 steps, batch 1 unless a test asks for slots: tests/test_serve_batching.py) and one persistent JAX compilation
+cache, so only the first start of a session compiles.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import time
 
 import httpx
 
+from compile.stages import slice_config
 from ling_jax.config import get_preset, to_hf_dict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -32,6 +33,10 @@ cut its text exactly where a stop string begins. def fib(n): return n if n < 2 e
 Speculative decoding drafts several tokens and verifies them in one forward pass of the target model.
 """
 
+# test-tiny's first 3 layers (KDA + dense, KDA + MoE, MLA + MoE, then the MTP layer): every layer kind, and each
+# server start compiles about half of test-tiny's 6 layers. eos = the tokenizer's <|endoftext|>, id 0.
+MODEL_CFG = slice_config(get_preset("test-tiny"), 3).replace(eos_token_id=0)
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -39,12 +44,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_model_dir(path: str) -> str:
-    """test-tiny's config.json (eos = the tokenizer's <|endoftext|>, id 0) and a byte-level BPE tokenizer
+def make_model_dir(path: str, tokenizer: bool = True) -> str:
+    """MODEL_CFG's config.json and (unless tokenizer=False: a checkpoint dir without one) a byte-level BPE tokenizer
     trained on a few KB of text (vocab 320 <= 512), with a chat template. Weights: the server's --random-weights."""
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({**to_hf_dict(MODEL_CFG), "torch_dtype": "float32"}, f)
+    if tokenizer:
+        _write_tokenizer(path)
+    return path
+
+
+def _write_tokenizer(path: str):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    os.makedirs(path, exist_ok=True)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -52,13 +65,9 @@ def make_model_dir(path: str) -> str:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator([CORPUS] * 20, trainer)
     tok.save(os.path.join(path, "tokenizer.json"))
-    assert tok.get_vocab_size() <= get_preset("test-tiny").vocab_size
+    assert tok.get_vocab_size() <= MODEL_CFG.vocab_size
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
         json.dump({"eos_token": "<|endoftext|>", "bos_token": None, "chat_template": CHAT_TEMPLATE}, f)
-    cfg = get_preset("test-tiny").replace(eos_token_id=0)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump({**to_hf_dict(cfg), "torch_dtype": "float32"}, f)
-    return path
 
 
 class Server:

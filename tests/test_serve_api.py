@@ -2,7 +2,8 @@
 chat (stream and not), exact stop-string truncation, SGLang /generate, seeds, concurrency, disconnect-cancel,
 /metrics, every SGLang endpoint in SGLang's shapes (server/model info, tokenize, abort, flush, health), and the
 bench clients (bench_serving's three backends and datasets, eval_gsm8k on a hand-written JSONL).
-Model: test-tiny random weights with a tiny trained BPE tokenizer + chat template.
+Model: random weights of test-tiny's first 3 layers (serve_helpers.MODEL_CFG), a tiny trained BPE tokenizer + chat
+template; the server (tests/conftest.py batch1_server) is shared with test_serve_sampling.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import openai  # a dev dependency: missing is a failure, not a skip
 import pytest
 
 from bench import bench_serving, eval_gsm8k
-from tests.serve_helpers import Server, make_model_dir
 
 PROMPT = "The quick brown fox"
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
@@ -27,12 +27,8 @@ GSM8K = os.path.join(DATA, "gsm8k_tiny.jsonl")
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    d = tmp_path_factory.mktemp("serve-api")
-    srv = Server(make_model_dir(str(d / "model")), str(d / "server.log"), "--random-weights", "--seed", "3",
-                 "--dist-init-addr", "10.1.2.3:5000")
-    yield srv
-    srv.stop()
+def server(batch1_server):
+    return batch1_server  # tests/conftest.py: shared with test_serve_sampling
 
 
 @pytest.fixture(scope="module")

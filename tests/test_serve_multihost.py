@@ -11,12 +11,11 @@ import httpx
 import jax.numpy as jnp
 import pytest
 
-from ling_jax.config import get_preset
 from ling_jax.runner import Generator
 from ling_jax.spec import SpecConfig
 from ling_jax.weights import init_params
 from serve.lockstep import OP_STREAM, decode_header, encode_header
-from tests.serve_helpers import Server, free_port
+from tests.serve_helpers import MODEL_CFG, Server, free_port, make_model_dir
 
 ONE_DEVICE = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
 
@@ -36,13 +35,14 @@ def test_header_round_trip():
 @pytest.fixture(scope="module")
 def two_hosts(tmp_path_factory):
     d = tmp_path_factory.mktemp("multihost")
+    model = make_model_dir(str(d / "model"), tokenizer=False)
     coord = f"127.0.0.1:{free_port()}"
     # the lockstep protocol is batch-1: one request at a time (continuous batching refuses --nnodes > 1)
     flags = ["--random-weights", "--seed", "3", "--tp-size", "2", "--dist-init-addr", coord, "--nnodes", "2",
              "--max-running-requests", "1"]
-    follower = Server("test-tiny", str(d / "follower.log"), *flags, "--node-rank", "1", env=ONE_DEVICE, wait=False)
+    follower = Server(model, str(d / "follower.log"), *flags, "--node-rank", "1", env=ONE_DEVICE, wait=False)
     try:
-        leader = Server("test-tiny", str(d / "leader.log"), *flags, "--node-rank", "0", env=ONE_DEVICE,
+        leader = Server(model, str(d / "leader.log"), *flags, "--node-rank", "0", env=ONE_DEVICE,
                         timeout_s=900)
     except BaseException:
         print(follower.log()[-3000:])
@@ -61,7 +61,7 @@ def _generate(url, ids, **sampling):
 
 def test_leader_serves_what_one_process_computes_and_follower_leaves(two_hosts):
     leader, follower = two_hosts
-    cfg = get_preset("test-tiny")
+    cfg = MODEL_CFG
     ref = Generator(cfg, init_params(cfg, 3, jnp.float32), spec=SpecConfig("NEXTN", 3, 1, 4), max_len=512,
                     dtype=jnp.float32)
     prompt = [5, 17, 99, 3, 42, 8]

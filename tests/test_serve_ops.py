@@ -1,7 +1,7 @@
-"""Operations against the real server (test-tiny preset, no tokenizer): --api-key on every route but /health, what
-an authenticated caller sees in server info, --max-queued-requests (503), --request-timeout (504), and what a
-server without a tokenizer answers (text endpoints 400, token ids work). Only short token-id prompts here: each
-request must finish well inside the 0.5 s timeout unless it is meant to run out."""
+"""Operations against the real server (serve_helpers.MODEL_CFG, a checkpoint dir without a tokenizer): --api-key
+on every route but /health, what an authenticated caller sees in server info, --max-queued-requests (503),
+--request-timeout (504), and what a server without a tokenizer answers (text endpoints 400, token ids work). Only
+short token-id prompts here: each request must finish well inside the 0.5 s timeout unless it is meant to run out."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 from serve.engine import Engine
 from serve.http_io import ServeOptions
-from tests.serve_helpers import Server
+from tests.serve_helpers import Server, make_model_dir
 
 KEY = "s3cret-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -24,9 +24,9 @@ LONG = {"input_ids": [9, 10, 11], "sampling_params": {"max_new_tokens": 480, "te
 def server(tmp_path_factory):
     d = tmp_path_factory.mktemp("serve-ops")
     # one request at a time: the queue-full case counts one running and one waiting request
-    srv = Server("test-tiny", str(d / "server.log"), "--max-running-requests", "1", "--api-key", KEY,
-                 "--max-queued-requests", "1",
-                 "--request-timeout", "0.5", "--dist-init-addr", "10.1.2.3:5000")
+    model = make_model_dir(str(d / "no-tokenizer"), tokenizer=False)
+    srv = Server(model, str(d / "server.log"), "--random-weights", "--max-running-requests", "1", "--api-key", KEY,
+                 "--max-queued-requests", "1", "--request-timeout", "0.5", "--dist-init-addr", "10.1.2.3:5000")
     yield srv
     srv.stop()
 
@@ -55,12 +55,12 @@ def test_health_is_open_and_authenticated_calls_work(server, http):
     assert g.status_code == 200 and len(g.json()["output_ids"]) >= 1
 
 
-def test_server_info_for_an_authenticated_caller(http):
+def test_server_info_for_an_authenticated_caller(server, http):
     info = http.get("/server_info").json()
     assert info["dist_init_addr"] == "10.1.2.3:5000"  # shown to a caller that has the key
     assert "api_key" not in info and KEY not in json.dumps(info)
-    assert info["model_path"] == "test-tiny" and info["tokenizer_path"] is None
-    assert http.get("/model_info").json()["served_model_name"] == "test-tiny"
+    assert info["model_path"] == server.model_path and info["tokenizer_path"] is None
+    assert http.get("/model_info").json()["served_model_name"] == "no-tokenizer"  # the dir's name
 
 
 def test_queue_full_is_503(server, http):

@@ -9,7 +9,6 @@ import pytest
 
 from serve.lockstep import decode_sampling, encode_sampling
 from serve.protocol import MAX_LOGIT_BIAS
-from tests.serve_helpers import Server, make_model_dir
 
 openai = pytest.importorskip("openai")
 
@@ -17,11 +16,8 @@ IDS = [5, 6, 7, 8, 9, 10]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    d = tmp_path_factory.mktemp("serve-sampling")
-    srv = Server(make_model_dir(str(d / "model")), str(d / "server.log"), "--random-weights", "--seed", "3")
-    yield srv
-    srv.stop()
+def server(batch1_server):
+    return batch1_server  # tests/conftest.py: shared with test_serve_api
 
 
 def _generate(server, status=200, top=None, **sampling):
