@@ -4,7 +4,9 @@ XLA-only model, on 1 device and, when there are more, under shard_map over TP. P
 --fused-linear adds, on 1 device, the same check with KernelCalls.fused_linear=True (the projections through
 pallas_kernels/fused_linear.py; not sharded yet, so TP > 1 runs without it).
 
-  python3 -m bench.check_gpu_wiring --layers 4 --tp 1,2 [--fused-linear]
+  python3 -m bench.check_gpu_wiring --layers 6 --tp 1,2 [--fused-linear]
+(Ling-3.0-flash's layer groups are 6 layers: --layers 6 keeps the real layout, 5 KDA + 1 MLA; a slice of fewer
+than 6 layers is all MLA and checks no KDA kernel.)
   python3 -m bench.check_gpu_wiring --preset test-tiny --layers 4 --prompt 16 --kernels interpret --fused-linear
                                                                       (CPU smoke test of this script)
 """
@@ -77,7 +79,8 @@ def main():
             errs = {k: rel(got[k], ref[k]) for k in ref}
             agree = float(np.mean(np.argmax(np.asarray(got["verify"]), -1)
                                   == np.argmax(np.asarray(ref["verify"]), -1)))
-            print(f"TP{tp} {cfg.name}{' fused_linear' if fused else ''}: "
+            print(f"TP{tp} {cfg.name} ({len(cfg.kda_layers)} KDA + {len(cfg.mla_layers)} MLA layers)"
+                  f"{' fused_linear' if fused else ''}: "
                   + " ".join(f"{k} {v:.1e}" for k, v in errs.items())
                   + f" | verify argmax agree {agree:.2f} | {time.perf_counter() - t0:.0f} s", flush=True)
         del params

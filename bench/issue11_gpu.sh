@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Issue 11's GPU pieces in ONE device call on one H200, in this order (each continues if the one before failed):
 #   (a) the v2 demo step (models/ling-demo), fused projections on vs off, 8 steps per dispatch
-#   (c) the kernel wiring check at Ling-3.0-flash dims (4-layer slice) against the XLA-only model, with and
-#       without fused projections
-#   (d) the KDA kernel bench and the fp8 fused-linear kernel bench (cut to T = 1, 6 and the default fp8 tiles)
+#   (c) the kernel wiring check at Ling-3.0-flash dims against the XLA-only model, with and without fused
+#       projections: --layers 6 (one layer group: 5 KDA + 1 MLA; a 4-layer slice of Ling is all MLA, no KDA)
+#   (d) the KDA kernel bench (T = 1, 6) and the fp8 fused-linear kernel bench (T = 6, the default fp8 tiles,
+#       both scale placements)
 #   (b) the 12-layer Ling slice's NEXTN5 step at ctx 8192, fused projections on vs off (--skip-plain: its plain
 #       step pair would not fit; the routing of the floor from the earlier 12-layer run, no capture compile)
 # Every piece runs under its own `timeout` (SIGINT, then SIGKILL 5 s later), sized from one deadline: a piece gets
@@ -44,15 +45,15 @@ piece() {
   { nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader; } 2>&1 | head -2
 } >"$log"
 
-piece "(a) demo step, fused vs not, multi-step 8" 100 225 \
+piece "(a) demo step, fused vs not, multi-step 8" 95 230 \
   python3 -m bench.bench_step --model models/ling-demo --steps 5 --reps 30 --fused-linear --baseline-fused-linear \
   --multi-step 8 --out "$out" "${tree_args[@]}"
-piece "(c) check_gpu_wiring, 4 Ling layers" 60 165 \
-  python3 -m bench.check_gpu_wiring --layers 4 --tp 1 --fused-linear
+piece "(c) check_gpu_wiring, 6 Ling layers" 65 165 \
+  python3 -m bench.check_gpu_wiring --layers 6 --tp 1 --fused-linear
 piece "(d) kernels_kda" 40 125 \
   python3 -m bench.kernels_kda --out "$out" --ts 1,6 "${tree_args[@]}"
-piece "(d) kernels_fused_linear_fp8" 35 90 \
-  python3 -m bench.kernels_fused_linear_fp8 --out "$out" --ts 1,6 --configs 1cta-k128 "${tree_args[@]}"
+piece "(d) kernels_fused_linear_fp8" 40 85 \
+  python3 -m bench.kernels_fused_linear_fp8 --out "$out" --ts 6 --configs 1cta-k128 "${tree_args[@]}"
 piece "(b) 12-layer Ling slice NEXTN5, fused vs not" 600 0 \
   python3 -m bench.bench_step --layers 12 --tp 1 --steps 5 --reps 10 --skip-plain --fused-linear \
   --baseline-fused-linear --routing-from bench/results/step-h200x1-2026-12-01.json --out "$out" "${tree_args[@]}"
