@@ -47,14 +47,14 @@ piece() {
 
 piece "(a) demo step, fused vs not, multi-step 8" 95 230 \
   python3 -m bench.bench_step --model models/ling-demo --steps 5 --reps 30 --fused-linear --baseline-fused-linear \
-  --multi-step 8 --out "$out" "${tree_args[@]}"
+  --multi-step 8 --out "$out" ${tree_args[@]+"${tree_args[@]}"}
 piece "(c) check_gpu_wiring, 6 Ling layers" 65 165 \
   python3 -m bench.check_gpu_wiring --layers 6 --tp 1 --fused-linear
 piece "(d) kernels_kda" 40 125 \
-  python3 -m bench.kernels_kda --out "$out" --ts 1,6 "${tree_args[@]}"
+  python3 -m bench.kernels_kda --out "$out" --ts 1,6 ${tree_args[@]+"${tree_args[@]}"}
 piece "(d) kernels_fused_linear_fp8" 40 85 \
-  python3 -m bench.kernels_fused_linear_fp8 --out "$out" --ts 6 --configs 1cta-k128 "${tree_args[@]}"
+  python3 -m bench.kernels_fused_linear_fp8 --out "$out" --ts 6 --configs 1cta-k128 ${tree_args[@]+"${tree_args[@]}"}
 piece "(b) 12-layer Ling slice NEXTN5, fused vs not" 600 0 \
   python3 -m bench.bench_step --layers 12 --tp 1 --steps 5 --reps 10 --skip-plain --fused-linear \
-  --baseline-fused-linear --routing-from bench/results/step-h200x1-2026-12-01.json --out "$out" "${tree_args[@]}"
+  --baseline-fused-linear --routing-from bench/results/step-h200x1-2026-12-01.json --out "$out" ${tree_args[@]+"${tree_args[@]}"}
 echo "== done after $SECONDS s; files: $(ls "$out" | tr '\n' ' ')" >>"$log"
