@@ -76,16 +76,30 @@ def timeit(fn, sets, consts=(), chain=None, detail=None):
   return 1e6 * (per(many) - per(null))
 
 
-def write_result(out_dir: str, prefix: str, rows, ceiling) -> str:
-  """bench/results-style JSON (command, device, jax version, date, git commit, the ceiling, rows) as
-  <out_dir>/<prefix>-<device>-<date>.json; every row's floor and fraction are recomputed at the one ceiling
-  (bench/ceiling.py: the run's best of streaming read, XLA copy and its fastest kernel). Returns the path."""
+def git_head() -> str:
+  """`git rev-parse HEAD` of the working directory, or "unknown" (no git). On the device copy it may be stale
+  (its git metadata is not the tree's): benches take --tree for the tree they run and record both."""
+  try:
+    return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
+  except OSError:  # no git binary
+    return "unknown"
+
+
+def tree_of(given: str | None) -> str:
+  """The tree a result was measured on: --tree when given, else git HEAD (marked as such: it may be stale)."""
+  return given or f"git HEAD {git_head()} (no --tree given)"
+
+
+def write_result(out_dir: str, prefix: str, rows, ceiling, tree: str | None = None) -> str:
+  """bench/results-style JSON (command, device, jax version, date, git commit, the tree (tree_of), the ceiling,
+  rows) as <out_dir>/<prefix>-<device>-<date>.json; every row's floor and fraction are recomputed at the one
+  ceiling (bench/ceiling.py: the run's best of streaming read, XLA copy and its fastest kernel). Returns the
+  path; written again after each row by benches that keep partial results."""
   apply_ceiling(rows, ceiling)
   date = datetime.date.today().isoformat()
-  commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
   dev = str(jax.devices()[0].device_kind)
   res = dict(command=" ".join(sys.argv), device=dev, jax_version=jax.__version__, date=date,
-             git_commit=commit, **ceiling.summary(), rows=rows)
+             git_commit=git_head(), tree=tree_of(tree), **ceiling.summary(), rows=rows)
   os.makedirs(out_dir, exist_ok=True)
   tag = "h200" if "H200" in dev else dev.lower().replace(" ", "-")
   path = os.path.join(out_dir, f"{prefix}-{tag}-{date}.json")

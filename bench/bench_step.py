@@ -5,7 +5,9 @@
   python3 -m bench.bench_step --tp 2 --out $OUT                         (two H200: the full model)
   python3 -m bench.bench_step --quantization fp8 --tp 1 --ttft 8192 --out $OUT   (one H200: the full model in fp8)
   python3 -m bench.bench_step --quantization fp8 --tp 1 --dry-run       (CPU: its memory plan, see step_budget.py)
-  ... --fused-linear [--baseline-fused-linear]   (KernelCalls.fused_linear on; A/B with it off in the same run)
+  ... --fused-linear [--baseline-fused-linear]   (KernelCalls.fused_linear on; A/B with it off in the same run,
+                                                 each step's baseline right after it)
+  ... --tree <commit>                           (recorded as the JSON's `tree`; the JSON is rewritten after each row)
   ... --tp 2 --p2p-allreduce                    (KernelCalls.p2p_allreduce: the MoE boundaries through
                                                  pallas_kernels/allreduce.py; A/B: the same command without it)
 
@@ -56,6 +58,7 @@ from ling_jax import quant
 from ling_jax.weights import abstract_params, array_spec, get_path, init_params
 
 from bench import step_budget  # noqa: E402
+from bench.bench_kernels import tree_of  # noqa: E402
 from bench.ceiling import Ceiling  # noqa: E402
 from ling_jax.memory import device_memory_bytes  # noqa: E402
 
@@ -337,15 +340,15 @@ def model_config(a):
 
 
 def programs(a, cfg, mesh, rules, kernels, fused_linear: bool = False):
-    """[(mode, K, Program, draft vocabulary N or None)] of the runs, in order: plain, each NEXTN --steps, then
-    each NEXTN --steps again with --draft-vocab."""
+    """[(mode, K, Program, draft vocabulary N or None)] of the runs, in order: plain (unless --skip-plain), each
+    NEXTN --steps, then each NEXTN --steps again with --draft-vocab."""
     out = []
     calls = (kernel_calls(kernels, kda_impl=a.kda_impl, fused_linear=fused_linear, p2p_allreduce=a.p2p_allreduce)
              if kernels != "reference" else None)
     opts = kernel_calls_for(RuntimeOptions(kernels=calls), mesh, rules)
     nextn = [int(k) for k in a.steps.split(",")]
-    for mode, K, dv in ([("plain", 0, None)] + [("nextn", k, None) for k in nextn]
-                        + [("nextn", k, a.draft_vocab) for k in (nextn if a.draft_vocab else [])]):
+    for mode, K, dv in ([] if a.skip_plain else [("plain", 0, None)]) + [("nextn", k, None) for k in nextn] + (
+            [("nextn", k, a.draft_vocab) for k in (nextn if a.draft_vocab else [])]):
         out.append((mode, K, Program(cfg, mode=mode, steps=max(K, 1), max_len=a.ctx + 1024, opts=opts), dv))
     return out
 
@@ -428,9 +431,12 @@ def main():
     ap.add_argument("--tp", type=int, default=None)
     ap.add_argument("--ctx", type=int, default=8192)
     ap.add_argument("--steps", default="3,5", help="NEXTN steps to time (--spec-parts needs 5 among them)")
+    ap.add_argument("--skip-plain", action="store_true", help="time the NEXTN steps only (no plain decode step)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--tag", default="", help="suffix of the JSON file name (e.g. -pdl)")
+    ap.add_argument("--tree", default=None, help="the commit / tree benched, recorded as the JSON's `tree` (the "
+                    "device copy's git metadata may be stale; default: its git HEAD, marked as such)")
     ap.add_argument("--spec-parts", action="store_true", help="also run bench_spec's parts on the same params")
     ap.add_argument("--no-census", action="store_true")
     ap.add_argument("--multi-step", type=int, default=1, help="run N steps per dispatch (lax.scan over the step "
@@ -492,11 +498,14 @@ def run_all(a, cfg, tp, mesh, rules):
           f" XLA copy {ceiling.copy_bytes_per_s / 1e12:.2f})", flush=True)
     fl = a.fused_linear
     runs = [(m, K, p, dv, a.kernels, fl) for m, K, p, dv in programs(a, cfg, mesh, rules, a.kernels, fl)]
+    base = []
     if a.baseline_kernels:
-        runs += [(m, K, p, dv, a.baseline_kernels, fl) for m, K, p, dv in programs(a, cfg, mesh, rules,
-                                                                                  a.baseline_kernels, fl)]
+        base = [(m, K, p, dv, a.baseline_kernels, fl) for m, K, p, dv in programs(a, cfg, mesh, rules,
+                                                                                 a.baseline_kernels, fl)]
     if a.baseline_fused_linear:
-        runs += [(m, K, p, dv, a.kernels, not fl) for m, K, p, dv in programs(a, cfg, mesh, rules, a.kernels, not fl)]
+        base = [(m, K, p, dv, a.kernels, not fl) for m, K, p, dv in programs(a, cfg, mesh, rules, a.kernels, not fl)]
+    if base:  # each step's baseline right after it: a run cut short by a timeout keeps whole A/B pairs
+        runs = [r for pair in zip(runs, base) for r in pair]
     plan = step_budget.budget(cfg, jnp.bfloat16, a.quantization, {f"{m}{K}": p for m, K, p, *_ in runs},
                               device_memory_bytes(), tp)
     print("memory plan (per device, before allocating):\n  " + "\n  ".join(plan.lines()), flush=True)
@@ -511,16 +520,24 @@ def run_all(a, cfg, tp, mesh, rules):
                        "quantization": a.quantization, "memory_plan": plan.lines(), "host_peak_rss_bytes": host,
                        "routing_source": a.routing_from or "captured from this run's router (jnp copy of the step)"}
     fused = a.fused_linear
-    extra.update(kernels=a.kernels, fused_linear=fused, p2p_allreduce=a.p2p_allreduce)
+    extra.update(kernels=a.kernels, fused_linear=fused, p2p_allreduce=a.p2p_allreduce, tree=tree_of(a.tree),
+                 multi_step=a.multi_step, reps=a.reps)
     prefix = "step" + ("-" + os.path.basename(os.path.normpath(a.model)) if a.model else "") + f"-kda{a.kda_impl}"
     prefix += (f"-{a.quantization}" if a.quantization else "") + ("-fl" if fused else "")
     prefix += "-p2p" if a.p2p_allreduce else ""
     kept = None
+    os.makedirs(a.out, exist_ok=True)
+    write(a.out, prefix + a.tag, rows, extra, device)  # the plan and ceiling survive a crash of the first step
     for mode, K, prog, dv, kernels, fl in runs:
         p = params if dv is None else with_draft_vocab(params, random_draft_vocab(cfg, dv))
-        kept = run_one(a, cfg, mesh, rules, p, bw, plan, rows, extra, mode, K, prog, kernels, prefix, dv, fl) or kept
+        try:
+            kept = run_one(a, cfg, mesh, rules, p, bw, plan, rows, extra, mode, K, prog, kernels, prefix, dv,
+                           fl) or kept
+        except Exception as e:  # noqa: BLE001  (one step's compile / OOM must not cost the other rows)
+            rows.append({"name": f"{mode}{K} [kernels={kernels}, fused_linear={'on' if fl else 'off'}]",
+                         "error": f"{type(e).__name__}: {str(e)[:1500]}"})
+            print(f"FAILED {rows[-1]['name']}: {rows[-1]['error'][:600]}", flush=True)
         del p
-        os.makedirs(a.out, exist_ok=True)
         write(a.out, prefix + a.tag, rows, extra, device)  # partial results survive a timeout
     if a.ttft:
         try:
@@ -530,7 +547,9 @@ def run_all(a, cfg, tp, mesh, rules):
             print(f"TTFT failed: {rows[-1]['error']}", flush=True)
     os.makedirs(a.out, exist_ok=True)
     print("wrote", write(a.out, prefix + a.tag, rows, extra, device))
-    if a.spec_parts:
+    if a.spec_parts and kept is None:
+        print("--spec-parts skipped: the NEXTN 5 step did not run (its error row above)", flush=True)
+    elif a.spec_parts:
         from bench import bench_spec
 
         srows = bench_spec.run(cfg, mesh, rules, params, bw, a.ctx, a.reps, K=5, fused=kept[0], routing=kept[1])
@@ -560,9 +579,11 @@ def run_one(a, cfg, mesh, rules, params, bw, plan, rows, extra, mode, K, prog, k
             kernels=kernels, layer_passes=layer_passes(cfg, mode, K), host_dispatch_us=disp[0] * 1e6,
             xla_temp_bytes=temp)
     if baseline:
-        main_row = next(x for x in rows if x["name"] == name.split(" [kernels=")[0].split(" [fused_linear=")[0])
+        main_row = next((x for x in rows if x["name"] == name.split(" [kernels=")[0].split(" [fused_linear=")[0]),
+                        None)  # None: the main step failed (its error row)
         what = f"kernels={kernels}" if kernels != a.kernels else f"fused_linear={'on' if fl else 'off'}"
-        main_row.update(baseline=f"the same step with {what}, same run", baseline_time_us=t * 1e6)
+        if main_row is not None:
+            main_row.update(baseline=f"the same step with {what}, same run", baseline_time_us=t * 1e6)
     if mode == "nextn":
         r["projected_tpot_us_at_seed_accept"] = t * 1e6 / SEED_ACCEPT
     rows.append(r)

@@ -114,11 +114,12 @@ def run_fp8(name, t, cname, cfg, scale_on, projs, ref, sets, nbytes, base, failu
               bytes=nbytes, rel_err=err, batch_invariant=inv, config=str(cfg), **base)
 
 
-def bench_case(ci, name, shapes, projs, rows, failures):
+def bench_case(ci, name, shapes, projs, rows, failures, ts=(1, 6, 17), configs=CONFIGS, flush=lambda: None):
+  """Rows of one case at each T in ts over the fp8 configs; flush() after each row (the JSON so far)."""
   fp8_w = sum(a * b + 4 * -(-a // 128) * -(-b // 128) for a, b in shapes)
   nsets = max(2, -(-COLD_BYTES // fp8_w))
   ref = model_fn(projs)
-  for t in (1, 6, 17):
+  for t in ts:
     sets, sets_bf16 = make_sets(shapes, projs, t, nsets, jax.random.key(100 * ci + t))
     io = sum(a.nbytes for a in sets[0][:2]) + sum(o.size * o.dtype.itemsize
                                                   for o in jax.tree.leaves(jax.eval_shape(ref, *sets[0])))
@@ -131,11 +132,13 @@ def bench_case(ci, name, shapes, projs, rows, failures):
     rows.append(dict(name=f"{name} T={t} bf16 kernel (default config)", case=name, t=t, kind="bf16 kernel",
                      time_us=t_bf16, bytes=bf16_bytes))
     print(rows[-2], rows[-1], sep="\n", flush=True)
+    flush()
     base = dict(xla_time_us=t_xla, bf16_kernel_time_us=t_bf16)
-    for cname, cfg in CONFIGS.items():
+    for cname, cfg in configs.items():
       for scale_on in SCALE_ON:
         rows.append(run_fp8(name, t, cname, cfg, scale_on, projs, ref, sets, nbytes, base, failures))
         print(rows[-1], flush=True)
+        flush()
 
 
 def summary(rows, ceiling):
@@ -157,14 +160,23 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--out", default=os.environ.get("OUT") or "bench/results")
   ap.add_argument("--cases", default="", help="comma-separated case-name prefixes (default: all)")
+  ap.add_argument("--ts", default="1,6,17", help="comma-separated T values (rows), in order")
+  ap.add_argument("--configs", default="", help=f"comma-separated fp8 config names of {list(CONFIGS)} (default: all)")
+  ap.add_argument("--tree", default=None, help="the commit / tree benched (the JSON's `tree`; default: git HEAD)")
   args = ap.parse_args()
+  ts = tuple(int(t) for t in args.ts.split(","))
+  unknown = [c for c in args.configs.split(",") if c and c not in CONFIGS]
+  if unknown:
+    ap.error(f"--configs {unknown} not in {list(CONFIGS)}")
+  configs = {c: CONFIGS[c] for c in args.configs.split(",")} if args.configs else CONFIGS
   ceiling = bk.hbm_ceiling()
   rows, failures, start = [], [], time.perf_counter()
+  write = lambda: bk.write_result(args.out, "kernels-fused-linear-fp8", rows, ceiling, args.tree)
   for ci, (name, (shapes, projs, _)) in enumerate(CASES.items()):
     if args.cases and not any(name.startswith(c) for c in args.cases.split(",")):
       continue
-    bench_case(ci, name, shapes, projs, rows, failures)
-  path = bk.write_result(args.out, "kernels-fused-linear-fp8", rows, ceiling)
+    bench_case(ci, name, shapes, projs, rows, failures, ts, configs, write)  # partial rows survive a timeout
+  path = write()
   print(f"\nwrote {path} ({time.perf_counter() - start:.0f} s)")
   summary(rows, ceiling)
   if failures:

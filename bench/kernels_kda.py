@@ -30,6 +30,7 @@ from ling_jax.layers.kda import slide_window  # noqa: E402
 from pallas_kernels import kda_decode as kdd  # noqa: E402
 from pallas_kernels import kda_verify as kda  # noqa: E402
 from tests import kernel_oracles as oracles  # noqa: E402
+from bench.bench_kernels import tree_of  # noqa: E402
 
 H, DK, W, N = 32, 128, 4, 32
 BF, F32 = jnp.bfloat16, jnp.float32
@@ -318,6 +319,8 @@ def main():
   ap.add_argument("--out", default="bench/results")
   ap.add_argument("--small", action="store_true", help="CPU smoke test: tiny dims, interpret")
   ap.add_argument("--git-commit", default=None, help="the commit benched (the device copy has no .git)")
+  ap.add_argument("--tree", default=None, help="the commit / tree benched (the JSON's `tree`; default: "
+                  "--git-commit, else git HEAD)")
   ap.add_argument("--ts", default="1,6,17", help="T values in order (decode rides with T=1)")
   ap.add_argument("--only", default=None, help="comma list of verify,commit,decode (default all)")
   args = ap.parse_args()
@@ -326,7 +329,7 @@ def main():
   commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
   res = dict(command=" ".join(sys.argv), device=str(jax.devices()[0].device_kind),
              jax_version=jax.__version__, date=date, git_commit=args.git_commit or commit or "unknown",
-             rows=[])
+             tree=tree_of(args.tree or args.git_commit), rows=[])
   os.makedirs(args.out, exist_ok=True)
   path = os.path.join(args.out, f"kernels-kda-{dev}-{date}.json")
 

@@ -103,6 +103,13 @@ class KernelCalls:
       weights the bf16 one; a call mixing both runs one kernel per group (two reads of x). A call the kernel does
       not take (fp32, widths or rows past its limits, e.g. prefill chunks whose x does not fit its SMEM, fp8
       weights [S, C, D] with C not a multiple of 128) runs the jnp.
+      Tiles: block_k 128 where every input width is a multiple of 128 (Ling: D = 2560, o_proj K = 4096), else 64
+      (see _linear_config). The v2 demo (models/ling-demo: D = 320 = 5 x 64, H = 5, dense width 960) runs EVERY
+      projection fused at block_k 64: KDA w_qkvfg [5, 320, 320] | b_proj [5] (padded to 8 rows), MLA q [480]
+      (padded to 512) | kv_a [160] (to 192) | g_proj [5] (to 8), the dense gate | up [960], the MTP eh_proj over
+      [enorm | hnorm] (320 + 320), and the output projections KDA o_proj, MLA dense (320 -> 320) and the dense
+      down_proj (960 -> 320) with the residual: 18 kernel calls per plain step, 33 per NEXTN5 step (pinned by
+      tests/test_fused_linear_wired.py, lowered for CUDA).
       Off by default: the kernel alone beats XLA's norm + einsum for KDA's and MLA's input projections at T <= 6
       on the H200 (29.6 vs 31.5 us, 15.5 vs 19.0 us) but not for the dense MLP, o_proj + residual (10.2 vs 8.2 us)
       or T = 17 (bench/results/kernels-fused-linear-h200-2026-12-01-persistent.json), and the wired step was not
@@ -335,12 +342,15 @@ class KernelCalls:
         return _kda_chain.kda_chain(proj, b_raw, A_log, dt_bias, conv_w, o_norm, conv_window, rec_state,
                                     lower_bound=lower_bound, eps=eps, advance=advance, config=cfg)
 
-    def _linear_config(self, k: int):
-        """The fused projections' tiles for reduction width k: block_k 128 (the kernel's default; 256 measured a
-        little faster for KDA's and MLA's input projections at T <= 6 on the H200, 29.6 vs 32.7 us) where k holds
-        two such slots, 64 below (small models)."""
-        block_k = 128 if k >= 256 and k % 128 == 0 else 64
-        return _fused_linear.LinearConfig(block_k=block_k, interpret=self.interpret)
+    def _linear_config(self, k_parts: tuple[int, ...]):
+        """The fused projections' tiles for inputs of reduction widths k_parts (the kernel tiles each input
+        separately, so block_k must divide every part): block_k 128 (the kernel's default; 256 measured a little
+        faster for KDA's and MLA's input projections at T <= 6 on the H200, 29.6 vs 32.7 us) where every part is a
+        multiple of 128 and the sum holds two such slots, 64 otherwise (small models: the v2 demo's D = 320 =
+        5 x 64, and its MTP eh_proj over [enorm | hnorm] of 320 + 320). Widths that are no multiple of 64 get 64
+        too: the kernel rejects them (ValueError) and the caller runs the jnp."""
+        fits_128 = all(k % 128 == 0 for k in k_parts) and sum(k_parts) >= 256
+        return _fused_linear.LinearConfig(block_k=128 if fits_128 else 64, interpret=self.interpret)
 
     def norm_linear(self, h, projections):
         """epilogue_s(RMSNorm(x) @ W_s^T) for every projection in one fused kernel (see layers.linear), or None.
@@ -386,7 +396,7 @@ class KernelCalls:
             widths.append((math.prod(n_out), n_out))
         x = flat if len(flat) > 1 else flat[0]
         nw = norm_ws if len(flat) > 1 else norm_ws[0]
-        cfg = self._linear_config(sum(a.shape[-1] for a in flat))
+        cfg = self._linear_config(tuple(a.shape[-1] for a in flat))
         try:
             if fp8:
                 outs = _fused_linear_fp8.norm_linear_fp8(x, nw, tuple(args), projs=tuple(projs), eps=eps, config=cfg,
@@ -406,7 +416,7 @@ class KernelCalls:
             return None
         lead, n = o.shape[:-1], w.shape[0]
         args = (o.reshape(-1, o.shape[-1]), w, residual.reshape(-1, n))
-        cfg = self._linear_config(o.shape[-1])
+        cfg = self._linear_config((o.shape[-1],))
         try:
             if fp8:
                 out = _fused_linear_fp8.linear_residual_fp8(*args, config=cfg, scale_on=self.fp8_linear_scale)

@@ -231,7 +231,11 @@ def forward(params, tokens, state: DecodeState, cfg: ModelConfig, *, mode: str, 
 
 def commit(state: DecodeState, pending: KdaPending, n_accept, opts: RuntimeOptions = RuntimeOptions()) -> DecodeState:
     """Commit the first n_accept[b] verified positions: KDA states replayed from the pre-verify state (reads
-    and writes |S| once per layer), conv windows slid, lengths advanced. MLA rows were written by verify."""
+    and writes |S| once per layer), conv windows slid, lengths advanced. MLA rows were written by verify.
+    pending None: the model has no KDA layer (e.g. a slice inside the first layer group: all MLA), only the
+    lengths advance."""
+    if pending is None:
+        return state.replace(lengths=state.lengths + n_accept.astype(jnp.int32))
     replay = functools.partial(kda_commit, kernels=opts.calls)
     conv, rec = jax.vmap(replay, in_axes=(0, 0, 0, None))(state.kda_conv, state.kda_recurrent, pending, n_accept)
     return state.replace(kda_recurrent=rec, kda_conv=conv, lengths=state.lengths + n_accept.astype(jnp.int32))

@@ -10,6 +10,8 @@ Interpreted kernels are finished (block_until_ready) before the next computation
 interpreter's callbacks still run can deadlock with them (tests/test_kernels_mla_attention.py).
 """
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -232,3 +234,62 @@ def test_chooser_falls_back_where_the_kernel_does_not_take_the_call():
                     S((1, 6, 2560), BF))
     with pytest.raises(ValueError, match="fused_linear=True"):
         ShardedKernelCalls(interpret=True, mesh=jax.make_mesh((1,), ("tp",)), fused_linear=True)
+
+
+DEMO = Path(__file__).resolve().parents[1] / "models" / "ling-demo"  # the shipped v2 demo model's config.json
+
+
+def _demo_step_lowered(mode: str, calls: KernelCalls) -> str:
+    """The bench_step program (compile.stages.Program: plain step, or the NEXTN step of 5 drafts) of the shipped
+    v2 demo model (models/ling-demo/config.json) at the bench's context, lowered for CUDA on abstract params."""
+    from compile.stages import Program
+    from ling_jax.config import from_hf_config
+    from ling_jax.weights import abstract_params
+    from tests.cuda_lowering import lower_cuda
+
+    cfg = from_hf_config(DEMO)
+    prog = Program(cfg, mode=mode, steps=5, max_len=8192 + 1024, opts=RuntimeOptions(kernels=calls))
+    return lower_cuda(prog.fn(), abstract_params(cfg, jnp.bfloat16), prog.abstract_state())
+
+
+@pytest.mark.parametrize("mode", ["plain", "nextn"])
+def test_v2_demo_step_lowers_for_cuda_with_every_projection_fused(mode):
+    """The v2 demo's dims (D = 320 = 5 x 64, H = 5, kv_a 160, q 480, dense 960) are no multiples of the kernel's
+    default block_k 128: the chooser's block_k 64 and row padding must let the kernel take every projection of
+    the step. Per target pass: 2 calls per layer (input projections, output projection + residual) and 2 for the
+    dense MLP of layer 0; per MTP pass (NEXTN: 5 = 4 drafts + extend): eh_proj, MLA input and output. Lowered
+    text: one Mosaic GPU custom call per distinct kernel (same kernel, same shapes: one function, called again)."""
+    from ling_jax.config import from_hf_config
+
+    cfg = from_hf_config(DEMO)
+    TRACED.clear()
+    text = _demo_step_lowered(mode, Census(fused_linear=True))
+    target = 2 * cfg.num_hidden_layers + 2 * cfg.first_k_dense_replace
+    mtp = 3 * 5 * len(cfg.mtp_layers) if mode == "nextn" else 0
+    assert [t for t in TRACED if not t[-1]] == []                      # no projection fell back to the jnp
+    assert len(TRACED) == target + mtp == {"plain": 18, "nextn": 33}[mode]
+    # distinct kernels: KDA in, o_proj / MLA dense (same shapes), MLA in, dense gate|up, down (plain: 5); NEXTN
+    # the verify pass at T = 6 and the MTP's T = 1 drafts, 320 -> 320 + residual and MLA in at both, eh_proj at both
+    assert text.count("custom_call @mosaic_gpu") == {"plain": 5, "nextn": 9}[mode]
+    unfused = _demo_step_lowered(mode, KernelCalls(fused_linear=False))
+    assert "custom_call @mosaic_gpu" not in unfused
+    assert unfused.count("stablehlo.dot_general") > text.count("stablehlo.dot_general")
+
+
+def test_v2_demo_mtp_input_runs_fused_at_block_k_64():
+    """The MTP's eh_proj over [enorm(e) | hnorm(h)] of the v2 demo: two inputs of 320 columns (each a multiple of
+    64, not of 128) through KernelCalls.norm_linear in the Mosaic GPU interpreter, against the model's jnp
+    (layers.linear.norm_projections with kernels=None): bitwise, as the kernel keeps the model's rounding points."""
+    from ling_jax.layers.linear import Normed, Projection, norm_projections
+
+    k = jax.random.split(jax.random.key(4), 5)
+    e, h = ((2 * jax.random.normal(kk, (1, 3, 320), jnp.float32)).astype(jnp.bfloat16) for kk in k[:2])
+    ne, nh = ((1 + 0.2 * jax.random.normal(kk, (320,), jnp.float32)).astype(jnp.bfloat16) for kk in k[2:4])
+    w = (jax.random.normal(k[4], (320, 640), jnp.float32) * 640 ** -0.5).astype(jnp.bfloat16)
+    normed, projs = Normed((e, h), (ne, nh), 1e-6), (Projection(w),)
+    calls = KernelCalls(interpret=True, fused_linear=True)
+    assert calls._linear_config((320, 320)).block_k == 64
+    got = calls.norm_linear(normed, projs)
+    assert got is not None, "the chooser fell back: the fused kernel did not take the v2 eh_proj"
+    (ref,) = norm_projections(normed, projs, None)
+    np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(ref, np.float32))

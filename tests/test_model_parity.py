@@ -147,3 +147,32 @@ def test_chunked_kda_is_differentiable():
     g_c = jax.grad(lambda v: loss(lambda *a: kda_chunked(*a, chunk=8), v))(args[2])
     g_r = jax.grad(lambda v: loss(kda_recurrent, v))(args[2])
     assert np.all(np.isfinite(g_c)) and rel_err(g_c, g_r) <= 1e-4
+
+
+def test_commit_without_kda_layers_advances_the_lengths():
+    """A slice inside the first layer group is all MLA (Ling-3.0-flash's --layers 4 of bench.check_gpu_wiring):
+    verify has no KDA pending, and commit(n) gives the state that decoding the first n tokens gives (the same
+    next-token logits from both)."""
+    from compile.stages import slice_config
+    from ling_jax.weights import init_params
+
+    cfg = slice_config(get_preset("test-tiny").replace(layer_group_size=4), 3)
+    assert cfg.kda_layers == () and len(cfg.mla_layers) == 3
+    params = init_params(cfg, 0, jnp.float32)
+    B, P, K = 1, 5, 4
+    tokens = _tokens(cfg, 3, B=B, T=P + K + 1)
+    _, out = jitted_forward(cfg, "prefill")(params, tokens[:, :P], init_state(cfg, B, 32, jnp.float32),
+                                            jnp.full((B,), P, jnp.int32))
+    _, v = jitted_forward(cfg, "verify")(params, tokens[:, P:P + K], out.state, jnp.full((B,), K, jnp.int32))
+    assert v.pending is None
+    n = 2
+    committed = jitted_commit()(v.state, v.pending, jnp.array([n], jnp.int32))
+    assert int(committed.lengths[0]) == P + n
+    state = out.state
+    for t in range(n):
+        _, o = jitted_forward(cfg, "decode")(params, tokens[:, P + t:P + t + 1], state, jnp.ones((B,), jnp.int32))
+        state = o.state
+    nxt = tokens[:, P + n:P + n + 1]
+    want, _ = jitted_forward(cfg, "decode")(params, nxt, state, jnp.ones((B,), jnp.int32))
+    got, _ = jitted_forward(cfg, "decode")(params, nxt, committed, jnp.ones((B,), jnp.int32))
+    assert rel_err(got, want) <= 1e-5
