@@ -108,7 +108,12 @@ def test_stop_inside_a_dispatch_is_cut_exactly(servers, sampling):
     assert g["output_ids"] == ids[: k + 1] and g["text"] == tok.decode(ids[:k])
 
 
-def test_server_info_reports_the_steps(servers):
+def test_server_info_reports_the_steps_and_the_generator_runs_them(servers):
     one, many = (httpx.get(s.url + "/get_server_info").json() for s in servers)
     assert (one["num_continuous_decode_steps"], many["num_continuous_decode_steps"]) == (1, N)
     assert many["max_running_requests"] == 1
+    # the Generator's reserved rows (2 dispatches of N steps of 4 verify rows) bound max_new_tokens: 8 at N = 1,
+    # 32 at N = 4, so a request that fits the N = 1 server's context is refused by the N = 4 server
+    body = {"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 512 - 4 - 8}}
+    r = httpx.post(servers[1].url + "/generate", json=body, timeout=60)
+    assert r.status_code == 400 and "+ 32 reserved speculative rows exceeds the context length 512" in r.text, r.text
