@@ -199,13 +199,18 @@ class Generator:
         self.check_request(len(prompt), max_new_tokens)
         return prompt
 
+    @property
+    def reserved_rows(self) -> int:
+        """Cache rows a request needs past its last emitted token: the last dispatch may run N steps of
+        rows_per_step rows past it, twice with run-ahead (the server's ModelLimits.reserved_rows)."""
+        return 2 * self.decode_steps * self.rows_per_step
+
     def check_request(self, n_prompt: int, max_new_tokens: int):
         if n_prompt < 1:
             raise ValueError("the prompt is empty")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        # the last dispatch may run N steps of K+1 rows past the final emitted token, twice with run-ahead
-        slack = 2 * self.decode_steps * self.rows_per_step
+        slack = self.reserved_rows
         need = n_prompt + max_new_tokens + slack
         if need > self.max_len:
             raise ValueError(f"prompt ({n_prompt}) + max_new_tokens ({max_new_tokens}) + {slack} "
@@ -328,7 +333,7 @@ def warm_up_prompts(gen) -> list[list[int]]:
     """One prompt per prefill bucket, sized to it (3 new tokens fit), for the buckets a prompt can need."""
     prompts = []
     for i, b in enumerate(gen.buckets):
-        n = min(b, gen.max_len - 2 * gen.rows_per_step - 3)
+        n = min(b, gen.max_len - gen.reserved_rows - 3)
         if n < 1 or (i and n <= gen.buckets[i - 1]):
             continue  # the context is too short for this bucket: no prompt can need it
         prompts.append([2 + t % (gen.cfg.vocab_size - 2) for t in range(n)])
@@ -338,7 +343,7 @@ def warm_up_prompts(gen) -> list[list[int]]:
 def warm_up(gen, progress=None):
     """Compile and run every program serving uses (blocking; before accepting traffic): per greedy / sampled, every
     prefill bucket and the step with and without logprobs (prompts sized to each bucket, 3 new tokens each).
-    gen: a Generator, or anything with its generate / buckets / max_len / rows_per_step / cfg (the multi-host
+    gen: a Generator, or anything with its generate / buckets / max_len / reserved_rows / cfg (the multi-host
     leader's LockstepGenerator, whose generate the followers replay)."""
     for is_greedy in (True, False):
         for i, prompt in enumerate(warm_up_prompts(gen)):

@@ -4,7 +4,8 @@
 The worker is an asyncio task that starts each request, once a running place is free, as a blocking `stream`
 (itself run-ahead: step k+1 is dispatched before step k is read) in a thread of its own, and every consumed step
 is handed back to the request's asyncio queue with `call_soon_threadsafe` — no polling anywhere. Requests beyond
-the running ones wait in the FIFO queue.
+the running ones wait in the FIFO queue. With --num-continuous-decode-steps N a dispatch's N steps arrive together
+and are handed back one after another (the client sees N steps at a time; stops are checked per step, as at N = 1).
 
 Text: token ids go through an `IncrementalDetokenizer`; stop strings are searched in the decoded text and cut
 exactly (the text ends right before the stop string, later tokens are dropped). While a stop string could still

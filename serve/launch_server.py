@@ -50,11 +50,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunked-prefill-size", type=int, default=None,
                    help="prompt positions per prefill chunk: one compiled prefill program serves every prompt "
                         "length (default: ling_jax.runner.DEFAULT_CHUNKED_PREFILL_SIZE = 512)")
+    p.add_argument("--num-continuous-decode-steps", type=int, default=1,
+                   help="decode steps per dispatch (SGLang's flag): N > 1 runs N steps in one program (a lax.scan), "
+                        "so the host's per-dispatch cost is paid once per N steps; a stream then receives N steps' "
+                        "tokens at a time, the same tokens as N = 1. Batch-1 serving only (--max-running-requests 1, "
+                        "its default when N > 1)")
     # continuous batching (ling_jax/batching.py)
     p.add_argument("--max-running-requests", type=int, default=None,
                    help="requests decoded together, each in a slot of --context-length rows reserved at start "
-                        f"(default {DEFAULT_MAX_RUNNING} on one host with --tp-size 1, else 1; 1 serves one request "
-                        "at a time through the batch-1 programs alone)")
+                        f"(default {DEFAULT_MAX_RUNNING} on one host with --tp-size 1 and "
+                        "--num-continuous-decode-steps 1, else 1; 1 serves one request at a time through the batch-1 "
+                        "programs alone)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--random-weights", action="store_true", help="random init even when --model-path is a dir")
@@ -136,9 +142,18 @@ def tensor_parallel(cfg, tp_size: int, multi_host: bool = False):
     return mesh, shardings_for(cfg, mesh)
 
 
+def decode_steps(a: argparse.Namespace) -> int:
+    """--num-continuous-decode-steps, checked (runner.Generator(decode_steps=N))."""
+    n = a.num_continuous_decode_steps
+    if n < 1:
+        raise ValueError(f"--num-continuous-decode-steps must be >= 1, got {n}")
+    return n
+
+
 def max_running(a: argparse.Namespace) -> int:
     """--max-running-requests, checked: batching runs on one host without tensor parallelism (the lockstep
-    protocol and the sharded programs are batch-1)."""
+    protocol and the sharded programs are batch-1), one decode step per dispatch (BatchGenerator's row groups
+    change between steps, so they are not scanned over N steps)."""
     n = a.max_running_requests
     if n is not None and n < 1:
         raise ValueError(f"--max-running-requests must be >= 1, got {n}")
@@ -147,7 +162,12 @@ def max_running(a: argparse.Namespace) -> int:
         raise ValueError(f"--max-running-requests {n}: continuous batching needs --nnodes 1, --tp-size 1 and no "
                          f"DSPARK (got --nnodes {a.nnodes}, --tp-size {a.tp_size}, --speculative-algorithm "
                          f"{a.speculative_algorithm}); use --max-running-requests 1")
-    return n if n is not None else (DEFAULT_MAX_RUNNING if single else 1)
+    steps = decode_steps(a)
+    if n is not None and n > 1 and steps > 1:
+        raise ValueError(f"--num-continuous-decode-steps {steps} runs the batch-1 programs only; continuous "
+                         f"batching (--max-running-requests {n}) decodes one step per dispatch: use "
+                         f"--max-running-requests 1 or --num-continuous-decode-steps 1")
+    return n if n is not None else (DEFAULT_MAX_RUNNING if single and steps == 1 else 1)
 
 
 def request_rows(a: argparse.Namespace) -> int:
@@ -238,7 +258,8 @@ def make_loader(a: argparse.Namespace, cfg, spec, tokenizer, mesh, shardings, co
 
         rows = deterministic_rows(spec.draft_tokens) if a.enable_deterministic_inference else None
         kw = dict(spec=spec, max_len=context_length, dtype=dtype,
-                  opts=RuntimeOptions(numerics=Numerics(target_rows=rows)), chunked_prefill_size=chunk_size(a))
+                  opts=RuntimeOptions(numerics=Numerics(target_rows=rows)), chunked_prefill_size=chunk_size(a),
+                  decode_steps=decode_steps(a))
         if spec.is_dspark:
             from ling_jax import dspark
             from ling_jax.generate import load_draft
@@ -264,7 +285,7 @@ def make_loader(a: argparse.Namespace, cfg, spec, tokenizer, mesh, shardings, co
             return gen, None
         eos = (tokenizer.eos_ids if tokenizer is not None else ()) or (cfg.eos_token_id,)
         limits = ModelLimits(served_name(a), cfg.vocab_size, context_length,
-                             2 * gen.rows_per_step, tokenizer, tuple(eos))
+                             gen.reserved_rows, tokenizer, tuple(eos))
         t1 = time.perf_counter()
         steps = 2 + len(getattr(gen, "row_buckets", (1,))) - 1
         with tqdm(total=steps, desc="compile + warm-up (greedy, sampled, row buckets)", unit="program",
@@ -326,14 +347,16 @@ def main(argv=None) -> int:
             raise ValueError(f"{a.model_path} has no MTP layer: --speculative-algorithm NEXTN needs one")
         tokenizer = load_tokenizer(a.model_path) if os.path.isdir(a.model_path) else None
         check_checkpoint(a, cfg)
-        chunk_size(a)  # checks the flag before anything loads
+        chunk_size(a)  # checks the flags before anything loads
+        max_running(a)  # (and --num-continuous-decode-steps with it)
         opts = ServeOptions(api_key=a.api_key, random_seed=a.random_seed, max_queued_requests=a.max_queued_requests,
                             request_timeout_s=a.request_timeout, body_timeout_s=a.body_timeout)
         init_multi_host(a)
         mesh, shardings = tensor_parallel(cfg, a.tp_size, multi_host=a.nnodes > 1)
         context_length = a.context_length or memory_context_length(a, cfg, spec)
-        if context_length < 2 * spec.draft_tokens + 5:  # the warm-up's 4-token prompt, 1 new token, 2 steps' rows
-            raise ValueError(f"--context-length {context_length} is too small (at least {2 * spec.draft_tokens + 5})")
+        least = 2 * decode_steps(a) * spec.draft_tokens + 5  # warm-up: a 4-token prompt, 1 new token, 2 dispatches
+        if context_length < least:
+            raise ValueError(f"--context-length {context_length} is too small (at least {least})")
         budget = memory_budget(a, cfg, spec, context_length)
     except (ValueError, KeyError, FileNotFoundError) as e:  # CheckpointError is a ValueError
         print(f"error: {e}", file=sys.stderr)
@@ -349,7 +372,8 @@ def main(argv=None) -> int:
                            speculative_eagle_topk=1)
     server_args.update(served_model_name=name, tokenizer_path=a.model_path if tokenizer is not None else None,
                        context_length=context_length, chunked_prefill_size=chunk_size(a), vocab_size=cfg.vocab_size,
-                       max_running_requests=max_running(a), memory_budget=budget,
+                       max_running_requests=max_running(a), num_continuous_decode_steps=decode_steps(a),
+                       memory_budget=budget,
                        jax_version=jax.__version__,
                        device=f"{jax.device_count()}x {jax.devices()[0].device_kind}",
                        has_tokenizer=tokenizer is not None, chat_template=bool(tokenizer and tokenizer.chat_template))

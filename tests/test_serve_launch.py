@@ -1,4 +1,5 @@
-"""serve.launch_server without starting a server: SGLang flag names, --tp-size checks, bad flags exit 2."""
+"""serve.launch_server without starting a server: SGLang flag names, --tp-size checks, bad flags exit 2,
+--num-continuous-decode-steps' checks."""
 
 from __future__ import annotations
 
@@ -42,6 +43,9 @@ def test_tp_size_checks():
     ["--model-path", "test-tiny", "--body-timeout", "-1"],
     ["--model-path", "test-tiny", "--api-key", ""],
     ["--model-path", "test-tiny", "--random-seed", str(2**64)],
+    ["--model-path", "test-tiny", "--num-continuous-decode-steps", "0"],
+    ["--model-path", "test-tiny", "--num-continuous-decode-steps", "4", "--max-running-requests", "2"],
+    ["--model-path", "test-tiny", "--num-continuous-decode-steps", "4", "--context-length", "12"],
 ])
 def test_bad_flags_exit_2(argv, capsys):
     assert launch_server.main(argv) == 2
@@ -56,3 +60,26 @@ def test_operations_flags_and_model_id():
     assert launch_server.served_name(a) == "Ling-flash"  # a clean id, not the path
     a.served_model_name = "ling"
     assert launch_server.served_name(a) == "ling"
+
+
+def test_continuous_decode_steps_flag(capsys):
+    """--num-continuous-decode-steps: an integer >= 1, batch-1 only (named with --max-running-requests when
+    combined with batching), and with N > 1 --max-running-requests defaults to 1 instead of 8."""
+    parse = lambda *argv: launch_server.build_parser().parse_args(["--model-path", "test-tiny", *argv])
+    assert launch_server.decode_steps(parse()) == 1  # SGLang's default
+    assert launch_server.max_running(parse()) == launch_server.DEFAULT_MAX_RUNNING
+    assert launch_server.max_running(parse("--num-continuous-decode-steps", "4")) == 1
+    assert launch_server.max_running(parse("--num-continuous-decode-steps", "4", "--max-running-requests", "1")) == 1
+    with pytest.raises(ValueError) as e:
+        launch_server.max_running(parse("--num-continuous-decode-steps", "4", "--max-running-requests", "8"))
+    assert "--num-continuous-decode-steps 4" in str(e.value) and "--max-running-requests 8" in str(e.value)
+    for bad in ("0", "-2"):
+        assert launch_server.main(["--model-path", "test-tiny", "--num-continuous-decode-steps", bad]) == 2
+        assert capsys.readouterr().err.strip() == f"error: --num-continuous-decode-steps must be >= 1, got {bad}"
+    with pytest.raises(SystemExit) as e:  # argparse: not an integer
+        parse("--num-continuous-decode-steps", "2.5")
+    assert e.value.code == 2 and "--num-continuous-decode-steps: invalid int value: '2.5'" in capsys.readouterr().err
+    # the context must hold the warm-up's two dispatches of N steps: 2 * 4 * 4 rows + 5 for NEXTN 3 steps
+    assert launch_server.main(["--model-path", "test-tiny", "--num-continuous-decode-steps", "4", "--context-length",
+                               "36", "--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --context-length 36 is too small (at least 37)"

@@ -1,7 +1,8 @@
 """Multi-host serving on CPU: two processes joined by jax.distributed (gloo collectives), one device each, one
-TP2 mesh. Process 0 serves HTTP; process 1 follows it in lockstep (serve/lockstep.py). The leader's replies must
-equal an unsharded in-process Generator's, across greedy, sampled and early-closed requests, and the follower
-must leave cleanly when the leader stops."""
+TP2 mesh, 2 decode steps per dispatch (--num-continuous-decode-steps). Process 0 serves HTTP; process 1 follows it
+in lockstep (serve/lockstep.py). The leader's replies must equal an unsharded in-process Generator's at one step per
+dispatch, across greedy, sampled and early-closed requests, and the follower must leave cleanly when the leader
+stops."""
 
 from __future__ import annotations
 
@@ -37,9 +38,10 @@ def two_hosts(tmp_path_factory):
     d = tmp_path_factory.mktemp("multihost")
     model = make_model_dir(str(d / "model"), tokenizer=False)
     coord = f"127.0.0.1:{free_port()}"
-    # the lockstep protocol is batch-1: one request at a time (continuous batching refuses --nnodes > 1)
+    # the lockstep protocol is batch-1: one request at a time (continuous batching refuses --nnodes > 1); 2 decode
+    # steps per dispatch: the per-chunk flags then follow the steps of one dispatch (the N = 1 reference must agree)
     flags = ["--random-weights", "--seed", "3", "--tp-size", "2", "--dist-init-addr", coord, "--nnodes", "2",
-             "--max-running-requests", "1"]
+             "--max-running-requests", "1", "--num-continuous-decode-steps", "2"]
     follower = Server(model, str(d / "follower.log"), *flags, "--node-rank", "1", env=ONE_DEVICE, wait=False)
     try:
         leader = Server(model, str(d / "leader.log"), *flags, "--node-rank", "0", env=ONE_DEVICE,
