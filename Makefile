@@ -12,6 +12,6 @@ setup-dev:
 run: setup
 	$(PY) -m ling_jax.generate --model models/ling-demo --prompt "$(PROMPT)" --max-new-tokens 200 \
 	  --speculative-algorithm NEXTN --speculative-num-steps 5 --speculative-eagle-topk 1 \
-	  --speculative-num-draft-tokens 6 --temperature 0.6 --top-p 0.9 --repetition-penalty 1.1 --seed 0
+	  --speculative-num-draft-tokens 6 --temperature 0.7 --top-p 0.9 --repetition-penalty 1.2 --seed 0
 test: setup-dev
 	$(PY) -m pytest --timeout 1200 --durations=25 tests
