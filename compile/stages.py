@@ -58,13 +58,17 @@ class Program:
     dtype: str = "bfloat16"
     is_greedy: bool = True
     opts: RuntimeOptions = RuntimeOptions()
+    # The step a request without `logprobs` runs (ling_jax.runner compiles the logprob outputs only when asked):
+    # the top-k over the vocabulary is a sort on the GPU (32 us per step on the demo model, bench_step census).
+    with_logprobs: bool = False
 
     def fn(self):
         if self.mode == "nextn":
             return functools.partial(spec_step, cfg=self.cfg, steps=self.steps, is_greedy=self.is_greedy,
-                                     opts=self.opts)
+                                     opts=self.opts, with_logprobs=self.with_logprobs)
         if self.mode == "plain":
-            return functools.partial(plain_step, cfg=self.cfg, is_greedy=self.is_greedy, opts=self.opts)
+            return functools.partial(plain_step, cfg=self.cfg, is_greedy=self.is_greedy, opts=self.opts,
+                                     with_logprobs=self.with_logprobs)
         raise ValueError(f"mode {self.mode!r}: expected 'nextn' or 'plain'")
 
     def abstract_state(self):
@@ -263,7 +267,8 @@ def cache_key(prog: Program, mesh: Mesh, abstract_args, options: dict) -> str:
     devs = mesh.devices.flatten()
     args = jax.tree.map(lambda a: (a.shape, str(a.dtype), str(getattr(a, "sharding", None))), abstract_args)
     parts = [repr(sorted(cfg.items())), repr(dict(mesh.shape)), devs[0].device_kind, devs[0].platform,
-             repr((prog.mode, prog.steps, prog.batch, prog.max_len, prog.dtype, prog.is_greedy, prog.opts)),
+             repr((prog.mode, prog.steps, prog.batch, prog.max_len, prog.dtype, prog.is_greedy, prog.opts,
+                   prog.with_logprobs)),
              repr(jax.tree.leaves(args)), str(jax.tree.structure(args)), jax.__version__, repr(sorted(options.items()))]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
 

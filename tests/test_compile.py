@@ -115,3 +115,24 @@ def test_cli_report():
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "programs per step        1" in r.stdout and "TP 2 on cpu" in r.stdout
+
+
+def test_program_leaves_out_logprobs_unless_asked():
+    """A step program computes logprobs (log_softmax + a vocabulary top-k, a sort on the GPU) only with
+    with_logprobs=True, like the runner for a request that asks for them; the default is the request without."""
+    cfg = get_preset("test-tiny")
+    mesh = make_mesh(1)
+    from compile.stages import abstract_inputs
+
+    texts = {}
+    for mode in ("plain", "nextn"):
+        for want in (False, True):
+            prog = Program(cfg, mode=mode, steps=2, max_len=32, dtype="float32", with_logprobs=want)
+            params, state = abstract_inputs(prog, mesh)
+            _, out = jax.eval_shape(prog.fn(), params, state)
+            assert (out.logprobs is not None) == want, (mode, want)
+            texts[mode, want] = jax.jit(prog.fn()).lower(params, state).as_text()
+    vocab_topk = f"x{cfg.vocab_size}xf32> -> ("  # a top_k over the vocabulary (the router's are over experts)
+    for mode in ("plain", "nextn"):
+        n = {w: sum(vocab_topk in line for line in texts[mode, w].splitlines() if "top_k" in line) for w in (0, 1)}
+        assert n[0] == 0 and n[1] >= 1, (mode, n)
