@@ -10,7 +10,9 @@ the target's tokenizer, as `python -m ling_jax.train.corpus --tokenizer TARGET [
 Shape legend: B windows, T positions, N anchors per window, G block size, V vocab, C context features.
 
 Self-distillation (--distill-seqs N): before training, the frozen target greedily continues N random train-split
-prompts of --distill-prompt tokens to --seq tokens (greedy_continuations; kept in memory, not on disk), and
+prompts of --distill-prompt tokens to --seq tokens (greedy_continuations: a prefill, then a lax.scan of decode
+steps on the decode state; ONE compiled program of --distill-batch rows or fewer runs every chunk of these and of
+the held-out prompts; kept in memory, not on disk), and
 --distill-fraction of every batch's windows are rows of that pool. A greedy DSpark step accepts exactly the
 target's greedy tokens, so this is the text whose features, Markov inputs and labels inference sees (the demo
 target's greedy output repeats itself, which corpus windows never teach the draft to copy). The held-out metrics
@@ -31,6 +33,12 @@ Per step (one jitted program, the draft's params only are differentiated):
           drafts of a block (DeepSpec's tau - 1), differentiated through alpha.
 AdamW (fp32 masters, warmup then cosine), bf16 compute. Outputs in --out: config.json, model.safetensors (bf16, HF
 names), metrics.json.
+
+Run control (ling_jax.train.run_control): --time-budget S is the whole run after start-up. The greedy, training and
+evaluation programs are compiled first (timed, printed), then the greedy texts are generated, and the training
+steps are planned from the time left minus a reserve for the final evaluation (one eval call timed) and the save;
+the plan is re-checked every 50 steps. SIGINT / SIGTERM stop at the next step boundary and still evaluate (a
+second signal skips that) and save; metrics.json then says "interrupted": true, with the steps done.
 """
 
 from __future__ import annotations
@@ -372,6 +380,25 @@ def train_loop(step, dp, opt_state, params, tokens, pool, a, clock: Deadline, re
     return dp, opt_state, rows, i, t_first, step_s
 
 
+def lower_programs(params, dp, opt_state, tokens, held: np.ndarray, gen_rows: int, prompt: int, a, cfg, dcfg, tc,
+                   tx) -> dict:
+    """The run's three programs, lowered: the greedy texts, the training step and the evaluation."""
+    pool = jax.ShapeDtypeStruct((a.distill_seqs, a.seq), jnp.int32) if a.distill_seqs else None
+    step = jax.jit(functools.partial(train_step, cfg=cfg, dcfg=dcfg, tc=tc, tx=tx), donate_argnums=(0, 1))
+    ev = jax.jit(lambda dp, params, w, key: losses(dp, params, w, key, cfg, dcfg, tc)[1])
+    return {"greedy": greedy_program(params, gen_rows, prompt, a.seq, cfg),
+            "train_step": step.lower(dp, opt_state, params, tokens, pool, jax.random.key(0)),
+            "eval": ev.lower(dp, params, jnp.asarray(held[: min(a.batch, len(held))]), jax.random.key(0))}
+
+
+def eval_reserve(ev, dp, params, held: np.ndarray, batch: int) -> float:
+    """Seconds kept for the final evaluation (2 x the held-out batches, corpus and greedy text; one call timed,
+    x 1.5) and the save."""
+    t0 = time.perf_counter()
+    jax.block_until_ready(ev(dp, params, jnp.asarray(held[:batch]), jax.random.key(0)))
+    return 1.5 * 2 * (len(held) // batch) * (time.perf_counter() - t0) + SAVE_RESERVE_S
+
+
 def main(argv=None) -> dict:
     """--time-budget S: the whole run after start-up (the target and the corpus loaded): compiles, the greedy
     texts, training, the final evaluation and the save. SIGINT / SIGTERM: see ling_jax.train.run_control."""
@@ -402,17 +429,10 @@ def main(argv=None) -> dict:
     dp = dspark.load_params(dcfg, a.init, jnp.float32) if a.init else dspark.init_params(dcfg, a.seed)
     tx = make_optimizer(a.lr, a.steps, a.warmup, a.weight_decay, 1.0)
     opt_state = tx.init(dp)
-    eval_batch = min(a.batch, len(held))
-    pool_spec = jax.ShapeDtypeStruct((a.distill_seqs, a.seq), jnp.int32) if a.distill_seqs else None
-    lowered = {
-        "greedy": greedy_program(params, gen_rows, prompt, a.seq, cfg),
-        "train_step": jax.jit(functools.partial(train_step, cfg=cfg, dcfg=dcfg, tc=tc, tx=tx), donate_argnums=(0, 1))
-        .lower(dp, opt_state, params, tokens, pool_spec, jax.random.key(0)),
-        "eval": jax.jit(lambda dp, params, w, key: losses(dp, params, w, key, cfg, dcfg, tc)[1])
-        .lower(dp, params, jnp.asarray(held[:eval_batch]), jax.random.key(0))}
+    lowered = lower_programs(params, dp, opt_state, tokens, held, gen_rows, prompt, a, cfg, dcfg, tc, tx)
     programs, compile_s = compile_programs(lowered, a.compile_threads)
     print("compiled in " + ", ".join(f"{k} {v:.1f} s" for k, v in compile_s.items()) +
-          f" ({a.compile_threads} thread(s), {clock.elapsed():.1f} s since start-up)", flush=True)
+          f" ({a.compile_threads} thread(s); {clock.elapsed():.1f} s since start-up)", flush=True)
     t0 = time.perf_counter()
     texts = continue_prompts(programs["greedy"], params, prompts, gen_rows)
     greedy_s = time.perf_counter() - t0
@@ -422,26 +442,21 @@ def main(argv=None) -> dict:
           else "") + f" x {a.seq} tokens ({prompt} corpus + greedy) in {greedy_s:.1f} s ({n_programs} programs of "
           f"{gen_rows} rows, {1e3 * greedy_s / (n_programs * (a.seq - prompt)):.1f} ms per decode step; compile "
           f"{compile_s['greedy']:.1f} s)", flush=True)
-    # the final evaluation's cost, measured: one call, timed (the eval program is already compiled)
-    t0 = time.perf_counter()
-    jax.block_until_ready(programs["eval"](dp, params, jnp.asarray(held[:eval_batch]), jax.random.key(0)))
-    eval_calls = 2 * (len(held) // eval_batch)
-    reserve_s = 1.5 * eval_calls * (time.perf_counter() - t0) + SAVE_RESERVE_S
+    eval_batch = min(a.batch, len(held))
+    reserve_s = eval_reserve(programs["eval"], dp, params, held, eval_batch)
     if clock.left() < reserve_s:
-        print(f"warning: {clock.elapsed():.0f} s of the {a.time_budget} s budget spent before training", flush=True)
-    t0 = time.perf_counter()
+        print(f"warning: {clock.elapsed():.0f} s of the {a.time_budget:g} s budget spent before training", flush=True)
     with GracefulStop() as stop:
+        t0 = time.perf_counter()
         dp, opt_state, rows, steps, first_s, step_s = train_loop(programs["train_step"], dp, opt_state, params,
                                                                  tokens, pool, a, clock, reserve_s, stop)
-        train_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
+        train_s, t0 = time.perf_counter() - t0, time.perf_counter()
         final = {}
         if not stop.urgent:
             final = evaluate(programs["eval"], dp, params, held, eval_batch, stop=stop)
             final |= evaluate(programs["eval"], dp, params, held_greedy, eval_batch, "heldout_greedy_", stop)
             print(json.dumps({k: v for k, v in final.items() if "top1_by_slot" not in k}), flush=True)
-        eval_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
+        eval_s, t0 = time.perf_counter() - t0, time.perf_counter()
         dspark.save(dcfg, dp, a.out)
         report = {"command": "python -m ling_jax.train.dspark " + " ".join(argv if argv is not None else sys.argv[1:]),
                   "device": jax.devices()[0].device_kind, "jax_version": jax.__version__,
@@ -449,13 +464,13 @@ def main(argv=None) -> dict:
                   "steps": steps, "interrupted": stop.requested, "final_eval_skipped": stop.urgent,
                   "time_budget": a.time_budget, "compile_s": compile_s, "greedy_s": greedy_s,
                   "reserve_s": reserve_s, "first_step_s": first_s, "train_s": train_s, "step_ms": 1e3 * step_s,
-                  "eval_s": eval_s, "save_s": time.perf_counter() - t0, "final": final, "rows": rows}
-        report["run_s"] = clock.elapsed()
+                  "eval_s": eval_s, "save_s": time.perf_counter() - t0, "run_s": clock.elapsed(), "final": final,
+                  "rows": rows}
         with open(os.path.join(a.out, "metrics.json"), "w") as f:
             json.dump(report, f, indent=1)
     print(f"wrote {a.out} ({dspark.param_count(dcfg) / 1e6:.2f}M params, {steps} steps"
           f"{', interrupted' if stop.requested else ''}; train {train_s:.0f} s, whole run {report['run_s']:.0f} s"
-          + (f" of {a.time_budget:.0f}" if a.time_budget else "") + ")", flush=True)
+          + (f" of {a.time_budget:g}" if a.time_budget else "") + ")", flush=True)
     return report
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import signal
 import sys
+import threading
 import time
 
 
@@ -73,6 +74,8 @@ class GracefulStop:
         print(f"{name}: {what}", file=sys.stderr, flush=True)
 
     def __enter__(self) -> "GracefulStop":
+        if threading.current_thread() is not threading.main_thread():
+            return self  # Python delivers signals to the main thread only: nothing to count here
         for s in self.SIGNALS:
             self._saved[s] = signal.signal(s, self._handle)
         return self
