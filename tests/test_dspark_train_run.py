@@ -86,9 +86,10 @@ def tiny_run(tmp_path):
 
 def test_budget_spent_before_training_leaves_the_measuring_steps(tmp_path):
     """A 0.5 s whole-run budget is gone after the three compiles: training stops at the 11 steps that measure the
-    step time (the old training-only budget ran on), and the run still evaluates and saves."""
+    step time (the old training-only budget ran on), and the run still evaluates and saves (no pool: the greedy
+    program serves the held-out prompts alone, the training step takes no pool)."""
     _, out, args = tiny_run(tmp_path)
-    report = train.main(args + ["--steps", "1000", "--time-budget", "0.5", "--log-every", "5"])
+    report = train.main(args + ["--steps", "1000", "--time-budget", "0.5", "--log-every", "5", "--distill-seqs", "0"])
     assert report["steps"] == 11 and not report["interrupted"] and report["run_s"] > 0.5
     assert set(report["compile_s"]) == {"greedy", "train_step", "eval"} and report["reserve_s"] >= train.SAVE_RESERVE_S
     assert 1.0 <= report["final"]["heldout_greedy_expected_accept"] <= 5.0
