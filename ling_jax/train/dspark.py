@@ -10,7 +10,9 @@ the target's tokenizer, as `python -m ling_jax.train.corpus --tokenizer TARGET [
 Shape legend: B windows, T positions, N anchors per window, G block size, V vocab, C context features.
 
 Self-distillation (--distill-seqs N): before training, the frozen target greedily continues N random train-split
-prompts of --distill-prompt tokens to --seq tokens (greedy_continuations; kept in memory, not on disk), and
+prompts of --distill-prompt tokens to --seq tokens (greedy_continuations: a prefill, then a lax.scan of decode
+steps on the decode state; ONE compiled program of --distill-batch rows or fewer runs every chunk of these and of
+the held-out prompts; kept in memory, not on disk), and
 --distill-fraction of every batch's windows are rows of that pool. A greedy DSpark step accepts exactly the
 target's greedy tokens, so this is the text whose features, Markov inputs and labels inference sees (the demo
 target's greedy output repeats itself, which corpus windows never teach the draft to copy). The held-out metrics
@@ -31,6 +33,12 @@ Per step (one jitted program, the draft's params only are differentiated):
           drafts of a block (DeepSpec's tau - 1), differentiated through alpha.
 AdamW (fp32 masters, warmup then cosine), bf16 compute. Outputs in --out: config.json, model.safetensors (bf16, HF
 names), metrics.json.
+
+Run control (ling_jax.train.run_control): --time-budget S is the whole run after start-up. The greedy, training and
+evaluation programs are compiled first (timed, printed), then the greedy texts are generated, and the training
+steps are planned from the time left minus a reserve for the final evaluation (one eval call timed) and the save;
+the plan is re-checked every 50 steps. SIGINT / SIGTERM stop at the next step boundary and still evaluate (a
+second signal skips that) and save; metrics.json then says "interrupted": true, with the steps done.
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ import math
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import jax
@@ -54,7 +63,10 @@ from ling_jax.config import ModelConfig, load_config
 from ling_jax.model import forward, lm_logits
 from ling_jax.state import init_state
 from ling_jax.train.data import fixed_windows, random_windows, to_device
+from ling_jax.train.run_control import Deadline, GracefulStop, steps_in_budget
 from ling_jax.train.step import training_options
+
+SAVE_RESERVE_S = 3.0  # seconds kept for writing the draft dir (about 10 MB of bf16 and two JSON files)
 
 
 @dataclass(frozen=True)
@@ -182,31 +194,42 @@ def make_optimizer(lr: float, steps: int, warmup: int, weight_decay: float, clip
                                                                     mask=decay))
 
 
-def distill_pool(params, ids: np.ndarray, n: int, prompt_len: int, seq: int, batch: int, cfg: ModelConfig,
-                 seed: int) -> np.ndarray:
-    """n windows int32[n, seq]: prompt_len corpus tokens at random offsets of ids, then the target's greedy
-    continuation to seq tokens (greedy_continuations, `batch` windows per program; kept in memory, never on disk)."""
+def distill_prompts(ids: np.ndarray, n: int, prompt_len: int, seq: int, seed: int) -> np.ndarray:
+    """n prompts int32[n, prompt_len] of the train split at random offsets (their greedy continuations to seq
+    tokens are the self-distillation pool; kept in memory, never on disk)."""
     if n < 1:
         raise ValueError(f"--distill-seqs {n} must be >= 1 (0 turns self-distillation off)")
     if not 1 <= prompt_len < seq:
         raise ValueError(f"--distill-prompt {prompt_len} must be in [1, --seq {seq})")
     starts = np.random.default_rng(seed).integers(0, len(ids) - prompt_len, n)
-    return continue_prompts(params, np.stack([ids[s : s + prompt_len] for s in starts]), seq, batch, cfg)
+    return np.stack([ids[s : s + prompt_len] for s in starts]).astype(np.int32)
 
 
-def continue_prompts(params, prompts: np.ndarray, seq: int, batch: int, cfg: ModelConfig) -> np.ndarray:
-    """prompts [n, P] -> int32[n, seq]: greedy_continuations, at most `batch` rows per program."""
-    if batch < 1 or len(prompts) < 1:
-        raise ValueError(f"--distill-batch {batch} and the prompts ({len(prompts)}) must be >= 1")
+def program_rows(n: int, batch: int) -> int:
+    """Rows of the one greedy program for n prompts and at most `batch` rows a program: the fewest programs,
+    rows spread evenly over them (4128 prompts at 512 -> 9 programs of 459 rows, not 8 full + 1 of 32)."""
+    if batch < 1 or n < 1:
+        raise ValueError(f"--distill-batch {batch} and the prompts ({n}) must be >= 1")
+    return -(-n // -(-n // batch))
+
+
+def greedy_program(params, rows: int, prompt_len: int, seq: int, cfg: ModelConfig):
+    """greedy_continuations lowered for int32[rows, prompt_len] -> int32[rows, seq]: prefill of the prompts, then
+    a lax.scan of decode steps on the model's decode state. Compiled once, it runs every chunk."""
+    shape = jax.ShapeDtypeStruct((rows, prompt_len), jnp.int32)
+    return jax.jit(lambda p, t: greedy_continuations(p, t, seq - prompt_len, cfg)).lower(params, shape)
+
+
+def continue_prompts(gen, params, prompts: np.ndarray, rows: int) -> np.ndarray:
+    """prompts [n, P] -> int32[n, seq] through `gen` (greedy_program(.., rows, P, ..) compiled), `rows` at a time;
+    the last chunk is padded with repeats of its first row (its outputs are dropped)."""
     prompts = np.asarray(prompts, np.int32)
-    batch = min(batch, len(prompts))
-    gen = jax.jit(lambda p, t: greedy_continuations(p, t, seq - prompts.shape[1], cfg))
     out = []
-    for i in range(0, len(prompts), batch):
-        rows = prompts[i : i + batch]
-        pad = batch - len(rows)  # the last program keeps the compiled shape
-        got = np.asarray(gen(params, jnp.asarray(np.concatenate([rows, np.repeat(rows[:1], pad, 0)]))))
-        out.append(got[: len(rows)])
+    for i in range(0, len(prompts), rows):
+        chunk = prompts[i : i + rows]
+        pad = rows - len(chunk)
+        got = np.asarray(gen(params, jnp.asarray(np.concatenate([chunk, np.repeat(chunk[:1], pad, 0)]))))
+        out.append(got[: len(chunk)])
     return np.concatenate(out)
 
 
@@ -232,7 +255,11 @@ def build_parser():
     p.add_argument("--out", required=True, help="the draft dir written (config.json, model.safetensors, metrics.json)")
     p.add_argument("--init", default=None, help="start from this draft dir instead of random weights")
     p.add_argument("--steps", type=int, default=2000)
-    p.add_argument("--time-budget", type=float, default=None, help="seconds of training (after compile); caps --steps")
+    p.add_argument("--time-budget", type=float, default=None,
+                   help="seconds of the whole run after start-up (compiles, greedy texts, training, final eval, save); "
+                        "caps --steps")
+    p.add_argument("--compile-threads", type=int, default=1,
+                   help="compile the greedy, training and eval programs concurrently in this many threads")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--anchors", type=int, default=32)
@@ -283,9 +310,13 @@ def draft_config(a, cfg: ModelConfig) -> dspark.DSparkConfig:
         num_target_layers=cfg.num_hidden_layers, mask_token_id=cfg.pad_token_id, markov_rank=a.markov_rank)
 
 
-def evaluate(ev, dp, params, held: np.ndarray, batch: int, prefix: str = "heldout_") -> dict:
+def evaluate(ev, dp, params, held: np.ndarray, batch: int, prefix: str = "heldout_", stop=None) -> dict:
+    """Mean metrics over the batches of held; stop (a GracefulStop): a second signal ends it between batches
+    (the metrics are then over the batches done)."""
     sums, n = {}, 0
     for i in range(0, len(held) - batch + 1, batch):
+        if stop is not None and stop.urgent:
+            break
         m = jax.device_get(ev(dp, params, jnp.asarray(held[i : i + batch]), jax.random.key(i)))
         for k, v in m.items():
             sums[k] = sums.get(k, 0.0) + np.asarray(v, np.float64)
@@ -303,7 +334,74 @@ def check_tokens(ids: np.ndarray, split: str, a, cfg: ModelConfig) -> np.ndarray
     return ids
 
 
+def compile_programs(lowered: dict, threads: int) -> tuple[dict, dict]:
+    """{name: jax Lowered} -> ({name: compiled}, {name: seconds}); threads > 1 compiles them concurrently (XLA
+    compiles outside the GIL; the seconds then overlap)."""
+    def one(item):
+        t = time.perf_counter()
+        return item[0], item[1].compile(), time.perf_counter() - t
+
+    if threads > 1:
+        with ThreadPoolExecutor(threads) as ex:
+            done = list(ex.map(one, lowered.items()))
+    else:
+        done = [one(item) for item in lowered.items()]
+    return {n: c for n, c, _ in done}, {n: s for n, _, s in done}
+
+
+def train_loop(step, dp, opt_state, params, tokens, pool, a, clock: Deadline, reserve_s: float, stop: GracefulStop):
+    """Steps until --steps, the budget (steps_in_budget: re-planned after step 11 and every 50 steps, from the
+    mean step time since step 1) or a signal. Returns (dp, opt_state, logged rows, steps done, first step s,
+    mean step s)."""
+    key = jax.random.key(a.seed + 1)
+    rows, total, i = [], a.steps, 0
+    t0 = time.perf_counter()
+    t_first = t_timed = None
+    step_s = math.nan
+    while i < total and not stop.requested:
+        dp, opt_state, m = step(dp, opt_state, params, tokens, pool, jax.random.fold_in(key, i))
+        i += 1
+        if i == 1:
+            jax.block_until_ready(m)
+            t_timed = time.perf_counter()
+            t_first = t_timed - t0
+        elif a.time_budget and (i == 11 or i % 50 == 0):
+            jax.block_until_ready(m)
+            step_s = (time.perf_counter() - t_timed) / (i - 1)
+            total = steps_in_budget(i, step_s, clock.left(), reserve_s, a.steps)
+        if i % a.log_every == 0 or i == total or stop.requested:
+            r = {"step": i, **{k: np.asarray(v).tolist() for k, v in jax.device_get(m).items()}}
+            rows.append(r)
+            print(f"step {i}/{total}: loss {r['loss']:.4f} ce {r['ce']:.3f} l1 {r['l1']:.3f} "
+                  f"E[accept] {r['expected_accept']:.2f} greedy {r['greedy_accept']:.2f}", flush=True)
+    jax.block_until_ready(dp)
+    if i > 1:
+        step_s = (time.perf_counter() - t_timed) / (i - 1)
+    return dp, opt_state, rows, i, t_first, step_s
+
+
+def lower_programs(params, dp, opt_state, tokens, held: np.ndarray, gen_rows: int, prompt: int, a, cfg, dcfg, tc,
+                   tx) -> dict:
+    """The run's three programs, lowered: the greedy texts, the training step and the evaluation."""
+    pool = jax.ShapeDtypeStruct((a.distill_seqs, a.seq), jnp.int32) if a.distill_seqs else None
+    step = jax.jit(functools.partial(train_step, cfg=cfg, dcfg=dcfg, tc=tc, tx=tx), donate_argnums=(0, 1))
+    ev = jax.jit(lambda dp, params, w, key: losses(dp, params, w, key, cfg, dcfg, tc)[1])
+    return {"greedy": greedy_program(params, gen_rows, prompt, a.seq, cfg),
+            "train_step": step.lower(dp, opt_state, params, tokens, pool, jax.random.key(0)),
+            "eval": ev.lower(dp, params, jnp.asarray(held[: min(a.batch, len(held))]), jax.random.key(0))}
+
+
+def eval_reserve(ev, dp, params, held: np.ndarray, batch: int) -> float:
+    """Seconds kept for the final evaluation (2 x the held-out batches, corpus and greedy text; one call timed,
+    x 1.5) and the save."""
+    t0 = time.perf_counter()
+    jax.block_until_ready(ev(dp, params, jnp.asarray(held[:batch]), jax.random.key(0)))
+    return 1.5 * 2 * (len(held) // batch) * (time.perf_counter() - t0) + SAVE_RESERVE_S
+
+
 def main(argv=None) -> dict:
+    """--time-budget S: the whole run after start-up (the target and the corpus loaded): compiles, the greedy
+    texts, training, the final evaluation and the save. SIGINT / SIGTERM: see ling_jax.train.run_control."""
     from ling_jax.train import corpus
     from ling_jax.weights import load_params
 
@@ -314,60 +412,65 @@ def main(argv=None) -> dict:
     tc = DSparkTrainConfig(batch=a.batch, seq=a.seq, anchors=a.anchors, ce_weight=a.ce_weight, l1_weight=a.l1_weight,
                            kl_weight=a.kl_weight, accept_weight=a.accept_weight,
                            distill_fraction=a.distill_fraction if a.distill_seqs else 0.0, compute_dtype=a.compute_dtype)
+    if a.compile_threads < 1:
+        raise ValueError(f"--compile-threads {a.compile_threads} must be >= 1")
     params = load_params(cfg, a.target, dtype=jnp.dtype(a.compute_dtype))
     train_ids, held_ids = (check_tokens(corpus.load_tokens(a.data, s), s, a, cfg) for s in ("train", "heldout"))
     tokens = to_device(train_ids)
     held = fixed_windows(held_ids, a.seq - 1, a.eval_windows)
-    t0 = time.perf_counter()
-    # the target's own greedy text after each held-out window's first distill_prompt tokens: what inference verifies
+    clock = Deadline(a.time_budget)
+    # one greedy program for the held-out prompts (the target's own text after each held-out window's first
+    # distill_prompt tokens: what inference verifies) and the pool's prompts
     prompt = min(a.distill_prompt, a.seq - 1)
-    held_greedy = continue_prompts(params, held[:, :prompt], a.seq, a.distill_batch, cfg)
-    pool = None
+    prompts = held[:, :prompt]
     if a.distill_seqs:
-        pool = jnp.asarray(distill_pool(params, train_ids, a.distill_seqs, prompt, a.seq, a.distill_batch, cfg,
-                                        a.seed))
-        print(f"self-distillation pool: {a.distill_seqs} x {a.seq} tokens ({prompt} corpus + greedy) in "
-              f"{time.perf_counter() - t0:.1f} s", flush=True)
-    distill_s = time.perf_counter() - t0
+        prompts = np.concatenate([prompts, distill_prompts(train_ids, a.distill_seqs, prompt, a.seq, a.seed)])
+    gen_rows = program_rows(len(prompts), a.distill_batch)
     dp = dspark.load_params(dcfg, a.init, jnp.float32) if a.init else dspark.init_params(dcfg, a.seed)
     tx = make_optimizer(a.lr, a.steps, a.warmup, a.weight_decay, 1.0)
     opt_state = tx.init(dp)
-    step = jax.jit(functools.partial(train_step, cfg=cfg, dcfg=dcfg, tc=tc, tx=tx), donate_argnums=(0, 1))
-    ev = jax.jit(lambda dp, params, w, key: losses(dp, params, w, key, cfg, dcfg, tc)[1])
-    key = jax.random.key(a.seed + 1)
-    rows, total, t0 = [], a.steps, time.perf_counter()
-    t_compile = t_timed = None
-    i = 0
-    while i < total:
-        dp, opt_state, m = step(dp, opt_state, params, tokens, pool, jax.random.fold_in(key, i))
-        i += 1
-        if i == 1:
-            jax.block_until_ready(m)
-            t_compile = time.perf_counter() - t0
-            t_timed = time.perf_counter()
-        if a.time_budget and i == 11:
-            jax.block_until_ready(m)
-            per = (time.perf_counter() - t_timed) / 10
-            total = max(i, min(a.steps, int(a.time_budget / per)))
-        if i % a.log_every == 0 or i == total:
-            r = {"step": i, **{k: np.asarray(v).tolist() for k, v in jax.device_get(m).items()}}
-            rows.append(r)
-            print(f"step {i}/{total}: loss {r['loss']:.4f} ce {r['ce']:.3f} l1 {r['l1']:.3f} "
-                  f"E[accept] {r['expected_accept']:.2f} greedy {r['greedy_accept']:.2f}", flush=True)
-    jax.block_until_ready(dp)
-    train_s = time.perf_counter() - t0
-    final = evaluate(ev, dp, params, held, min(a.batch, len(held)))
-    final |= evaluate(ev, dp, params, held_greedy, min(a.batch, len(held)), "heldout_greedy_")
-    print(json.dumps({k: v for k, v in final.items() if "top1_by_slot" not in k}), flush=True)
-    dspark.save(dcfg, dp, a.out)
-    report = {"command": "python -m ling_jax.train.dspark " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "device": jax.devices()[0].device_kind, "jax_version": jax.__version__,
-              "date": time.strftime("%Y-%m-%d"), "target": a.target, "draft_params": dspark.param_count(dcfg),
-              "steps": total, "distill_s": distill_s, "compile_s": t_compile, "train_s": train_s,
-              "step_ms": 1e3 * (train_s - t_compile) / max(total - 1, 1), "final": final, "rows": rows}
-    with open(os.path.join(a.out, "metrics.json"), "w") as f:
-        json.dump(report, f, indent=1)
-    print(f"wrote {a.out} ({dspark.param_count(dcfg) / 1e6:.2f}M params, {total} steps, {train_s:.0f} s)")
+    lowered = lower_programs(params, dp, opt_state, tokens, held, gen_rows, prompt, a, cfg, dcfg, tc, tx)
+    programs, compile_s = compile_programs(lowered, a.compile_threads)
+    print("compiled in " + ", ".join(f"{k} {v:.1f} s" for k, v in compile_s.items()) +
+          f" ({a.compile_threads} thread(s); {clock.elapsed():.1f} s since start-up)", flush=True)
+    t0 = time.perf_counter()
+    texts = continue_prompts(programs["greedy"], params, prompts, gen_rows)
+    greedy_s = time.perf_counter() - t0
+    held_greedy, pool = texts[: len(held)], (jnp.asarray(texts[len(held) :]) if a.distill_seqs else None)
+    n_programs = -(-len(prompts) // gen_rows)
+    print(f"greedy texts: {len(held)} held-out" + (f" + self-distillation pool {a.distill_seqs}" if a.distill_seqs
+          else "") + f" x {a.seq} tokens ({prompt} corpus + greedy) in {greedy_s:.1f} s ({n_programs} programs of "
+          f"{gen_rows} rows, {1e3 * greedy_s / (n_programs * (a.seq - prompt)):.1f} ms per decode step; compile "
+          f"{compile_s['greedy']:.1f} s)", flush=True)
+    eval_batch = min(a.batch, len(held))
+    reserve_s = eval_reserve(programs["eval"], dp, params, held, eval_batch)
+    if clock.left() < reserve_s:
+        print(f"warning: {clock.elapsed():.0f} s of the {a.time_budget:g} s budget spent before training", flush=True)
+    with GracefulStop() as stop:
+        t0 = time.perf_counter()
+        dp, opt_state, rows, steps, first_s, step_s = train_loop(programs["train_step"], dp, opt_state, params,
+                                                                 tokens, pool, a, clock, reserve_s, stop)
+        train_s, t0 = time.perf_counter() - t0, time.perf_counter()
+        final = {}
+        if not stop.urgent:
+            final = evaluate(programs["eval"], dp, params, held, eval_batch, stop=stop)
+            final |= evaluate(programs["eval"], dp, params, held_greedy, eval_batch, "heldout_greedy_", stop)
+            print(json.dumps({k: v for k, v in final.items() if "top1_by_slot" not in k}), flush=True)
+        eval_s, t0 = time.perf_counter() - t0, time.perf_counter()
+        dspark.save(dcfg, dp, a.out)
+        report = {"command": "python -m ling_jax.train.dspark " + " ".join(argv if argv is not None else sys.argv[1:]),
+                  "device": jax.devices()[0].device_kind, "jax_version": jax.__version__,
+                  "date": time.strftime("%Y-%m-%d"), "target": a.target, "draft_params": dspark.param_count(dcfg),
+                  "steps": steps, "interrupted": stop.requested, "final_eval_skipped": stop.urgent,
+                  "time_budget": a.time_budget, "compile_s": compile_s, "greedy_s": greedy_s,
+                  "reserve_s": reserve_s, "first_step_s": first_s, "train_s": train_s, "step_ms": 1e3 * step_s,
+                  "eval_s": eval_s, "save_s": time.perf_counter() - t0, "run_s": clock.elapsed(), "final": final,
+                  "rows": rows}
+        with open(os.path.join(a.out, "metrics.json"), "w") as f:
+            json.dump(report, f, indent=1)
+    print(f"wrote {a.out} ({dspark.param_count(dcfg) / 1e6:.2f}M params, {steps} steps"
+          f"{', interrupted' if stop.requested else ''}; train {train_s:.0f} s, whole run {report['run_s']:.0f} s"
+          + (f" of {a.time_budget:g}" if a.time_budget else "") + ")", flush=True)
     return report
 
 
