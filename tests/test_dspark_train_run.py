@@ -3,6 +3,7 @@ padded chunks, the whole-run budget plan, the signal counter, and `timeout -s IN
 interrupted after its first logged step leaves a loadable draft dir whose metrics say so)."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -82,6 +83,33 @@ def tiny_run(tmp_path):
                       "--anchors", "4", "--block-size", "4", "--layers", "1", "--context-layers", "2",
                       "--markov-rank", "8", "--warmup", "1", "--compute-dtype", "float32", "--eval-windows", "2",
                       "--distill-seqs", "3", "--distill-prompt", "6", "--distill-batch", "2"]
+
+
+def lr_fraction(step: int, total: int, warmup: int = 1, min_frac: float = 0.1) -> float:
+    """The schedule written out (warmup then cosine to min_frac), independent of trainer.lr_at."""
+    return min_frac + (1 - min_frac) * 0.5 * (1 + math.cos(math.pi * (step - warmup) / (total - warmup)))
+
+
+def test_learning_rate_follows_the_planned_steps(monkeypatch):
+    """Once the budget has planned the run (40 steps here, of --steps 1000), the cosine runs over those 40 steps:
+    the last step's rate is ~10 % of --lr (a schedule over --steps would still be at ~100 %)."""
+    import argparse
+    import types
+
+    monkeypatch.setattr(train, "steps_in_budget", lambda i, step_s, left, reserve, max_steps: 40)
+    seen = []
+
+    def step(dp, opt_state, params, tokens, pool, key, lr):
+        seen.append(float(lr))
+        return dp, opt_state, {k: jnp.float32(0) for k in ("loss", "ce", "l1", "expected_accept", "greedy_accept")}
+
+    a = argparse.Namespace(seed=0, steps=1000, time_budget=10.0, log_every=1000, lr=1e-3, warmup=5)
+    clock, stop = types.SimpleNamespace(left=lambda: 10.0), types.SimpleNamespace(requested=False)
+    _, _, _, steps, _, _ = train.train_loop(step, jnp.zeros(2), (), None, None, None, a, clock, 0.0, stop)
+    assert steps == 40 and len(seen) == 40
+    assert seen[:5] == pytest.approx([1e-3 * (i + 1) / 5 for i in range(5)])  # warmup, before any plan
+    assert seen[11:] == pytest.approx([1e-3 * lr_fraction(i, 40, warmup=5) for i in range(11, 40)], rel=1e-6)
+    assert seen[-1] < 0.11e-3
 
 
 def test_budget_spent_before_training_leaves_the_measuring_steps(tmp_path):

@@ -31,7 +31,7 @@ Per step (one jitted program, the draft's params only are differentiated):
           probability that a sampled slot k is accepted)
         + acceptance-aware: accept_weight * (1 - E / G), E = sum_k prod_{j<=k} alpha_j, the expected accepted
           drafts of a block (DeepSpec's tau - 1), differentiated through alpha.
-AdamW (fp32 masters, warmup then cosine), bf16 compute. Outputs in --out: config.json, model.safetensors (bf16, HF
+AdamW (fp32 masters, warmup then cosine to 10 % over the steps the budget allows), bf16 compute. Outputs in --out: config.json, model.safetensors (bf16, HF
 names), metrics.json.
 
 Run control (ling_jax.train.run_control): --time-budget S is the whole run after start-up. The greedy, training and
@@ -65,6 +65,9 @@ from ling_jax.state import init_state
 from ling_jax.train.data import fixed_windows, random_windows, to_device
 from ling_jax.train.run_control import Deadline, GracefulStop, steps_in_budget
 from ling_jax.train.step import training_options
+from ling_jax.train.trainer import lr_at
+
+MIN_LR_FRAC = 0.1  # the cosine ends at 10 % of --lr
 
 SAVE_RESERVE_S = 3.0  # seconds kept for writing the draft dir (about 10 MB of bf16 and two JSON files)
 
@@ -187,11 +190,14 @@ def losses(dp, params, tokens, key, cfg: ModelConfig, dcfg: dspark.DSparkConfig,
     return loss, m
 
 
-def make_optimizer(lr: float, steps: int, warmup: int, weight_decay: float, clip: float):
-    sched = optax.warmup_cosine_decay_schedule(0.0, lr, max(1, warmup), max(steps, warmup + 1), lr * 0.1)
+def make_optimizer(weight_decay: float, clip: float):
+    """clip -> Adam moments (b2 0.95) -> decoupled weight decay on matrices: AdamW without its learning rate. The
+    rate is applied by train_step (a traced argument, trainer.lr_at from the host: warmup then cosine to 10 %
+    over the steps the run will actually take), so a --time-budget run decays to the end of ITS steps; a
+    schedule built into the optimizer over --steps (100000 in the device commands) barely decayed at all."""
     decay = lambda params: jax.tree.map(lambda a: a.ndim >= 2, params)
-    return optax.chain(optax.clip_by_global_norm(clip), optax.adamw(sched, 0.9, 0.95, weight_decay=weight_decay,
-                                                                    mask=decay))
+    return optax.chain(optax.clip_by_global_norm(clip), optax.scale_by_adam(0.9, 0.95),
+                       optax.add_decayed_weights(weight_decay, decay))
 
 
 def distill_prompts(ids: np.ndarray, n: int, prompt_len: int, seq: int, seed: int) -> np.ndarray:
@@ -233,8 +239,9 @@ def continue_prompts(gen, params, prompts: np.ndarray, rows: int) -> np.ndarray:
     return np.concatenate(out)
 
 
-def train_step(dp, opt_state, params, tokens_all, pool, key, cfg, dcfg, tc, tx):
-    """pool int32[P, seq] | None: tc.pool_rows windows of the batch are rows of it (self-distillation text)."""
+def train_step(dp, opt_state, params, tokens_all, pool, key, lr, cfg, dcfg, tc, tx):
+    """pool int32[P, seq] | None: tc.pool_rows windows of the batch are rows of it (self-distillation text);
+    lr f32[]: this step's learning rate."""
     k_win, k_anchor, k_pool = jax.random.split(key, 3)
     n_pool = tc.pool_rows if pool is not None else 0
     windows = random_windows(tokens_all, k_win, tc.batch - n_pool, tc.seq - 1)  # [B - n_pool, seq]
@@ -244,7 +251,8 @@ def train_step(dp, opt_state, params, tokens_all, pool, key, cfg, dcfg, tc, tx):
     (_, m), grads = jax.value_and_grad(losses, has_aux=True)(dp, params, windows, k_anchor, cfg, dcfg, tc)
     updates, opt_state = tx.update(grads, opt_state, dp)
     m["grad_norm"] = optax.tree.norm(grads)
-    return optax.apply_updates(dp, updates), opt_state, m
+    m["lr"] = lr
+    return optax.apply_updates(dp, jax.tree.map(lambda u: -lr * u, updates)), opt_state, m
 
 
 def build_parser():
@@ -359,7 +367,8 @@ def train_loop(step, dp, opt_state, params, tokens, pool, a, clock: Deadline, re
     t_first = t_timed = None
     step_s = math.nan
     while i < total and not stop.requested:
-        dp, opt_state, m = step(dp, opt_state, params, tokens, pool, jax.random.fold_in(key, i))
+        lr = lr_at(i, total, a.lr, a.warmup, MIN_LR_FRAC)
+        dp, opt_state, m = step(dp, opt_state, params, tokens, pool, jax.random.fold_in(key, i), jnp.float32(lr))
         i += 1
         if i == 1:
             jax.block_until_ready(m)
@@ -387,7 +396,7 @@ def lower_programs(params, dp, opt_state, tokens, held: np.ndarray, gen_rows: in
     step = jax.jit(functools.partial(train_step, cfg=cfg, dcfg=dcfg, tc=tc, tx=tx), donate_argnums=(0, 1))
     ev = jax.jit(lambda dp, params, w, key: losses(dp, params, w, key, cfg, dcfg, tc)[1])
     return {"greedy": greedy_program(params, gen_rows, prompt, a.seq, cfg),
-            "train_step": step.lower(dp, opt_state, params, tokens, pool, jax.random.key(0)),
+            "train_step": step.lower(dp, opt_state, params, tokens, pool, jax.random.key(0), jnp.float32(0)),
             "eval": ev.lower(dp, params, jnp.asarray(held[: min(a.batch, len(held))]), jax.random.key(0))}
 
 
@@ -427,7 +436,7 @@ def main(argv=None) -> dict:
         prompts = np.concatenate([prompts, distill_prompts(train_ids, a.distill_seqs, prompt, a.seq, a.seed)])
     gen_rows = program_rows(len(prompts), a.distill_batch)
     dp = dspark.load_params(dcfg, a.init, jnp.float32) if a.init else dspark.init_params(dcfg, a.seed)
-    tx = make_optimizer(a.lr, a.steps, a.warmup, a.weight_decay, 1.0)
+    tx = make_optimizer(a.weight_decay, 1.0)
     opt_state = tx.init(dp)
     lowered = lower_programs(params, dp, opt_state, tokens, held, gen_rows, prompt, a, cfg, dcfg, tc, tx)
     programs, compile_s = compile_programs(lowered, a.compile_threads)
