@@ -31,8 +31,8 @@ Per step (one jitted program, the draft's params only are differentiated):
           probability that a sampled slot k is accepted)
         + acceptance-aware: accept_weight * (1 - E / G), E = sum_k prod_{j<=k} alpha_j, the expected accepted
           drafts of a block (DeepSpec's tau - 1), differentiated through alpha.
-AdamW (fp32 masters, warmup then cosine to 10 % over the steps the budget allows), bf16 compute. Outputs in --out: config.json, model.safetensors (bf16, HF
-names), metrics.json.
+AdamW (fp32 masters, warmup then cosine to 10 % over the steps the budget allows), bf16 compute. Outputs in --out:
+config.json, model.safetensors (bf16, HF names), metrics.json.
 
 Run control (ling_jax.train.run_control): --time-budget S is the whole run after start-up. The greedy, training and
 evaluation programs are compiled first (timed, printed), then the greedy texts are generated, and the training
