@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from ling_jax.config import from_hf_config, get_preset
+from ling_jax.config import from_hf_config
 from ling_jax.layers.kda import kda_chunked, kda_recurrent
 from ling_jax.model import Numerics, RuntimeOptions
 from ling_jax.state import init_state
@@ -28,6 +28,13 @@ def _full(cfg, params, tokens, dtype, opts=RuntimeOptions()):
     return logits, out
 
 
+def _fp32_model(torch_checkpoints, name, seed):
+    """(cfg, fp32 params, tokens [2, T_FULL]) of the torch-written float32 checkpoint."""
+    ckpt, _ = torch_checkpoints[(name, "float32")]
+    cfg = from_hf_config(ckpt)
+    return cfg, load_hf_checkpoint(cfg, ckpt, jnp.float32), _tokens(cfg, seed)
+
+
 @pytest.mark.parametrize("dt", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name,seed", PARITY_CASES)
 def test_logits_match_torch_reference(torch_checkpoints, name, seed, dt):
@@ -47,10 +54,7 @@ def test_logits_match_torch_reference(torch_checkpoints, name, seed, dt):
 
 @pytest.mark.parametrize("name,seed", PARITY_CASES)
 def test_prefill_then_decode_equals_full_forward(torch_checkpoints, name, seed):
-    ckpt, _ = torch_checkpoints[(name, "float32")]
-    cfg = from_hf_config(ckpt)
-    params = load_hf_checkpoint(cfg, ckpt, jnp.float32)
-    tokens = _tokens(cfg, seed)
+    cfg, params, tokens = _fp32_model(torch_checkpoints, name, seed)
     full, _ = _full(cfg, params, tokens, jnp.float32)
     P = 13
     state = init_state(cfg, 2, 64, jnp.float32)
@@ -65,33 +69,29 @@ def test_prefill_then_decode_equals_full_forward(torch_checkpoints, name, seed):
 
 
 @pytest.mark.parametrize("name,seed", PARITY_CASES)
-def test_padded_prefill_leaves_state_as_unpadded(name, seed):
-    """Positions past n_valid are no-ops: a padded prefill gives the state of the exact-length prefill."""
-    cfg = get_preset(name)
-    from ling_jax.weights import init_params
-
-    params = init_params(cfg, seed, jnp.float32)
-    tokens = _tokens(cfg, seed, B=2, T=16)
-    n_valid = jnp.array([11, 16], jnp.int32)
+def test_padded_prefill_leaves_state_as_unpadded(torch_checkpoints, name, seed):
+    """Positions past n_valid are no-ops: a padded prefill gives the state of the exact-length prefill. (The
+    checkpoint's model and the shapes of the tests above: the full [2, 24] and the exact [2, 13] prefill programs
+    are compiled already.)"""
+    cfg, params, tokens = _fp32_model(torch_checkpoints, name, seed)
+    P = 13
     state0 = init_state(cfg, 2, 64, jnp.float32)
-    _, padded = jitted_forward(cfg, "prefill")(params, tokens, state0, n_valid)
-    _, exact = jitted_forward(cfg, "prefill")(params, tokens[:1, :11], init_state(cfg, 1, 64, jnp.float32),
-                                              jnp.array([11], jnp.int32))
+    _, padded = jitted_forward(cfg, "prefill", RuntimeOptions())(params, jnp.asarray(tokens), state0,
+                                                                  jnp.array([P, T_FULL], jnp.int32))
+    _, exact = jitted_forward(cfg, "prefill")(params, tokens[:, :P], state0, jnp.full((2,), P, jnp.int32))
     assert rel_err(padded.state.kda_recurrent[:, 0], exact.state.kda_recurrent[:, 0]) <= 1e-5
     assert rel_err(padded.state.kda_conv[:, 0], exact.state.kda_conv[:, 0]) <= 1e-5
-    assert list(np.asarray(padded.state.lengths)) == [11, 16]
+    assert list(np.asarray(padded.state.lengths)) == [P, T_FULL]
 
 
 @pytest.mark.parametrize("name,seed", PARITY_CASES)
-def test_verify_then_commit_equals_decode_steps(name, seed):
+def test_verify_then_commit_equals_decode_steps(torch_checkpoints, name, seed):
     """verify(K) logits == K decode steps; commit(n) state == the state after decoding the first n tokens;
-    verify itself leaves the committed KDA state untouched."""
-    from ling_jax.weights import init_params
-
-    cfg = get_preset(name)
-    params = init_params(cfg, seed, jnp.float32)
-    B, P, K = 2, 9, 6
-    tokens = _tokens(cfg, seed, B=B, T=P + K)
+    verify itself leaves the committed KDA state untouched. (The prefill and decode programs are the ones
+    test_prefill_then_decode_equals_full_forward compiled.)"""
+    cfg, params, tokens = _fp32_model(torch_checkpoints, name, seed)
+    B, P, K = 2, 13, 6
+    tokens = tokens[:, : P + K]
     _, out = jitted_forward(cfg, "prefill")(params, tokens[:, :P], init_state(cfg, B, 64, jnp.float32),
                                             jnp.full((B,), P, jnp.int32))
     base = out.state

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from compile.stages import slice_config
 from ling_jax.config import get_preset
 from ling_jax.model import forward, lm_logits
 from ling_jax.runner import Generator
@@ -25,7 +26,9 @@ PENALTIES = dict(repetition_penalty=1.6, presence_penalty=0.5, frequency_penalty
 
 @functools.lru_cache(maxsize=None)
 def model():
-    cfg = get_preset("test-tiny").replace(vocab_size=V, eos_token_id=1, pad_token_id=0)
+    """test-tiny's first 3 layers (KDA + dense, KDA + MoE, MLA + MoE, then the MTP layer): every layer kind; the
+    sampling fields act on the logits, whatever the depth."""
+    cfg = slice_config(get_preset("test-tiny"), 3).replace(vocab_size=V, eos_token_id=1, pad_token_id=0)
     return cfg, init_params(cfg, 5, jnp.float32)
 
 
