@@ -285,13 +285,15 @@ def init_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.bfloat16, shardings: 
     check_quantization(quantization)
     spec = array_spec(cfg)
     base = jax.random.key(seed)
+    # under a trace (jax.eval_shape / jit of init_params) the key is a tracer, which an executable cannot take
+    draw = _draw_program if isinstance(base, jax.core.Tracer) else _compiled_draw
     programs: dict = {}
     leaves = []
     for n, a in enumerate(spec):
         sh = shardings(a) if shardings else None
         sig = (a.init, a.shape, resolve_dtype(a, dtype), a.fan_in, sh, is_fp8(a, quantization))
         if sig not in programs:
-            programs[sig] = _compiled_draw(*sig)
+            programs[sig] = draw(*sig)
         salt = zlib.crc32("/".join(map(str, a.path)).encode()) & 0x7FFFFFFF
         leaves.append(programs[sig](jax.random.fold_in(base, salt)))
         if progress:
