@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from ling_jax.config import from_hf_config
+from ling_jax.config import from_hf_config, get_preset
 from ling_jax.layers.kda import kda_chunked, kda_recurrent
 from ling_jax.model import Numerics, RuntimeOptions
 from ling_jax.state import init_state
