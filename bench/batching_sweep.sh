@@ -13,17 +13,8 @@ flags=(--model-path models/ling-demo --context-length 2048 --speculative-algorit
 bench=(--backend sglang --dataset-name random --tokenizer-free --random-input-len 128 --random-output-len 256
        --random-range-ratio 1 --seed 1)
 
-serve() {  # serve NAME PORT FLAGS...: start a server, wait for /health (at most 300 s)
-  local name=$1 port=$2; shift 2
-  python3 -m serve.launch_server --port "$port" "${flags[@]}" "$@" > "$out/server-$name.log" 2>&1 &
-  pid=$!
-  for _ in $(seq 600); do
-    curl -sf "http://127.0.0.1:$port/health" > /dev/null && { echo "server $name ready after ${SECONDS}s"; return 0; }
-    kill -0 $pid 2> /dev/null || { echo "server $name died"; tail -20 "$out/server-$name.log"; return 1; }
-    sleep 0.5
-  done
-  echo "server $name not ready"; return 1
-}
+source "$(dirname "$0")/serve_wait.sh"
+serve() { local name=$1 port=$2; shift 2; start_server "$name" "$port" "$out/server-$name.log" "${flags[@]}" "$@"; }
 
 serve batch1 30201 --max-running-requests 1 && \
   timeout 120 python3 -m bench.bench_serving --port 30201 "${bench[@]}" --concurrency-sweep 1 --num-prompts 6 \

@@ -14,16 +14,9 @@ bench=(--backend sglang --dataset-name random --tokenizer-free --random-input-le
        --random-range-ratio 1 --seed 1 --concurrency-sweep 1 --num-prompts 6)
 check='{"input_ids": [5, 17, 99, 3, 42, 8], "sampling_params": {"max_new_tokens": 61, "ignore_eos": true, SAMPLING}}'
 
-serve() {  # serve N PORT: start a server with N steps per dispatch, wait for /health (at most 300 s)
-  python3 -m serve.launch_server --port "$2" "${flags[@]}" --num-continuous-decode-steps "$1" \
-    > "$out/server-n$1.log" 2>&1 &
-  pid=$!
-  for _ in $(seq 600); do
-    curl -sf "http://127.0.0.1:$2/health" > /dev/null && { echo "server N=$1 ready after ${SECONDS}s"; return 0; }
-    kill -0 $pid 2> /dev/null || { echo "server N=$1 died"; tail -20 "$out/server-n$1.log"; return 1; }
-    sleep 0.5
-  done
-  echo "server N=$1 not ready"; return 1
+source "$(dirname "$0")/serve_wait.sh"
+serve() {  # serve N PORT: a server with N steps per dispatch
+  start_server "N=$1" "$2" "$out/server-n$1.log" "${flags[@]}" --num-continuous-decode-steps "$1"
 }
 
 for n in 1 ${STEPS:-4 8}; do
