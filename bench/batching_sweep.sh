@@ -17,11 +17,11 @@ source "$(dirname "$0")/serve_wait.sh"
 serve() { local name=$1 port=$2; shift 2; start_server "$name" "$port" "$out/server-$name.log" "${flags[@]}" "$@"; }
 
 serve batch1 30201 --max-running-requests 1 && \
-  timeout 120 python3 -m bench.bench_serving --port 30201 "${bench[@]}" --concurrency-sweep 1 --num-prompts 6 \
+  timeout 120 python3 -m bench.bench_serving --port 30201 "${bench[@]}" --concurrency-sweep 1 --num-prompts 24 \
     --output-file "$out/serving-sweep-batch1.json"
 kill $pid 2> /dev/null; wait $pid 2> /dev/null
 serve batch8 30202 --max-running-requests 8 && \
-  timeout 240 python3 -m bench.bench_serving --port 30202 "${bench[@]}" --concurrency-sweep 1,2,4,8 --num-prompts 6 \
+  timeout 240 python3 -m bench.bench_serving --port 30202 "${bench[@]}" --concurrency-sweep 1,2,4,8 --num-prompts 24 \
     --output-file "$out/serving-sweep-batch8.json"
 kill $pid 2> /dev/null; wait $pid 2> /dev/null
 python3 - "$out" <<'PY'
