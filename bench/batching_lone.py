@@ -11,14 +11,15 @@ median over --reps of (decode seconds / decoded tokens), the first run of each e
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench.bench_step import write
 from ling_jax.batching import BatchGenerator
 from ling_jax.config import load_config
 from ling_jax.runner import Generator
@@ -62,18 +63,12 @@ def main(argv=None):
             t = per_token_us(g, a.new_tokens, a.reps)
             rows.append({"path": name, "median_us_per_token": float(np.median(t)), "runs_us": t})
             print(f"{name:15s} {np.median(t):8.1f} us/token (median of {len(t)})", flush=True)
-    dev = jax.devices()[0]
-    report = {"command": "python3 -m bench.batching_lone " + " ".join(argv or []),
-              "device": dev.device_kind if dev.platform != "cpu" else "cpu", "jax_version": jax.__version__,
-              "date": time.strftime("%Y-%m-%d"), "model": a.model, "dtype": a.dtype, "nextn_steps": a.steps,
-              "new_tokens": a.new_tokens, "rows": rows}
+    report = {"model": a.model, "dtype": a.dtype, "nextn_steps": a.steps, "new_tokens": a.new_tokens}
     if a.out:
         os.makedirs(a.out, exist_ok=True)
-        path = os.path.join(a.out, f"batching-lone-{report['device'].replace(' ', '-')}-{report['date']}.json")
-        with open(path, "w") as f:
-            json.dump(report, f, indent=1)
-        print(f"wrote {path}")
-    return report
+        print("wrote", write(a.out, "batching-lone", rows, report, jax.devices()[0].device_kind.replace(" ", "-"),
+                             "python3 -m bench.batching_lone " + " ".join(argv or sys.argv[1:])))
+    return rows
 
 
 if __name__ == "__main__":

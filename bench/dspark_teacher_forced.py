@@ -14,14 +14,14 @@ computation.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import time
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench.bench_step import write
 from bench.eval_accept import heldout_tokens, make_prompts
 from ling_jax import dspark as ds
 from ling_jax.config import load_config
@@ -63,18 +63,16 @@ def main(argv=None):
               f"{per_prompt[-1]['equal_steps']}/{real.size} steps", flush=True)
     real = np.concatenate([r["real"] for r in per_prompt])
     forced = np.concatenate([r["teacher_forced"] for r in per_prompt])
-    report = {"command": "python -m bench.dspark_teacher_forced " + " ".join(argv or []), "device": jax.devices()[0].platform,
-              "jax_version": jax.__version__, "date": time.strftime("%Y-%m-%d"), "model": a.model, "draft": a.draft,
-              "mean_real": float(real.mean()), "mean_teacher_forced": float(forced.mean()),
-              "equal_steps": int(np.sum(real == forced)), "steps": int(real.size), "prompts": per_prompt}
+    report = {"model": a.model, "draft": a.draft, "mean_real": float(real.mean()),
+              "mean_teacher_forced": float(forced.mean()), "equal_steps": int(np.sum(real == forced)),
+              "steps": int(real.size)}
     print(f"all: real {report['mean_real']:.3f}, teacher-forced {report['mean_teacher_forced']:.3f}, equal at "
           f"{report['equal_steps']}/{report['steps']} steps")
     if a.out:
         os.makedirs(a.out, exist_ok=True)
-        path = os.path.join(a.out, f"dspark-teacher-forced-{report['device']}-{report['date']}.json")
-        with open(path, "w") as f:
-            json.dump(report, f, indent=1)
-        print(f"wrote {path}")
+        print("wrote", write(a.out, "dspark-teacher-forced", per_prompt, report,
+                             jax.devices()[0].device_kind.replace(" ", "-"),
+                             "python -m bench.dspark_teacher_forced " + " ".join(argv or sys.argv[1:])))
     return report
 
 
