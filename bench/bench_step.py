@@ -49,6 +49,7 @@ from compile.mesh import make_mesh
 from compile.runner import constrain
 from compile.sharding import ShardingRules, kernel_calls_for, param_specs, state_shardings, with_shardings
 from compile.stages import Program, slice_config
+from ling_jax.aliased_step import AliasedStep
 from ling_jax.config import get_preset
 from ling_jax.draft_vocab import with_draft_vocab
 from ling_jax.kernel_calls import kernel_calls
@@ -366,15 +367,16 @@ def compile_step(prog, mesh, rules, params, plan, multi_step: int = 1):
     if multi_step > 1:
         fn = functools.partial(lambda p, s, _f, n: jax.lax.scan(lambda c, _: _f(p, c), s, None, length=n),
                                _f=fn, n=multi_step)
-    step = jax.jit(lambda p, s, _f=fn: constrain(_f(p, s), mesh, rules), donate_argnums=(1,))
+    step = AliasedStep(lambda p, s, _f=fn: constrain(_f(p, s), mesh, rules),  # the runner's form of the step
+                       out_shardings=lambda out: state_shardings(out, mesh, rules))
     abstract = prog.abstract_state()
-    compiled = step.lower(params, with_shardings(abstract, state_shardings(abstract, mesh, rules))).compile()
+    compiled = step.compile(params, with_shardings(abstract, state_shardings(abstract, mesh, rules)))
     mem = compiled.memory_analysis()
     temp = 0 if mem is None else int(mem.temp_size_in_bytes)
     print(f"  compiled: XLA temporaries {temp / 2**30:.2f} GiB, headroom after weights + state + temp "
           f"{plan.headroom(temp) / 2**30:.2f} GiB", flush=True)
     plan.check(temp, f"for the {prog.mode} step")
-    return compiled, temp
+    return step, temp
 
 
 def time_ttft(a, cfg, params, kernels) -> list[dict]:
@@ -601,7 +603,7 @@ def run_one(a, cfg, mesh, rules, params, bw, plan, rows, extra, mode, K, prog, k
         print(json.dumps({k: v for k, v in c.items() if k != "top_kernels"})[:1500], flush=True)
     if a.dump_hlo and not baseline:  # the optimised HLO of the timed program (what the census counts)
         with gzip.open(os.path.join(a.out, f"hlo-{prefix}{a.tag}-{mode}{K}.txt.gz"), "wt") as f:
-            f.write(step.as_text())
+            f.write(step.advance.as_text())
     del state
     return (step, routing) if mode == "nextn" and K == 5 and not baseline and not dv else None
 

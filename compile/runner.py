@@ -14,6 +14,7 @@ import jax
 from jax.sharding import Mesh
 
 from compile.sharding import ShardingRules, kernel_calls_for, shardings_for, state_shardings
+from ling_jax.aliased_step import AliasedStep
 from ling_jax.config import ModelConfig
 from ling_jax.runner import Generator
 from ling_jax.weights import init_params
@@ -45,8 +46,9 @@ class ShardedGenerator(Generator):
 
     @functools.lru_cache(maxsize=None)
     def step_fn(self, is_greedy: bool, with_logprobs: bool = False):
-        inner = super().step_fn(is_greedy, with_logprobs)
-        return jax.jit(lambda p, s: constrain(inner(p, s), self.mesh, self.rules), donate_argnums=(1,))
+        inner = self.dispatch_step(is_greedy, with_logprobs)
+        return AliasedStep(lambda p, s: constrain(inner(p, s), self.mesh, self.rules),
+                           out_shardings=lambda out: state_shardings(out, self.mesh, self.rules))
 
 
 def sharded_params(cfg: ModelConfig, mesh: Mesh, rules: ShardingRules = ShardingRules(), *, seed: int = 0,

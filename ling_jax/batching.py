@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
+from ling_jax.aliased_step import AliasedStep
 from ling_jax.runner import GenerationStats, Generator, _record_logprobs, collect, warm_up_prompts
 from ling_jax.sampling import SamplingOptions
 from ling_jax.slots import cat_rows, is_joined, join_rows, put_row, split_rows, take_rows
@@ -129,7 +130,7 @@ class BatchGenerator:
         donated (updated in place). rows = 1: the batch-1 step program itself, on a batch-1 state."""
         if rows == 1:
             return self.gen.step_fn(is_greedy, with_logprobs)
-        return jax.jit(self.gen.step(is_greedy, with_logprobs), donate_argnums=(1,))
+        return AliasedStep(self.gen.step(is_greedy, with_logprobs))
 
     @functools.lru_cache(maxsize=None)
     def insert_fn(self):

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ling_jax.aliased_step import AliasedStep
 from ling_jax.config import ModelConfig
 from ling_jax.decode import plain_init, plain_prefill_chunk, plain_step
 from ling_jax.dspark_step import dspark_init, dspark_prefill_chunk, dspark_step
@@ -180,14 +181,19 @@ class Generator:
             return functools.partial(spec_step, steps=self.K, **kw)
         return functools.partial(plain_step, **kw)
 
-    @functools.lru_cache(maxsize=None)
-    def step_fn(self, is_greedy: bool, with_logprobs: bool = False):
-        """The whole step as ONE jitted program; the state is donated (its buffers are updated in place). With
-        decode_steps = N > 1 the program runs N steps and its outputs gain a leading axis [N, ...]."""
+    def dispatch_step(self, is_greedy: bool, with_logprobs: bool = False):
+        """The function one dispatch runs, not jitted: the step, or with decode_steps = N > 1 N steps (its outputs
+        gain a leading axis [N, ...])."""
         fn = self.step(is_greedy, with_logprobs)
         if self.decode_steps > 1:
             fn = functools.partial(_continuous_steps, step=fn, n=self.decode_steps)
-        return jax.jit(fn, donate_argnums=(1,))
+        return fn
+
+    @functools.lru_cache(maxsize=None)
+    def step_fn(self, is_greedy: bool, with_logprobs: bool = False):
+        """The whole step as ONE jitted program on donated state (its buffers updated in place), whose outputs
+        also reuse their buffers (aliased_step: XLA's CUDA graph of the step is recorded once, not every call)."""
+        return AliasedStep(self.dispatch_step(is_greedy, with_logprobs))
 
     def check_inputs(self, prompt, max_new_tokens: int, top_logprobs: int | None) -> list[int]:
         """A request's prompt as ints, checked with its lengths and top_logprobs (every stream's first step)."""

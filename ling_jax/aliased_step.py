@@ -1,0 +1,82 @@
+"""A step program whose every output aliases a donated input, so XLA records its CUDA graph once.
+
+On the GPU XLA runs the whole step as one command buffer (a CUDA graph), and re-records it (every kernel node's
+arguments, `command_buffer::update`) whenever a buffer it uses has moved since the last call
+(xla/backends/gpu/runtime/command_buffer_thunk.cc). A step `(params, state) -> (state, out)` on donated state
+keeps the state's buffers in place, but `out` (the emitted tokens, the accept count) is a fresh allocation every
+call, so EVERY call re-records the graph. Measured on the H200 with the demo model
+(bench/results/dispatch-probe-*-h200-2026-12-02.json, XLA's VLOG counting the updates): 200 of 200 calls
+re-recorded, at 130-520 us each; the same step returning only its state re-recorded none, and its host time per
+call fell from 728 to 481 us (plain) and from 903 to 490 us (NEXTN 5).
+
+So the step runs as two programs:
+
+    advance(params, state, box) -> (state', out')   state and box donated: out' is written into the box's buffers
+    emit(out') -> a copy of out'                     a few bytes; what the host holds and reads one step late
+
+The box is the previous call's out' (its buffers are reused in place; the first box is zeros, placed like the
+outputs). `emit`'s copy is what makes the host's late read safe: the box itself is donated to the next call.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+
+class AliasedStep:
+    """callable (params, state) -> (state, out), as `jax.jit(step, donate_argnums=(1,))` is, with every output of
+    the big program aliased to a donated input (see the module docstring).
+
+    step: the un-jitted step function (params, state) -> (state, out).
+    out_shardings: tree of the step's `out` (abstract) -> their shardings (None: the inputs' one device, committed
+      where they are); a sharded caller passes its output sharding rule, so the box aliases the outputs and the
+      second call matches the first one's signature."""
+
+    def __init__(self, step: Callable, out_shardings: Callable | None = None):
+        self._step = step
+        self._out_shardings = out_shardings
+        self.advance = jax.jit(lambda params, state, box: _into_box(step(params, state), box), donate_argnums=(1, 2))
+        self.emit = jax.jit(lambda out: jax.tree.map(jnp.copy, out))
+        self._box = None
+
+    def first_box(self, params, state):
+        """Zeros shaped and placed like the step's `out`, made on the device (no step runs, no host transfer: the
+        runner dispatches under jax.transfer_guard("disallow"))."""
+        out = jax.eval_shape(self._step, params, state)[1]
+        if self._out_shardings is not None:
+            shardings = self._out_shardings(out)
+        else:  # jit's outputs are committed to the inputs' device when any input is (else the call with the
+            # previous outputs as its box would not match the first call's signature and compile again)
+            committed = [a for a in jax.tree.leaves((params, state)) if getattr(a, "committed", False)]
+            shardings = committed[0].sharding if committed else None
+        zeros = lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), out)
+        return jax.jit(zeros, out_shardings=shardings)()
+
+    def __call__(self, params, state):
+        box = self._box if self._box is not None else self.first_box(params, state)
+        state, out = self.advance(params, state, box)
+        self._box = out  # donated to the next call: its buffers are this call's outputs, reused in place
+        return state, self.emit(out)
+
+    def compile(self, params, state):
+        """Compile the advance program ahead of time on these arguments (`state` may be abstract: shapes and
+        shardings); later calls run that executable. Returns it (its memory_analysis, as_text)."""
+        self.advance = self.lower(params, state).compile()
+        return self.advance
+
+    def lower(self, params, state):
+        """The advance program lowered on these arguments (what runs on the device, e.g. to inspect its HLO)."""
+        return self.advance.lower(params, state, self.first_box(params, state))
+
+
+def _into_box(result, box):
+    """(state, out) with out written over the box: the box becomes an input the program uses (jit drops unused
+    arguments, and a dropped argument aliases nothing), and XLA folds the whole-array update into out itself."""
+    state, out = result
+    into = lambda b, o: jax.lax.dynamic_update_slice(b.reshape(-1, *b.shape[b.ndim:]) if b.ndim == 0 else b,
+                                                     o.reshape(1) if o.ndim == 0 else o,
+                                                     (0,) * max(o.ndim, 1)).reshape(o.shape)
+    return state, jax.tree.map(into, box, out)
