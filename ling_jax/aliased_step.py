@@ -4,15 +4,17 @@ On the GPU XLA runs the whole step as one command buffer (a CUDA graph), and re-
 arguments, `command_buffer::update`) whenever a buffer it uses has moved since the last call
 (xla/backends/gpu/runtime/command_buffer_thunk.cc). A step `(params, state) -> (state, out)` on donated state
 keeps the state's buffers in place, but `out` (the emitted tokens, the accept count) is a fresh allocation every
-call, so EVERY call re-records the graph. Measured on the H200 with the demo model
-(bench/results/dispatch-probe-*-h200-2026-12-02.json, XLA's VLOG counting the updates): 200 of 200 calls
-re-recorded, at 130-520 us each; the same step returning only its state re-recorded none, and its host time per
-call fell from 728 to 481 us (plain) and from 903 to 490 us (NEXTN 5).
+call, so EVERY call re-records the graph. Measured on the H200 with the demo model (bench/dispatch_probe.py, XLA's
+VLOG counting the updates; bench/results/dispatch-probe-*-h200-2026-12-02*.json): the plain jitted step re-records
+on 150 of 150 calls, 87-180 us each for the plain step and 340-470 us for the NEXTN 5 step; this form re-records
+on none. A device allocation between two steps (a copy of the outputs in device memory) can also move the step's
+temporary buffer, and then the whole graph is re-recorded (65 of 150 calls at 640-1600 us each, measured), so the
+copy the host reads goes to pinned host memory.
 
 So the step runs as two programs:
 
     advance(params, state, box) -> (state', out')   state and box donated: out' is written into the box's buffers
-    emit(out') -> a copy of out'                     a few bytes; what the host holds and reads one step late
+    emit(out') -> a copy of out' in pinned host memory   a few bytes; what the host holds and reads one step late
 
 The box is the previous call's out' (its buffers are reused in place; the first box is zeros, placed like the
 outputs). `emit`'s copy is what makes the host's late read safe: the box itself is donated to the next call.
@@ -39,7 +41,7 @@ class AliasedStep:
         self._step = step
         self._out_shardings = out_shardings
         self.advance = jax.jit(lambda params, state, box: _into_box(step(params, state), box), donate_argnums=(1, 2))
-        self.emit = jax.jit(lambda out: jax.tree.map(jnp.copy, out))
+        self.emit = None  # built with the first box, which knows where the outputs live
         self._box = None
 
     def first_box(self, params, state):
@@ -53,6 +55,8 @@ class AliasedStep:
             committed = [a for a in jax.tree.leaves((params, state)) if getattr(a, "committed", False)]
             shardings = committed[0].sharding if committed else None
         zeros = lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), out)
+        if self.emit is None:
+            self.emit = jax.jit(lambda o: jax.tree.map(jnp.copy, o), out_shardings=_in_host_memory(shardings, out))
         return jax.jit(zeros, out_shardings=shardings)()
 
     def __call__(self, params, state):
@@ -70,6 +74,21 @@ class AliasedStep:
     def lower(self, params, state):
         """The advance program lowered on these arguments (what runs on the device, e.g. to inspect its HLO)."""
         return self.advance.lower(params, state, self.first_box(params, state))
+
+
+def _in_host_memory(shardings, out):
+    """Where `emit` writes its copies: pinned host memory of the outputs' devices (the copy IS the device-to-host
+    transfer the host reads one step late, and it allocates nothing on the device between two steps: a device
+    allocation there can move the step's temporary buffer, and a moved buffer re-records the whole graph,
+    ~800 us on the H200). Device memory where the device has no pinned host memory."""
+    if shardings is None:
+        shardings = jax.tree.map(lambda a: jax.sharding.SingleDeviceSharding(jax.devices()[0]), out)
+    one = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+    kinds = {m.kind for m in next(iter(one[0].device_set)).addressable_memories()} if one else set()
+    if "pinned_host" not in kinds:
+        return shardings
+    return jax.tree.map(lambda sh: sh.with_memory_kind("pinned_host"), shardings,
+                        is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
 
 
 def _into_box(result, box):
