@@ -159,7 +159,8 @@ def layer_passes(cfg, mode: str, K: int) -> int:
 
 def routing_from(path, cfg, mode, K) -> list[float]:
     """Distinct experts per router call for this config, from the means of a (slice) run's rows."""
-    rows = {r["name"]: r["distinct_experts_per_router_call"] for r in json.load(open(path))["rows"]}
+    rows = {r["name"]: r["distinct_experts_per_router_call"] for r in json.load(open(path))["rows"]
+            if "distinct_experts_per_router_call" in r}  # the step rows (not TTFT or error rows)
     n_moe = sum(1 for i in range(cfg.num_hidden_layers) if cfg.is_moe(i))
     if mode == "plain":
         return [float(np.mean(rows["plain decode step"]))] * n_moe
