@@ -345,7 +345,8 @@ def programs(a, cfg, mesh, rules, kernels, fused_linear: bool = False):
     """[(mode, K, Program, draft vocabulary N or None)] of the runs, in order: plain (unless --skip-plain), each
     NEXTN --steps, then each NEXTN --steps again with --draft-vocab."""
     out = []
-    calls = (kernel_calls(kernels, kda_impl=a.kda_impl, fused_linear=fused_linear, p2p_allreduce=a.p2p_allreduce)
+    calls = (kernel_calls(kernels, kda_impl=a.kda_impl, fused_linear=fused_linear, p2p_allreduce=a.p2p_allreduce,
+                          moe_router_tables=a.moe_router_tables)
              if kernels != "reference" else None)
     opts = kernel_calls_for(RuntimeOptions(kernels=calls), mesh, rules)
     nextn = [int(k) for k in a.steps.split(",")]
@@ -450,6 +451,8 @@ def main():
     ap.add_argument("--kda-impl", default="verify", choices=("chain", "verify"), help="KernelCalls.kda_impl")
     ap.add_argument("--fused-linear", action="store_true", help="KernelCalls.fused_linear=True: the layers' "
                     "projections through pallas_kernels/fused_linear.py instead of XLA (off by default)")
+    ap.add_argument("--moe-router-tables", action="store_true", help="KernelCalls.moe_router_tables=True: on the "
+                    "Triton MoE the router's one launch also emits the MoE's tables (off by default until timed)")
     ap.add_argument("--p2p-allreduce", action="store_true", help="KernelCalls.p2p_allreduce=True (--tp >= 2): each "
                     "MoE layer's all-reduce + residual add + next RMSNorm as one peer-to-peer Mosaic kernel instead "
                     "of psum (shapes the kernel rejects stay on psum)")
@@ -523,11 +526,12 @@ def run_all(a, cfg, tp, mesh, rules):
                        "quantization": a.quantization, "memory_plan": plan.lines(), "host_peak_rss_bytes": host,
                        "routing_source": a.routing_from or "captured from this run's router (jnp copy of the step)"}
     fused = a.fused_linear
-    extra.update(kernels=a.kernels, fused_linear=fused, p2p_allreduce=a.p2p_allreduce, tree=tree_of(a.tree),
-                 multi_step=a.multi_step, reps=a.reps)
+    extra.update(kernels=a.kernels, fused_linear=fused, p2p_allreduce=a.p2p_allreduce,
+                 moe_router_tables=a.moe_router_tables, tree=tree_of(a.tree), multi_step=a.multi_step, reps=a.reps)
     prefix = "step" + ("-" + os.path.basename(os.path.normpath(a.model)) if a.model else "") + f"-kda{a.kda_impl}"
     prefix += (f"-{a.quantization}" if a.quantization else "") + ("-fl" if fused else "")
     prefix += "-p2p" if a.p2p_allreduce else ""
+    prefix += "-mrt" if a.moe_router_tables else ""
     kept = None
     os.makedirs(a.out, exist_ok=True)
     write(a.out, prefix + a.tag, rows, extra, device)  # the plan and ceiling survive a crash of the first step

@@ -19,6 +19,7 @@ Shapes (per call, the layers' view; a subclass sees its per-device slices inside
               or None when the Pallas router does not fit the dims (the caller routes in jnp)
   routed_moe: route's arguments, the experts (w_gate, w_up, w_down), shared, live_rows [B] or None
                                                                            -> (y [T, D] f32, ids [T, A]) or None
+              (the router's launch also aligns the experts: moe_slots on Mosaic, moe_router_tables on Triton)
   kda_prefill: q, k [B, T, H, K] (q scaled), v [B, T, H, V], g [B, T, H, K], beta [B, T, H], state
               [B, H, K, V]                                                -> (o [B, T, H, V] f32, state)
   norm_linear: h a layers.linear.Normed of x [B, T, D] (or of a tuple of inputs), projections of weights
@@ -54,6 +55,7 @@ from pallas_kernels import moe as _moe_triton
 from pallas_kernels import moe_mosaic as _moe_mosaic
 from pallas_kernels import moe_mosaic_fp8 as _moe_mosaic_fp8
 from pallas_kernels import router as _router
+from pallas_kernels import router_segments as _router_segments
 
 CHOICES = ("auto", "pallas", "reference", "interpret")
 MOE_IMPLS = ("auto", "mosaic", "triton")
@@ -88,6 +90,17 @@ class KernelCalls:
       down and one fusion (split-K sum + residual add), instead of ~10 XLA kernels of alignment and padding
       between them. Off by default: on the H200 (2026-12-01, bench/kernels_moe_layer.py, Ling dims) the layer at
       T = 1 took 57.4 us with it against 49.7 us without (4.1 vs 9.3 kernels per call), bitwise equal outputs.
+    moe_router_tables: where the Triton MoE serves a decode / verify call (T <= router_segments.MAX_TOKENS = 32),
+      the router is ONE launch that also emits the MoE's alignment tables (pallas_kernels.router_segments ->
+      moe.moe_segments): router, up, down, and the shared expert's XLA fusions where its width is not I (the v2
+      demo: 192 vs 64), instead of router scores, router top-k and the XLA alignment (key add, sort, gather,
+      scatter-add, stack and copies between them). Same ids, weights, tables and products as that chain
+      (tests/test_kernels_router_segments.py: bitwise in the interpreter; the GPU's check is
+      bench/kernels_moe_router_tables.py). Off until it is timed and checked on the GPU (the device time of
+      2026-12-02 ran out before it was merged; its Triton compile is untested): the v2 demo's plain step is
+      launch-bound (~261 kernels, 0.37 ms of GPU time, H200 HLO dump of 2026-12-02), and ~8 kernels per MoE pass
+      go with it. The A/B: bench_step --model models/ling-demo with and without it, and
+      bench/kernels_moe_router_tables.py (bitwise checks on the GPU).
     moe_n_tokens: the Mosaic MoE's token columns N (16, 32 or a multiple of 64; a call with more tokens uses
       64, and Triton above that). Every weight tile is multiplied with an [N, BK] x tile, so N = 64 at T = 1 streams
       as many activation bytes through SMEM as the up kernel's weight rows (and the down kernel's h' tiles
@@ -134,6 +147,7 @@ class KernelCalls:
     kda_pallas_prefill: bool = False
     mla_live_prefix: bool = False
     moe_slots: bool = False
+    moe_router_tables: bool = False
     moe_n_tokens: int = 64
     moe_tiles: _moe_mosaic.MosaicMoeConfig | None = None
     fused_linear: bool = False
@@ -237,22 +251,45 @@ class KernelCalls:
 
     def routed_moe(self, x, gate_w, expert_bias, cfg, experts, shared, *, limit: float, shared_limit: float,
                    live_rows=None, rows_per_seq: int = 0):
-        """Router and MoE with the alignment inside the router's top-k launch (see moe_slots) -> (y [T, D] f32,
-        ids [T, A]), or None where that chain does not apply (moe_slots off, the Mosaic kernel does not serve
-        the call, fp8 weights, a shared width other than I, router tiles that do not fit): the caller routes
-        and calls `moe`. live_rows int32[B] with rows_per_seq = T / B: padding rows borrow routing (as
-        ling_jax.layers.moe.borrow_routing)."""
+        """Router and MoE with the alignment inside the router's launch -> (y [T, D] f32, ids [T, A]), or None
+        where no such chain applies (the caller routes and calls `moe`): on the Mosaic MoE, moe_slots (bf16
+        weights, a shared expert of width I); on the Triton MoE, moe_router_tables (T <= its MAX_TOKENS).
+        Neither where the router tiles do not fit. live_rows int32[B] with rows_per_seq = T / B: padding rows
+        borrow routing (as ling_jax.layers.moe.borrow_routing)."""
         rc = self._router_config(x, gate_w.shape[0], cfg)
+        if rc is None:
+            return None
+        route_kw = dict(n_group=cfg.n_group, topk_group=cfg.topk_group, top_k=cfg.num_experts_per_tok,
+                        routed_scaling_factor=cfg.routed_scaling_factor, norm_topk_prob=cfg.norm_topk_prob,
+                        rows_per_seq=rows_per_seq if live_rows is not None else 0, config=rc)
+        if self._fp8_mosaic(x, experts, shared) or self.moe_kernel(x, experts[0]) == "mosaic":
+            return self._routed_moe_mosaic(x, gate_w, expert_bias, experts, shared, live_rows, route_kw,
+                                           limit=limit, shared_limit=shared_limit)
+        if not self.moe_router_tables or x.shape[0] > _router_segments.MAX_TOKENS:
+            return None
+        # The Triton chain of `moe`, its alignment in the router's launch: the same kernels on the same tables
+        w_gate, w_up, w_down = (dense(w, x.dtype) for w in experts)
+        dense_shared = None if shared is None else tuple(dense(w, x.dtype) for w in shared)
+        in_kernel = dense_shared is not None and dense_shared[0].shape[0] == w_gate.shape[1]
+        r = _router_segments.route_segments(x, gate_w, expert_bias, live_rows, has_shared=in_kernel, **route_kw)
+        y = _moe_triton.moe_segments(x, r.order, r.seg, r.tok, r.w_rows, w_gate, w_up, w_down, limit=limit,
+                                     shared=dense_shared if in_kernel else None, shared_limit=shared_limit,
+                                     config=self._triton_moe_config(w_gate)).astype(jnp.float32)
+        if shared is not None and not in_kernel:  # as `moe`: a shared width other than I through the model
+            y = y + shared_expert(x, shared, shared_limit)
+        return y, r.ids
+
+    def _routed_moe_mosaic(self, x, gate_w, expert_bias, experts, shared, live_rows, route_kw, *, limit: float,
+                           shared_limit: float):
+        """moe_slots: router.route_slots -> moe_mosaic.moe_slots, or None (off, fp8 weights, no shared expert of
+        width I)."""
         w_gate, w_up, w_down = experts
         dense_weights = not any(isinstance(w, Fp8Weight) for w in (*experts, *(shared or ())))
-        if (not self.moe_slots or rc is None or not dense_weights or shared is None
-                or shared[0].shape != w_gate.shape[1:] or self.moe_kernel(x, w_gate) != "mosaic"):
+        if not self.moe_slots or not dense_weights or shared is None or shared[0].shape != w_gate.shape[1:]:
             return None
         mcfg = self._mosaic_moe_config(x.shape[0], w_gate)
-        r = _router.route_slots(x, gate_w, expert_bias, live_rows, n_group=cfg.n_group, topk_group=cfg.topk_group,
-                                top_k=cfg.num_experts_per_tok, routed_scaling_factor=cfg.routed_scaling_factor,
-                                norm_topk_prob=cfg.norm_topk_prob, n_tokens=mcfg.n_tokens, has_shared=True,
-                                rows_per_seq=rows_per_seq if live_rows is not None else 0, config=rc)
+        r = _router.route_slots(x, gate_w, expert_bias, live_rows, n_tokens=mcfg.n_tokens, has_shared=True,
+                                **route_kw)
         y = _moe_mosaic.moe_slots(r.x_pad, r.meta, r.wc, w_gate, w_up, w_down, t=x.shape[0], limit=limit,
                                   shared=tuple(shared), shared_limit=shared_limit, config=mcfg)
         return y.astype(jnp.float32), r.ids

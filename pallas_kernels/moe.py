@@ -25,7 +25,10 @@ Kernel plan (no host sync, no limit on E):
      `split` programs per tile the slots of one expert-id range and its own fp32 partial
      (out = fixed-order sum of the partials in XLA); `prefetch` loads the next slot's down tile
      before the current slot's math. Else (v1) `moe_down`, grid (S, D/BD), writes
-     y[r] = w[r] * h[r] @ wd.T (fp32) and an XLA gather-sum does the combine.
+     y[order[r]] = w[r] * h[r] @ wd.T (fp32): y in pair order t*A + a, so the combine is the sum over
+     A of y.reshape(T, A, D) (an XLA reduce that fuses into its consumer, no gather).
+`moe` aligns the ids itself (step 1); `moe_segments` takes the tables from the router's own launch
+(pallas_kernels/router_segments.py): router -> up -> down.
 The shared expert rides as one extra segment (all T tokens, weight 1) when Is == I.
 Empty segment slots load nothing.
 
@@ -66,7 +69,7 @@ class MoeConfig:
     prefetch: the fused kernel loads the next slot's [BDC, I] down tile (I/BK register tiles)
       before computing the current one, so HBM loads stay in flight across slots.
     num_warps, num_stages: Triton launch parameters.
-    fuse_combine: combine in the down kernel (one launch) instead of the v1 XLA gather-sum.
+    fuse_combine: combine in the down kernel (one launch) instead of the v1 XLA sum over A.
     device_align: segments from the one-launch Pallas `moe_align` kernel instead of XLA's
       sort + nonzero + gathers (used when P <= align_max_pairs; XLA above that).
     align_max_pairs: the align kernel is O(P^2); larger P (prefill) uses the XLA sort.
@@ -328,24 +331,33 @@ def _down_rows(h_ref, wd, r0, mask, *, bn, bk, i):
   return lax.fori_loop(0, i // bk, k_step, acc)
 
 
-def _down_body(h_ref, wd, w_ref, y_ref, start, length, col0, *, cfg, i):
-  """v1: y[rows, col0:col0+BD] = w[row] * (h[rows] @ wd.T) for one segment."""
+def _down_body(h_ref, wd, w_ref, y_ref, start, length, col0, *, cfg, i, order_ref=None):
+  """v1: y[dst, col0:col0+BD] = w[row] * (h[rows] @ wd.T) for one segment; dst = order[row] (the pair's row:
+  y comes out in pair order t*A + a) or, order_ref None (the shared expert's rows), the row itself."""
   bm = cfg.block_m
   rows = lax.broadcasted_iota(jnp.int32, (bm, 1), 0)
+  cols = lax.broadcasted_iota(jnp.int32, (1, cfg.block_d), 1) + col0
 
   def m_block(mb, carry):
     r0 = start + mb * bm
     mask = rows + mb * bm < length
     acc = _down_rows(h_ref, wd, r0, mask, bn=cfg.block_d, bk=cfg.block_kd, i=i)
     w = plt.load(w_ref.at[pl.ds(r0, bm)], mask=mask[:, 0], other=0.0)   # [M]
-    plt.store(y_ref.at[pl.ds(r0, bm), pl.ds(col0, cfg.block_d)], acc * w[:, None],
-              mask=jnp.broadcast_to(mask, acc.shape))
+    if order_ref is None:
+      dst = y_ref.at[pl.ds(r0, bm), pl.ds(col0, cfg.block_d)]
+    else:
+      pair = plt.load(order_ref.at[pl.ds(r0, bm)], mask=mask[:, 0], other=0)[:, None]   # [M, 1]
+      # masked lanes store nothing on the GPU; the interpreter writes their old values back, so each gets its
+      # own row of the pad past R (never read) instead of one row of real output
+      spare = y_ref.shape[0] - bm + rows
+      dst = y_ref.at[jnp.where(mask, pair, spare), cols]
+    plt.store(dst, acc * w[:, None], mask=jnp.broadcast_to(mask, acc.shape))
     return carry
 
   lax.fori_loop(0, pl.cdiv(length, bm), m_block, 0)
 
 
-def _down_kernel(seg_ref, h_ref, w_ref, wd_ref, *rest, cfg, i, n_routed_slots, has_shared):
+def _down_kernel(seg_ref, order_ref, h_ref, w_ref, wd_ref, *rest, cfg, i, n_routed_slots, has_shared):
   if has_shared:
     swd_ref, y_ref = rest
   else:
@@ -358,7 +370,7 @@ def _down_kernel(seg_ref, h_ref, w_ref, wd_ref, *rest, cfg, i, n_routed_slots, h
 
   @pl.when((s < n_routed_slots) & (length > 0))
   def _routed():
-    body(lambda kb: wd_ref[e, cols, pl.ds(kb * bk, bk)], w_ref, y_ref, start, length, col0)
+    body(lambda kb: wd_ref[e, cols, pl.ds(kb * bk, bk)], w_ref, y_ref, start, length, col0, order_ref=order_ref)
 
   if has_shared:
     @pl.when(s == n_routed_slots)
@@ -461,19 +473,35 @@ def moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, limit=0.0, shared=No
   [I, D], up [I, D], down [D, I]) or None -> [T, D] in x.dtype; the reference is the model's
   ling_jax.layers.moe.moe_experts, rounded to x.dtype."""
   cfg = config or MoeConfig()
+  order, seg, tok, w_rows = _rows(topk_ids, topk_weights, cfg, shared is not None)
+  return _moe_rows(x, order, seg, tok, w_rows, w_gate, w_up, w_down, limit=limit, shared=shared,
+                   shared_limit=shared_limit, cfg=cfg)
+
+
+@functools.partial(jax.jit, static_argnames=("limit", "shared_limit", "config"))
+def moe_segments(x, order, seg, tok, w_rows, w_gate, w_up, w_down, *, limit=0.0, shared=None, shared_limit=0.0,
+                 config=None):
+  """`moe` on tables a caller built (pallas_kernels.router_segments.route_segments: the router's own launch), in
+  _align's layout: order [P], seg [3, S], tok [R], w_rows [R] (S = P + 1 and R = P + T with the shared expert)
+  -> [T, D] in x.dtype. Nothing runs between the router and the up kernel."""
+  return _moe_rows(x, order, seg, tok, w_rows, w_gate, w_up, w_down, limit=limit, shared=shared,
+                   shared_limit=shared_limit, cfg=config or MoeConfig())
+
+
+def _moe_rows(x, order, seg, tok, w_rows, w_gate, w_up, w_down, *, limit, shared, shared_limit, cfg):
+  """The up and down launches (and the combine) on the alignment tables."""
   t, d = x.shape
   e, i, d2 = w_gate.shape
-  a = topk_ids.shape[1]
-  assert d2 == d and w_up.shape == w_gate.shape and w_down.shape == (e, d, i), (
-      x.shape, w_gate.shape, w_up.shape, w_down.shape)
+  p = order.shape[0]
+  a = p // t
+  assert d2 == d and w_up.shape == w_gate.shape and w_down.shape == (e, d, i) and p == t * a, (
+      x.shape, w_gate.shape, w_up.shape, w_down.shape, order.shape)
   cfg.check(d, i)
   if shared is not None and shared[0].shape != (i, d):
     raise ValueError(f"shared expert width {shared[0].shape}: the kernels run it as one more segment of the "
                      f"routed width I={i} (ling_jax.kernel_calls runs another width through the model)")
 
-  p = t * a
   has_shared = shared is not None
-  order, seg, tok, w_rows = _rows(topk_ids, topk_weights, cfg, has_shared)
   n_slots, rows = seg.shape[1], tok.shape[0]
   pad = cfg.block_m              # h rows: every masked [M, *] block stays inside the buffer
   params = plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -509,11 +537,10 @@ def moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, limit=0.0, shared=No
       down, grid=(n_slots, d // cfg.block_d),
       out_shape=jax.ShapeDtypeStruct((rows + pad, d), jnp.float32),
       compiler_params=params, interpret=cfg.interpret, name="moe_down",
-  )(seg, h, w_rows, w_down, *extra_down)
+  )(seg, order, h, w_rows, w_down, *extra_down)
 
-  # Combine: pair j (= t*A + a) sits at sorted row inv[j].
-  inv = jnp.zeros((p,), jnp.int32).at[order].set(jnp.arange(p, dtype=jnp.int32))
-  out = y[inv].reshape(t, a, d).sum(axis=1)                           # [T, D] fp32
+  # Combine: pair t*A + a sits at row t*A + a (the down kernel stored it there), the shared expert's at P + t.
+  out = y[:p].reshape(t, a, d).sum(axis=1)                            # [T, D] fp32
   if has_shared:
     out = out + y[p:p + t]
   return out.astype(x.dtype)

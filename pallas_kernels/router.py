@@ -22,6 +22,8 @@ for all T tokens ([T', G, EG] tiles, the same selection ops row by row) that als
 Mosaic MoE's slot tables (meta, wc; see _topk_slots_kernel) and applies the routing borrow of
 padding rows: router -> up -> down with no XLA kernel between them. `slots_from_logits` is
 its second launch alone, for a caller that computed the logits in its own kernel.
+The Triton MoE's counterpart, with its segment tables and (when the gate is one score tile) the
+scores in the same one program, is pallas_kernels/router_segments.py.
 Tie rule (same as lax.top_k, which returns the lower index first among equal values): every
 selection (the top-2 inside a group, the kept groups, the final experts) takes the LOWEST
 index among equal values; ids come out in descending score order.
@@ -110,6 +112,28 @@ def check_groups(e, n_group, topk_group, top_k):
                      f"n_group={n_group}, E={e}")
 
 
+def gate_logits(x_ref, g_ref, e0, *, t, tp, be, bk, d, on_x_tile=None):
+  """logits [T', BE] = x @ gate_w[e0:e0+BE].T: [T', BK] x [BE, BK] tiles over D, fp32 accumulation; rows >= T
+  of x read as 0. on_x_tile(kb, xb): called with each K step's x tile (route_slots copies it out)."""
+  rows = lax.broadcasted_iota(jnp.int32, (tp, 1), 0) < t               # [T', 1]
+  prec = lax.Precision.HIGHEST if x_ref.dtype == jnp.float32 else None
+
+  def k_step(kb, acc):
+    xb = plt.load(x_ref.at[pl.ds(0, tp), pl.ds(kb * bk, bk)],
+                  mask=jnp.broadcast_to(rows, (tp, bk)), other=0.0)
+    if on_x_tile is not None:
+      on_x_tile(kb, xb)
+    gb = g_ref[pl.ds(e0, be), pl.ds(kb * bk, bk)]                      # [BE, BK]
+    return acc + plt.dot(xb, gb, trans_b=True, precision=prec)
+
+  return lax.fori_loop(0, d // bk, k_step, jnp.zeros((tp, be), jnp.float32))
+
+
+def sigmoid(z):
+  """1 / (1 + exp(-z)): Triton has no logistic."""
+  return 1.0 / (1.0 + jnp.exp(-z))
+
+
 def _scores_kernel(x_ref, g_ref, s_ref, *x_pad, t, tp, cfg, d):
   """s[:, tile] = sigmoid(x @ gate_w[tile].T): [T', BK] x [BE, BK] tiles, fp32 accumulate.
   x_pad (route_slots): the programs also copy x, zero-padded to N rows, out (the MoE kernels' TMA operand);
@@ -117,23 +141,17 @@ def _scores_kernel(x_ref, g_ref, s_ref, *x_pad, t, tp, cfg, d):
   be, bk = cfg.block_e, cfg.block_k
   e0 = pl.program_id(0) * be
   rows = lax.broadcasted_iota(jnp.int32, (tp, 1), 0) < t               # [T', 1]
-  prec = lax.Precision.HIGHEST if x_ref.dtype == jnp.float32 else None
+  copy_x = None
   if x_pad:  # (program_id is read here: the interpreter does not discharge it inside the loop body)
     n, pid, nprog = x_pad[0].shape[0], pl.program_id(0), pl.num_programs(0)
     below = lambda kb, m: (lax.broadcasted_iota(jnp.int32, (tp, bk), 0) < m) & (lax.rem(kb, nprog) == pid)
 
-  def k_step(kb, acc):
-    xb = plt.load(x_ref.at[pl.ds(0, tp), pl.ds(kb * bk, bk)],
-                  mask=jnp.broadcast_to(rows, (tp, bk)), other=0.0)
-    if x_pad:  # rows T..T'-1 are the zeros the masked load gave
+    def copy_x(kb, xb):  # rows T..T'-1 are the zeros the masked load gave
       plt.store(x_pad[0].at[pl.ds(0, tp), pl.ds(kb * bk, bk)], xb, mask=below(kb, n))
       for r0 in range(tp, n, tp):                                     # rows T'..N-1
         plt.store(x_pad[0].at[pl.ds(r0, tp), pl.ds(kb * bk, bk)], jnp.zeros_like(xb), mask=below(kb, n - r0))
-    gb = g_ref[pl.ds(e0, be), pl.ds(kb * bk, bk)]                      # [BE, BK]
-    return acc + plt.dot(xb, gb, trans_b=True, precision=prec)
 
-  logits = lax.fori_loop(0, d // bk, k_step, jnp.zeros((tp, be), jnp.float32))
-  s = 1.0 / (1.0 + jnp.exp(-logits))
+  s = sigmoid(gate_logits(x_ref, g_ref, e0, t=t, tp=tp, be=be, bk=bk, d=d, on_x_tile=copy_x))
   plt.store(s_ref.at[pl.ds(0, tp), pl.ds(e0, be)], s, mask=jnp.broadcast_to(rows, s.shape))
 
 
@@ -182,7 +200,7 @@ def _topk_kernel(s_ref, b_ref, ids_ref, w_ref, *, g, eg, topk_group, top_k, ap, 
   plt.store(w_ref.at[t, pl.ds(0, ap)], w * scale, mask=live)
 
 
-def _source_rows(live_ref, *, t, tp, rows_per_seq):
+def source_rows(live_ref, *, t, tp, rows_per_seq):
   """[T'] int32: the row whose routing row r takes. Row r = b * Tb + j of sequence b borrows row
   b * Tb + min(j, max(live[b], 1) - 1) (ling_jax.layers.moe.borrow_routing); no live_ref: itself."""
   r = lax.broadcasted_iota(jnp.int32, (tp,), 0)
@@ -199,10 +217,10 @@ def _source_rows(live_ref, *, t, tp, rows_per_seq):
   return jnp.where(r < t, src, 0)  # padding rows: any in-bounds row (masked)
 
 
-def _topk_rows(s, b, valid, *, g, eg, topk_group, top_k, ap, scale, norm):
-  """_topk_kernel's selection on all rows at once: s [T', G, EG] -> (taken [T', G, EG] bool,
-  ids [T', AP] int32, w [T', AP] f32 normalised and scaled, w_exp [T', G, EG] the same weights
-  placed at their experts). Same ops in the same order as _topk_kernel, row by row."""
+def topk_rows(s, b, valid, *, g, eg, topk_group, top_k, ap, scale, norm):
+  """_topk_kernel's selection on all rows at once: s [T', G, EG] -> (taken [T', G, EG] bool (rows
+  past `valid` none), ids [T', AP] int32, w [T', AP] f32 normalised and scaled). Same ops in the same
+  order as _topk_kernel, row by row."""
   tp = s.shape[0]
   sb = s + b[None]
   col = lax.broadcasted_iota(jnp.int32, (tp, g, eg), 2)
@@ -253,14 +271,14 @@ def _topk_slots_kernel(s_ref, b_ref, *rest, t, g, eg, topk_group, top_k, ap, sca
   p = t * top_k
   row = lax.broadcasted_iota(jnp.int32, (tp,), 0)
   valid = row < t
-  src = _source_rows(live_ref, t=t, tp=tp, rows_per_seq=rows_per_seq)
+  src = source_rows(live_ref, t=t, tp=tp, rows_per_seq=rows_per_seq)
   grp = lax.broadcasted_iota(jnp.int32, (tp, g, eg), 1)
   col = lax.broadcasted_iota(jnp.int32, (tp, g, eg), 2)
   rows = jnp.broadcast_to(src[:, None, None], (tp, g, eg))   # a gather: the interpreter wants every index an array
   s = plt.load(s_ref.at[rows, grp, col], mask=jnp.broadcast_to(valid[:, None, None], (tp, g, eg)), other=0.0)
-  if from_logits:  # the scores kernel's sigmoid (Triton has no logistic)
-    s = 1.0 / (1.0 + jnp.exp(-s))
-  taken, ids, w = _topk_rows(s, b_ref[...], valid, g=g, eg=eg, topk_group=topk_group, top_k=top_k,
+  if from_logits:  # the scores kernel's sigmoid
+    s = sigmoid(s)
+  taken, ids, w = topk_rows(s, b_ref[...], valid, g=g, eg=eg, topk_group=topk_group, top_k=top_k,
                              ap=ap, scale=scale, norm=norm)
   out_mask = valid[:, None] & (lax.broadcasted_iota(jnp.int32, (tp, ap), 1) < top_k)
   plt.store(ids_ref.at[pl.ds(0, tp), pl.ds(0, ap)], ids, mask=out_mask)
@@ -298,6 +316,17 @@ def _topk_slots_kernel(s_ref, b_ref, *rest, t, g, eg, topk_group, top_k, ap, sca
   plt.store(meta_ref.at[pl.ds(0, sp)], meta, mask=lane < p + 1)
 
 
+def router_scores(x, gate_w, cfg):
+  """The score launch alone: x [T, D], gate_w [E, D] -> s [T, E] f32 (grid E / block_e)."""
+  t, d = x.shape
+  return pl.pallas_call(
+      functools.partial(_scores_kernel, t=t, tp=padded_tokens(t), cfg=cfg, d=d), grid=(gate_w.shape[0] // cfg.block_e,),
+      out_shape=jax.ShapeDtypeStruct((t, gate_w.shape[0]), jnp.float32),
+      compiler_params=plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+      interpret=cfg.interpret, name="router_scores",
+  )(x, gate_w)
+
+
 @functools.partial(jax.jit, static_argnames=("n_group", "topk_group", "top_k",
                                              "routed_scaling_factor", "norm_topk_prob",
                                              "config"))
@@ -311,14 +340,8 @@ def route(x, gate_w, expert_bias, *, n_group, topk_group, top_k, routed_scaling_
   assert gate_w.shape == (e, d) and expert_bias.shape == (e,), (x.shape, gate_w.shape,
                                                                  expert_bias.shape)
   cfg.check(d, e, n_group, topk_group, top_k, t=t, itemsize=x.dtype.itemsize)
-  tp = padded_tokens(t)
   eg = e // n_group
-  scores = pl.pallas_call(
-      functools.partial(_scores_kernel, t=t, tp=tp, cfg=cfg, d=d), grid=(e // cfg.block_e,),
-      out_shape=jax.ShapeDtypeStruct((t, e), jnp.float32),
-      compiler_params=plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-      interpret=cfg.interpret, name="router_scores",
-  )(x, gate_w)
+  scores = router_scores(x, gate_w, cfg)
   ap = 1 << (top_k - 1).bit_length()
   kern = functools.partial(_topk_kernel, g=n_group, eg=eg, topk_group=topk_group, top_k=top_k,
                            ap=ap, scale=float(routed_scaling_factor), norm=norm_topk_prob)

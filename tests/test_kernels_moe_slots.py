@@ -112,7 +112,7 @@ def test_moe_layer_through_slots_matches_model():
 
 
 def test_slots_chain_is_refused_where_it_does_not_apply():
-  """moe_slots off, or router dims its tiles do not take: routed_moe says None and the layer routes itself."""
+  """moe_slots off, or the Triton MoE serving the call: routed_moe says None and the layer routes itself."""
   cfg = LAYER_CFG
   p = layer_params(0, cfg)
   x = jnp.zeros((3, cfg.hidden_size), BF)
@@ -120,7 +120,8 @@ def test_slots_chain_is_refused_where_it_does_not_apply():
           tuple(p["shared"][k] for k in ("gate_proj", "up_proj", "down_proj")))
   lim = dict(limit=0.0, shared_limit=0.0)
   assert KernelCalls(interpret=True, moe_impl="mosaic", moe_slots=False).routed_moe(*args, **lim) is None
-  assert KernelCalls(interpret=True, moe_slots=True).routed_moe(*args, **lim) is None           # Triton serves interpret
+  # the Triton MoE serves interpret mode: its own chain (moe_router_tables) or none
+  assert KernelCalls(interpret=True, moe_slots=True, moe_router_tables=False).routed_moe(*args, **lim) is None
   with pytest.raises(ValueError, match="moe_n_tokens=48"):
     KernelCalls(moe_n_tokens=48)
   with pytest.raises(ValueError, match="T=17 tokens exceed n_tokens=16"):

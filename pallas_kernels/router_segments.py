@@ -1,0 +1,199 @@
+"""The MoE router with the Triton MoE's expert alignment in its own launch (decode / verify rows).
+
+Reference: the model's ling_jax.layers.moe.router_logits (fp32_weight=False) + route (+ borrow_routing) for the
+ids and weights; pallas_kernels.moe's alignment of those ids (moe._rows: the pairs sorted by expert) for the
+tables. `route_segments` -> moe.moe_segments is router -> up -> down with no XLA kernel between them.
+
+Shape legend: T tokens (T' = router.padded_tokens(T): a power of 2 >= 16), D hidden, E experts in G groups of
+EG, A experts per token (AP lanes), P = T*A (token, expert) pairs, S = P slots (+1: the shared expert),
+R = P rows (+T: the shared expert's).
+
+One program for all T tokens:
+  logits [T', E] = x @ gate_w.T         (router.router_scores' tiles and K loop, in this program when the gate
+                                          is one score tile, E == block_e: the v2 demo's E = 16; else
+                                          router_scores runs first and this program reads its scores)
+  s = sigmoid(logits);  ids, w [T', AP] = the grouped top-k of s + bias, row by row (router.topk_rows)
+  rows past a sequence's live count take its last live row's (ids, w) (router.source_rows)
+then the tables in moe._align's layout, by counting (no sort, no scatter; every cell a one-hot sum with one
+nonzero term, so every value is exact):
+  taken[t, e] = 1 if token t picked e      cnt[e] = sum_t taken[t, e]      start[e] = sum_{e' < e} cnt[e']
+  row(t, a) = start[e] + #{t' < t: taken[t', e]}   (e = ids[t, a]: the rank of key e * P + t*A + a in a sort)
+  slot(e) = #{e' < e: cnt[e'] > 0}
+  order[row(t, a)] = t*A + a      tok[r] = order[r] // A      w_rows[r] = w[t, a] of that pair
+  seg[:, slot(e)] = (start[e], cnt[e], e); empty slots (P, 0, the largest picked e); slot P the shared expert
+  (P, T, 0), its rows P + t: tok t, weight 1.
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from pallas_kernels import router as _router
+
+# The tables are [rows, T'] and [slots, T'] one-hots in registers, one per pair column a: decode / verify rows.
+MAX_TOKENS = 32
+
+
+class RoutedSegments(NamedTuple):
+  """The router's outputs for pallas_kernels.moe.moe_segments.
+  ids [T, A] int32, weights [T, A] f32 (as router.route; rows past their sequence's live count borrow);
+  order [P] int32 (sorted row -> pair t*A + a), seg [3, S] int32, tok [R] int32, w_rows [R] f32 (moe._align's
+  layout; see the module docstring)."""
+  ids: jax.Array
+  weights: jax.Array
+  order: jax.Array
+  seg: jax.Array
+  tok: jax.Array
+  w_rows: jax.Array
+
+
+def _pow2(n):
+  return max(2, 1 << (n - 1).bit_length())
+
+
+def _take_rows(a, src):
+  """a [T', AP] -> row r of a[src[r]] (a one-hot sum over the rows: exact)."""
+  tp = a.shape[0]
+  hit = src[:, None, None] == lax.broadcasted_iota(jnp.int32, (tp, tp, 1), 1)        # [T', T', 1]
+  return jnp.sum(jnp.where(hit, a[None], jnp.zeros((), a.dtype)), axis=1)
+
+
+def _tables(ids, w, valid, *, t, g, eg, top_k, ap, has_shared):
+  """ids [T', AP], w [T', AP], valid [T'] -> (order [RL], seg rows (start, len, expert) [SL] each, tok [RL],
+  w_rows [RL]); lanes past P (order), S (seg) and R (tok, w_rows) are not stored."""
+  tp, p = ids.shape[0], t * top_k
+  grp = lambda *s: lax.broadcasted_iota(jnp.int32, s, len(s) - 2)
+  col = lambda *s: lax.broadcasted_iota(jnp.int32, s, len(s) - 1)
+  flat = grp(tp, g, eg) * eg + col(tp, g, eg)                           # expert id
+  lane = col(tp, ap)
+  e_k = [jnp.sum(jnp.where(lane == k, ids, 0), axis=1) for k in range(top_k)]          # [T'] pair column a = k
+  w_k = [jnp.sum(jnp.where(lane == k, w, 0.0), axis=1) for k in range(top_k)]
+  hot = [(flat == e[:, None, None]) & valid[:, None, None] for e in e_k]               # [T', G, EG]
+  taken = functools.reduce(lambda a, b: a + b, [h.astype(jnp.int32) for h in hot])    # 0/1: distinct experts
+  cnt = jnp.sum(taken, axis=0)                                          # [G, EG]
+  before = jnp.cumsum(taken, axis=0) - taken                            # #{t' < t: taken[t', e]}
+  excl = lambda v: jnp.cumsum(v, axis=1) - v + (jnp.cumsum(jnp.sum(v, axis=1)) - jnp.sum(v, axis=1))[:, None]
+  start = excl(cnt)                                                     # sum over experts below e (flat order)
+  used = (cnt > 0).astype(jnp.int32)
+  rank = excl(used)                                                     # slot of expert e
+  n_active = jnp.sum(jnp.sum(used, axis=1))  # (one axis at a time: a 2-D -> scalar reduce fails under a mesh)
+  e_max = jnp.max(jnp.max(jnp.where(used > 0, grp(g, eg) * eg + col(g, eg), -1), axis=1))
+  at = lambda h, v: jnp.sum(jnp.sum(jnp.where(h, v, 0), axis=2), axis=1)               # v at each row's expert
+
+  n_rows, n_slots = (p + t, p + 1) if has_shared else (p, p)
+  rl, sl = _pow2(n_rows), _pow2(n_slots)
+  r_lane, s_lane = grp(rl, tp), grp(sl, tp)                             # [RL, T'], [SL, T']
+  tok_id = lax.broadcasted_iota(jnp.int32, (tp,), 0)
+  order = jnp.zeros((rl,), jnp.int32)
+  w_rows = jnp.zeros((rl,), jnp.float32)
+  st = ln = ex = jnp.zeros((sl,), jnp.int32)
+  for k in range(top_k):
+    row = at(hot[k], start[None] + before)                              # [T'] sorted row of pair (t, k)
+    hit = (r_lane == row[None, :]) & valid[None, :]                     # one pair per row
+    order = order + jnp.sum(jnp.where(hit, (tok_id * top_k + k)[None, :], 0), axis=1)
+    w_rows = w_rows + jnp.sum(jnp.where(hit, w_k[k][None, :], 0.0), axis=1)
+    first = valid & (at(hot[k], before) == 0)                           # the expert's first pair
+    shot = (s_lane == at(hot[k], rank)[None, :]) & first[None, :]       # one expert per slot
+    st = st + jnp.sum(jnp.where(shot, row[None, :], 0), axis=1)
+    ln = ln + jnp.sum(jnp.where(shot, at(hot[k], cnt[None])[None, :], 0), axis=1)
+    ex = ex + jnp.sum(jnp.where(shot, e_k[k][None, :], 0), axis=1)
+  r = lax.broadcasted_iota(jnp.int32, (rl,), 0)
+  tok = jnp.where(r < p, order // top_k, r - p)                         # rows P + t: the shared expert's
+  w_rows = jnp.where(r < p, w_rows, 1.0)
+  s = lax.broadcasted_iota(jnp.int32, (sl,), 0)
+  empty = s >= n_active
+  st, ln, ex = jnp.where(empty, p, st), jnp.where(empty, 0, ln), jnp.where(empty, e_max, ex)
+  if has_shared:
+    st, ln, ex = jnp.where(s == p, p, st), jnp.where(s == p, t, ln), jnp.where(s == p, 0, ex)
+  return order, (st, ln, ex), tok, w_rows
+
+
+def _segments_kernel(*refs, t, tp, d, g, eg, topk_group, top_k, ap, scale, norm, has_shared, rows_per_seq,
+                     block_k, from_x):
+  """from_x: refs = (x, gate_w, bias[, live], outs...), the scores computed here; else (scores, bias[, live],
+  outs...). Outputs: ids, w, order, seg, tok, w_rows (RoutedSegments)."""
+  n_in = (3 if from_x else 2) + (1 if rows_per_seq else 0)
+  ins, (ids_ref, w_ref, order_ref, seg_ref, tok_ref, wrow_ref) = refs[:n_in], refs[n_in:]
+  live_ref = ins[-1] if rows_per_seq else None
+  b_ref = ins[2] if from_x else ins[1]
+  row = lax.broadcasted_iota(jnp.int32, (tp,), 0)
+  valid = row < t
+  if from_x:
+    x_ref, g_ref = ins[:2]
+    e = g * eg
+    logits = _router.gate_logits(x_ref, g_ref, 0, t=t, tp=tp, be=e, bk=block_k, d=d)
+    s = _router.sigmoid(logits).reshape(tp, g, eg)                      # [T', G, EG]
+  else:
+    shape = (tp, g, eg)
+    rows = jnp.broadcast_to(jnp.where(valid, row, 0)[:, None, None], shape)
+    s = plt.load(ins[0].at[rows, lax.broadcasted_iota(jnp.int32, shape, 1), lax.broadcasted_iota(jnp.int32, shape, 2)],
+                 mask=jnp.broadcast_to(valid[:, None, None], shape), other=0.0)
+  _, ids, w = _router.topk_rows(s, b_ref[...], valid, g=g, eg=eg, topk_group=topk_group, top_k=top_k, ap=ap,
+                                scale=scale, norm=norm)
+  if live_ref is not None:  # the routing borrow of padding rows
+    src = _router.source_rows(live_ref, t=t, tp=tp, rows_per_seq=rows_per_seq)
+    ids, w = _take_rows(ids, src), _take_rows(w, src)
+  out_mask = valid[:, None] & (lax.broadcasted_iota(jnp.int32, (tp, ap), 1) < top_k)
+  plt.store(ids_ref.at[pl.ds(0, tp), pl.ds(0, ap)], ids, mask=out_mask)
+  plt.store(w_ref.at[pl.ds(0, tp), pl.ds(0, ap)], w, mask=out_mask)
+
+  order, seg, tok, w_rows = _tables(ids, w, valid, t=t, g=g, eg=eg, top_k=top_k, ap=ap, has_shared=has_shared)
+  p, n_rows, n_slots = order_ref.shape[0], tok_ref.shape[0], seg_ref.shape[1]
+  r = lax.broadcasted_iota(jnp.int32, order.shape, 0)
+  plt.store(order_ref.at[pl.ds(0, order.shape[0])], order, mask=r < p)
+  plt.store(tok_ref.at[pl.ds(0, tok.shape[0])], tok, mask=r < n_rows)
+  plt.store(wrow_ref.at[pl.ds(0, w_rows.shape[0])], w_rows, mask=r < n_rows)
+  sl = seg[0].shape[0]
+  s_ok = (lax.broadcasted_iota(jnp.int32, (1, sl), 1) < n_slots)
+  for k, v in enumerate(seg):
+    plt.store(seg_ref.at[pl.ds(k, 1), pl.ds(0, sl)], v[None, :], mask=s_ok)
+
+
+@functools.partial(jax.jit, static_argnames=("n_group", "topk_group", "top_k", "routed_scaling_factor",
+                                             "norm_topk_prob", "has_shared", "rows_per_seq", "config"))
+def route_segments(x, gate_w, expert_bias, live_rows=None, *, n_group, topk_group, top_k, routed_scaling_factor,
+                   norm_topk_prob=True, has_shared, rows_per_seq=0, config=None) -> RoutedSegments:
+  """The router and the Triton MoE's tables: x [T, D], gate_w [E, D], expert_bias [E] f32, live_rows int32[B]
+  or None (with rows_per_seq = T / B: rows past a sequence's live count borrow its last live row's routing)
+  -> RoutedSegments. One launch when E == config.block_e (the gate one score tile), else router_scores first.
+  has_shared: the tables carry the shared expert as slot P (its width the routed width)."""
+  cfg = config or _router.RouterConfig()
+  t, d = x.shape
+  e = gate_w.shape[0]
+  assert gate_w.shape == (e, d) and expert_bias.shape == (e,), (x.shape, gate_w.shape, expert_bias.shape)
+  cfg.check(d, e, n_group, topk_group, top_k, t=t, itemsize=x.dtype.itemsize)
+  if t > MAX_TOKENS:
+    raise ValueError(f"route_segments: T={t} tokens > {MAX_TOKENS} (its tables are one-hots over T' rows in "
+                     "registers; larger calls align in moe.moe)")
+  if live_rows is not None and (not rows_per_seq or live_rows.shape[0] * rows_per_seq != t):
+    raise ValueError(f"live_rows {live_rows.shape} with rows_per_seq={rows_per_seq} must cover T={t}")
+  tp, eg, p = _router.padded_tokens(t), e // n_group, t * top_k
+  from_x = e == cfg.block_e
+  if from_x:
+    head = (x, gate_w)
+  else:
+    head = (_router.router_scores(x, gate_w, cfg).reshape(t, n_group, eg),)
+  n_rows, n_slots = (p + t, p + 1) if has_shared else (p, p)
+  kern = functools.partial(
+      _segments_kernel, t=t, tp=tp, d=d, g=n_group, eg=eg, topk_group=topk_group, top_k=top_k,
+      ap=_pow2(top_k), scale=float(routed_scaling_factor), norm=norm_topk_prob, has_shared=has_shared,
+      rows_per_seq=rows_per_seq if live_rows is not None else 0, block_k=cfg.block_k, from_x=from_x)
+  live = () if live_rows is None else (live_rows.astype(jnp.int32),)
+  i32 = jnp.int32
+  out = pl.pallas_call(
+      kern, grid=(1,),
+      out_shape=(jax.ShapeDtypeStruct((t, top_k), i32), jax.ShapeDtypeStruct((t, top_k), jnp.float32),
+                 jax.ShapeDtypeStruct((p,), i32), jax.ShapeDtypeStruct((3, n_slots), i32),
+                 jax.ShapeDtypeStruct((n_rows,), i32), jax.ShapeDtypeStruct((n_rows,), jnp.float32)),
+      compiler_params=(plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages) if from_x  # the scores'
+                       else plt.CompilerParams(num_warps=cfg.slots_warps, num_stages=1)),
+      interpret=cfg.interpret, name="router_segments",
+  )(*head, expert_bias.astype(jnp.float32).reshape(n_group, eg), *live)
+  return RoutedSegments(*out)
+
