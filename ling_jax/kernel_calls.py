@@ -14,8 +14,10 @@ Shapes (per call, the layers' view; a subclass sees its per-device slices inside
   kda_verify: proj [B, T, 5, C] (the fused q, k, v, f, out-gate streams), b_raw [B, T, H], A_log [H], dt_bias [C],
               conv_w [3, C, 1, W], the model's stacks conv_window [Lk, B, W-1, 3, C] and rec_state [Lk, B, H, K, V]
               f32 read at `layer` (int), pending: the stacked KdaPending [Lk, ...] of the layers before or None
-                                                                           -> (o [B, T, H, V] f32, KdaRows [Lk, ...]
-                                                                               with layer `layer` written in place)
+                                                                           -> (o [B, T, H, V] in proj's dtype (the
+                                                                               model's first rounding in kda_output),
+                                                                               KdaRows [Lk, ...] with layer `layer`
+                                                                               written in place)
   kda_commit: rec_state [Lk, B, H, K, V], conv_window [Lk, B, W-1, 3, C], pending (KdaPending [Lk, ...]),
               n_accept [B]                                                 -> (rec_state, conv_window), in place
   kda_decode: q/k/v/f raw [B, 1, C], b_raw [B, 1, H], A_log [H], dt_bias [C], conv weights 3 x [C, 1, W],

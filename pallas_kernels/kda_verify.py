@@ -12,8 +12,9 @@ Per position t, per head (fp32; R(.) = round to the activation dtype, the raw st
   S      = diag(exp(g)) S                                  S [Dk, Dv], decay on the K rows
   S      = S + beta k (v - S^T k)^T
   o_t    = S^T q
-Verify returns o and writes the per-position rows the commit needs (raw q/k/v, k, v, g, beta: `KdaRows`);
-commit replays the accepted prefix t < n_accept[b] from the pre-verify state (reads S once, writes S once) and
+Verify returns R(o) (the model's epilogue, kda_output, rounds the recurrence's output to the activation dtype
+first: rounded here, no XLA convert between) and writes the per-position rows the commit needs (raw q/k/v, k, v,
+g, beta: `KdaRows`); commit replays the accepted prefix t < n_accept[b] from the pre-verify state (reads S once, writes S once) and
 slides the conv window by n_accept[b].
 Reference: the model's own jnp, ling_jax/layers/kda.py (kda_inputs + kda_recurrent for verify, kda_replay and
 slide_window for commit, with its rounding points R above); tests/kernel_oracles.py calls it with these layouts.
@@ -222,7 +223,7 @@ def _verify_kernel(layer_ref, proj_ref, b_ref, alog_ref, dtb_ref, w_ref, cs_ref,
     s = s + k[:, None] * (betas[t] * (vs[t] - kv))[None, :]
     outs.append(jnp.sum(s * qn[t][:, None], axis=0))                   # o_t = S^T q
   for t in range(t_len):
-    o_ref[b, t, h, pl.ds(vb * bv, bv)] = outs[t]
+    o_ref[b, t, h, pl.ds(vb * bv, bv)] = outs[t].astype(act)             # R(o)
     vo_ref[l, b, t, h, pl.ds(vb * bv, bv)] = vs[t]
   _store_own_raw(raw_ref, l, b, v0, bv, c_all, own)
 
@@ -370,7 +371,7 @@ def _verify_chunk_kernel(layer_ref, proj_ref, b_ref, alog_ref, dtb_ref, w_ref, c
   m = jnp.where(r >= c, _mm(q * eg_mid, kinv, prec, tb=True), 0.0)     # M_ti, i <= t
   o = _mm(q * eg, s0, prec) + _mm(m, u, prec)                          # [Tp, BV]
   rv, cv = _iota2((tp, bv), 0), _iota2((tp, bv), 1) + vb * bv
-  plt.store(o_ref.at[b, rv, h, cv], o, mask=rv < t_len)
+  plt.store(o_ref.at[b, rv, h, cv], o.astype(o_ref.dtype), mask=rv < t_len)
   plt.store(vo_ref.at[l, b, rv, h, cv], v, mask=rv < t_len)
   _store_own_raw(raw_ref, l, b, v0, bv, c_all, own)
 
@@ -423,7 +424,8 @@ def kda_verify(proj, b_raw, A_log, dt_bias, conv_w, conv_state, rec_state, layer
   (read at `layer`, never written), layer int32 scalar; rows: the KdaRows [L, ...] the layers verified before
   wrote, written here at `layer` in place (their outputs alias them: donate them), or None: allocated, the other
   layers' rows undefined until their own verify writes them.
-  -> (o [B, T, H, Dv] f32, rows)."""
+  -> (o [B, T, H, Dv] in the activation dtype (the projection's: the model's kda_output rounds the recurrence's
+  output there first), rows)."""
   cfg = config or KdaConfig()
   bsz, t, n_streams, c = proj.shape
   h = b_raw.shape[-1]
@@ -450,7 +452,7 @@ def kda_verify(proj, b_raw, A_log, dt_bias, conv_w, conv_state, rec_state, layer
                              bv=cfg.block_v, lower_bound=float(lower_bound), prec=_dot_precision(cfg))
   o, raw, k, v, g, beta = pl.pallas_call(
       kern, grid=(bsz, h, dv // cfg.block_v),
-      out_shape=(jax.ShapeDtypeStruct((bsz, t, h, dv), F32),) + tuple(out_rows),
+      out_shape=(jax.ShapeDtypeStruct((bsz, t, h, dv), proj.dtype),) + tuple(out_rows),
       input_output_aliases=aliases,
       compiler_params=plt.CompilerParams(num_warps=cfg.num_warps, num_stages=1),
       interpret=cfg.interpret, name="kda_verify",

@@ -51,15 +51,15 @@ def _model_layout(q_raw, k_raw, v_raw, f_raw, A_log, dt_bias, q_conv_w, k_conv_w
 @functools.partial(jax.jit, static_argnames=("lower_bound",))
 def kda_verify(proj, b_raw, A_log, dt_bias, conv_w, conv_state, rec_state, layer, rows=None, *, lower_bound=-5.0):
   """pallas_kernels.kda_verify.kda_verify's contract through the model's kda_inputs + kda_recurrent (its verify
-  path) -> (o [B, T, H, V] f32, KdaRows with layer `layer` set; rows None: the other layers zero). The activation
-  dtype is the projection's."""
+  path) -> (o [B, T, H, V] rounded to the activation dtype (the projection's) as kda_output does first, KdaRows with
+  layer `layer` set; rows None: the other layers zero)."""
   p = dict(conv_w=conv_w, A_log=A_log, dt_bias=dt_bias)
   q, k, v, g, beta = model_kda.kda_inputs(proj, b_raw, p, conv_state[layer], lower_bound, proj.dtype)
   o, _ = model_kda.kda_recurrent(q, k, v, g, beta, rec_state[layer])
   mine = KdaRows(proj[:, :, :3], k, v, g, beta)
   if rows is None:
     rows = jax.tree.map(lambda a: jnp.zeros((rec_state.shape[0],) + a.shape, a.dtype), mine)
-  return o, jax.tree.map(lambda stack, a: stack.at[layer].set(a), KdaRows(*rows), mine)
+  return o.astype(proj.dtype), jax.tree.map(lambda stack, a: stack.at[layer].set(a), KdaRows(*rows), mine)
 
 
 @jax.jit

@@ -183,7 +183,7 @@ def test_kda_configs_lower_for_cuda():
     with jax.sharding.use_abstract_mesh(H200):
       o, out_rows = jax.eval_shape(verify, *args, rows)
       new_state, new_window = jax.eval_shape(commit, args[6], args[5], rows, S((1,), jnp.int32))
-    assert (o.shape, o.dtype) == ((1, t, h, dk), jnp.float32)
+    assert (o.shape, o.dtype) == ((1, t, h, dk), jnp.bfloat16)               # R(o), the model's first rounding
     assert [(a.shape, a.dtype) for a in out_rows] == [(r.shape, r.dtype) for r in rows]
     assert (new_state.shape, new_window.shape) == (args[6].shape, args[5].shape)
     texts.append(lower_cuda(verify, *args, rows))
