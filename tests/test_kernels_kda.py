@@ -86,19 +86,19 @@ def test_model_matches_numpy_loop():
     assert rel_err(s[1], want) <= 1e-5
 
 
-CASES = [  # (b, t, h, dk, dtype, block_v, n_accepts, algorithm)
-    (1, 1, 2, 32, jnp.float32, 16, ([0], [1]), "chunk"),
-    (2, 6, 2, 32, jnp.float32, 16, ([0, 6], [3, 1]), "chunk"),
-    (1, 17, 2, 32, jnp.bfloat16, 32, ([17], [9]), "chunk"),
-    (1, 9, 1, 32, jnp.bfloat16, 16, ([9], [5]), "serial"),
-    (2, 1, 2, 32, jnp.bfloat16, 16, ([1, 1], [0, 1]), "serial"),
-    (1, 6, 2, 32, jnp.float32, 16, ([6], [2]), "serial"),
+CASES = [  # (b, t, h, dk, dtype, block_v, n_accepts, algorithm, stacked layers)
+    (1, 1, 2, 32, jnp.float32, 16, ([0], [1]), "chunk", 1),
+    (2, 6, 2, 32, jnp.float32, 16, ([0, 6], [3, 1]), "chunk", 2),
+    (1, 17, 2, 32, jnp.bfloat16, 32, ([17], [9]), "chunk", 1),
+    (1, 9, 1, 32, jnp.bfloat16, 16, ([9], [5]), "serial", 1),
+    (2, 1, 2, 32, jnp.bfloat16, 16, ([1, 1], [0, 1]), "serial", 1),   # plain decode, a padded row (n = 0)
+    (1, 6, 2, 32, jnp.float32, 16, ([6], [2]), "serial", 2),           # NEXTN5's verify, two layers stacked
 ]
 
 
-@pytest.mark.parametrize("b,t,h,dk,dtype,block_v,n_accepts,algorithm", CASES)
-def test_kda_kernels_match_model(b, t, h, dk, dtype, block_v, n_accepts, algorithm):
-  args = make(t * 11 + b, b, t, h, dk, dtype)
+@pytest.mark.parametrize("b,t,h,dk,dtype,block_v,n_accepts,algorithm,n_layers", CASES)
+def test_kda_kernels_match_model(b, t, h, dk, dtype, block_v, n_accepts, algorithm, n_layers):
+  args = make(t * 11 + b, b, t, h, dk, dtype, n_layers)
   cfg = KdaConfig(block_v=block_v, interpret=True, algorithm=algorithm)
   s_before, cs_before = np.asarray(args[-1]).copy(), np.asarray(args[-2]).copy()
   outs, rows = verify_layers(lambda *a: kda_verify(*a, config=cfg), args)
