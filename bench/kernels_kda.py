@@ -7,8 +7,10 @@ kernel.
 
 Timing (the host-timed difference of medians is too noisy at a few us): each program runs N = 32
 calls back to back on 32 distinct input sets (32 x 2.1 MB states > the 50 MB L2), each call
-depending on the previous one (verify/decode: q_{j+1} = o_j, a free reshape; commit: the state
-chain is the donated states, n_accept_{j+1} depends on out_j through one tiny glue kernel). A
+depending on the previous one (verify: call j+1 writes into the rows call j wrote, in place, as the
+model's layers do; fused decode: q_{j+1} = o_j, a free reshape; verify + commit decode and commit:
+the donated states, call j+1 depends on out_j through one tiny glue kernel). The kernels read the
+model's layouts (the fused projection [1, T, 5, C], conv_w whole, the states as stacks of one). A
 jax.profiler trace of 3 runs gives, per call:
   time_us     median device duration of the kernel itself (XLA references: device busy per call),
   chained_us  device span per call (first kernel start .. last kernel end, / N): the latency of a
@@ -26,7 +28,6 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ling_jax.layers.kda import slide_window  # noqa: E402
 from pallas_kernels import kda_decode as kdd  # noqa: E402
 from pallas_kernels import kda_verify as kda  # noqa: E402
 from tests import kernel_oracles as oracles  # noqa: E402
@@ -113,45 +114,58 @@ def wall_us(fn, args_fn, null, ncalls, reps=15):
 
 
 def make_sets(key, t, hd, n):
-  """n input sets: q_raw f32 (so o_j reshapes into q_{j+1}), the rest bf16 like the model."""
+  """n input sets in the model's layouts, bf16 like the model: [proj [1, T, 5, C], b_raw, conv_state
+  [1, 1, W-1, 3, C], rec_state [1, 1, H, K, V] f32] (the states as stacks of one layer); consts [A_log, dt_bias,
+  conv_w [3, C, 1, W]]."""
   sets = []
   for j in range(n):
     kk = iter(jax.random.split(jax.random.fold_in(key, 1000 * t + j), 16))
     r = lambda s, sc=1.0, dt=BF: (jax.random.normal(next(kk), s, F32) * sc).astype(dt)
-    sets.append([r((1, t, hd), dt=F32), r((1, t, hd)), r((1, t, hd)), r((1, t, hd)), r((1, t, H)),
-                 r((1, W - 1, 3 * hd)), r((1, H, DK, DK), 0.1, F32)])
+    sets.append([r((1, t, 5, hd)), r((1, t, H)), r((1, 1, W - 1, 3, hd)), r((1, 1, H, DK, DK), 0.1, F32)])
   kc = iter(jax.random.split(jax.random.fold_in(key, 7), 8))
-  consts = [jax.random.normal(next(kc), (H,), F32) * 0.5, jax.random.normal(next(kc), (hd,), F32) * 0.5]
-  consts += [(jax.random.normal(next(kc), (hd, 1, W), F32) * 0.5).astype(BF) for _ in range(3)]
+  consts = [jax.random.normal(next(kc), (H,), F32) * 0.5, jax.random.normal(next(kc), (hd,), F32) * 0.5,
+            (jax.random.normal(next(kc), (3, hd, 1, W), F32) * 0.5).astype(BF)]
   return sets, consts
 
 
 def full_args(s, c):
-  """set [q,k,v,f,b,conv,state] + consts [alog,dtb,qw,kw,vw] -> the 12 kernel arguments."""
-  return (*s[:5], *c, s[5], s[6])
+  """set [proj, b, conv, state] + consts [alog, dtb, conv_w] -> kda_verify's 8 arguments (layer 0)."""
+  return (s[0], s[1], *c, s[2], s[3], jnp.int32(0))
+
+
+def decode_set(s):
+  """A T = 1 set in kda_decode's layout: [q, k, v, f, b, conv [1, W-1, 3C], state [1, H, K, V]], q f32 so that
+  o_j reshapes into q_{j+1}."""
+  proj = s[0]
+  return [proj[:, :, 0].astype(F32), proj[:, :, 1], proj[:, :, 2], proj[:, :, 3], s[1],
+          s[2][0].reshape(1, W - 1, -1), s[3][0]]
+
+
+def decode_args(s, c):
+  """decode set + consts -> kda_decode's 12 arguments."""
+  return (*s[:5], c[0], c[1], *c[2], s[5], s[6])
 
 
 def verify_prog(fn):
+  """N dependent verify calls: each writes into the rows the previous one wrote (in place, the model's pattern)."""
   def prog(sets, consts):
-    outs, prev = [], None
+    outs, rows = [], None
     for s in sets:
-      q = s[0] if prev is None else prev.reshape(s[0].shape)
-      o, ci = fn(*full_args([q] + s[1:], consts))
-      outs.append((o, ci)); prev = o
-    return outs
+      o, rows = fn(*full_args(s, consts), rows)
+      outs.append(o)
+    return outs, rows
   return jax.jit(prog)
 
 
 def commit_prog(fn):
-  def prog(states, cis, ns):
-    outs, prev = [], None
-    for s, ci, n in zip(states, cis, ns):
-      if prev is not None:                       # dependency on the previous call: 1 glue kernel
-        n = n + (prev[0, 0, 0, 0] > 1e30).astype(jnp.int32)
-      prev = fn(s, ci, n)
-      outs.append(prev)
+  def prog(states, windows, rows, ns):
+    outs = []
+    for st, win, r, n in zip(states, windows, rows, ns):
+      if outs:                                   # dependency on the previous call: 1 glue kernel
+        n = n + (outs[-1][0][0, 0, 0, 0, 0] > 1e30).astype(jnp.int32)
+      outs.append(fn(st, win, r, n))
     return outs
-  return jax.jit(prog, donate_argnums=0)
+  return jax.jit(prog, donate_argnums=(0, 1))
 
 
 def decode_prog(fn):
@@ -159,38 +173,54 @@ def decode_prog(fn):
     outs, prev = [], None
     for st, s in zip(states, sets):
       q = s[0] if prev is None else prev.reshape(s[0].shape)
-      o, st2, cs = fn(*full_args([q] + s[1:6] + [st], consts))
+      o, st2, cs = fn(*decode_args([q] + s[1:6] + [st], consts))
       outs.append((st2, cs)); prev = o
     return [x[0] for x in outs], [x[1] for x in outs], prev
   return jax.jit(prog, donate_argnums=0)
 
 
-def old_decode(*a, config):
-  """The previous path: serial verify + serial commit(n=1) + XLA conv window update."""
-  o, ci = kda.kda_verify(*a, config=config)
+def verify_commit_prog(config):
+  """The default decode path of one layer: verify, then the commit of its one row (state and window in place)."""
   one = jnp.ones((1,), jnp.int32)
-  s = kda.kda_commit(a[-1], ci, one, config=config)
-  cs = a[-2]
-  window = slide_window(cs.reshape(cs.shape[0], cs.shape[1], 3, -1), jnp.stack(a[:3], axis=2).astype(cs.dtype), one)
-  return o, s, window.reshape(cs.shape)
+
+  def prog(states, windows, sets, consts):
+    outs, prev = [], None
+    for st, win, s in zip(states, windows, sets):
+      b = s[1] if prev is None else s[1] + (prev[..., 0] > 1e30).astype(s[1].dtype)  # on call j-1: 1 glue kernel
+      prev, rows = kda.kda_verify(s[0], b, *consts, win, st, 0, config=config)
+      outs.append(kda.kda_commit(st, win, rows, one, config=config))
+    return outs, prev
+  return jax.jit(prog, donate_argnums=(0, 1))
 
 
 def decode_jobs(jobs, sets, consts, configs):
   """kda_decode rows (T = 1 sets): the XLA reference, then each config."""
-  ref = oracles.kda_decode(*full_args(sets[0], consts))
-  dbytes = nbytes(sets[0]) + nbytes(consts) + nbytes(ref)
-  dargs = lambda: ([jnp.copy(s[6]) for s in sets], sets, consts)
+  dsets = [decode_set(s) for s in sets]
+  ref = oracles.kda_decode(*decode_args(dsets[0], consts))
+  dbytes = nbytes(dsets[0]) + nbytes(consts) + nbytes(ref)
+  dargs = lambda: ([jnp.copy(s[6]) for s in dsets], dsets, consts)
   dnull = jax.jit(lambda st, s, c: st, donate_argnums=0)
   dbase = dict(bytes=dbytes, baseline="model decode step (XLA)")
   jobs.append((dict(name="kda_decode XLA reference", **dbase), decode_prog(oracles.kda_decode),
                dargs, None, dnull, None))
+  # the verify path reads the bf16 projection (dsets' q is f32, so the reference above has no bf16 rounding of q)
+  ref_bf16 = oracles.kda_decode(*decode_args([sets[0][0][:, :, 0]] + dsets[0][1:], consts))
   for name, cfg in configs:
-    f = ((lambda *a, cfg=cfg: old_decode(*a, config=cfg)) if name.startswith("old")
-         else (lambda *a, cfg=cfg: kdd.kda_decode(*a, config=cfg)))
-    chk = lambda f=f, s=sets[0], c=consts, want=ref: max(
-        rel(x, y) for x, y in zip(f(*full_args(s[:6] + [jnp.copy(s[6])], c)), want))
+    if name.startswith("verify"):
+      prog = verify_commit_prog(cfg)
+      args = lambda: ([jnp.copy(s[3]) for s in sets], [jnp.copy(s[2]) for s in sets], sets, consts)
+      null = jax.jit(lambda st, w, s, c: (st, w), donate_argnums=(0, 1))
+
+      def chk(prog=prog, s=sets[0], c=consts, want=ref_bf16):
+        (state, window), o = (lambda r: (r[0][0], r[1]))(prog([jnp.copy(s[3])], [jnp.copy(s[2])], [s], c))
+        return max(rel(x, y) for x, y in zip((o, state[0], window[0].reshape(1, W - 1, -1)), want))
+      jobs.append((dict(name=f"kda_decode {name}", config=str(cfg), **dbase), prog, args, None, null, chk))
+      continue
+    f = lambda *a, cfg=cfg: kdd.kda_decode(*a, config=cfg)
+    chk = lambda f=f, s=dsets[0], c=consts, want=ref: max(
+        rel(x, y) for x, y in zip(f(*decode_args(s[:6] + [jnp.copy(s[6])], c)), want))
     jobs.append((dict(name=f"kda_decode {name}", config=str(cfg), **dbase), decode_prog(f), dargs,
-                 None if name.startswith("old") else "kda_decode", dnull, chk))
+                 "kda_decode", dnull, chk))
 
 
 def bench(rows, bw, key, small=False, configs=None, emit=print, ts=(1, 6, 17), ops=None):
@@ -208,7 +238,7 @@ def bench(rows, bw, key, small=False, configs=None, emit=print, ts=(1, 6, 17), o
   for t in ts:
     sets, consts = make_sets(key, t, hd, ncalls)
     o_ref, ci_ref = oracles.kda_verify(*full_args(sets[0], consts))
-    vbytes = nbytes(sets[0]) + nbytes(consts) + nbytes((o_ref, ci_ref))
+    vbytes = nbytes(sets[0]) - nbytes(sets[0][0]) // 5 + nbytes(consts) + nbytes((o_ref, ci_ref))  # 4 of 5 streams
     base = dict(bytes=vbytes, baseline="model kda_inputs + kda_recurrent (XLA)")
     vnull = jax.jit(lambda sets, consts: [s[-1] for s in sets])
     if t == 1 and configs["decode"]:
@@ -222,20 +252,22 @@ def bench(rows, bw, key, small=False, configs=None, emit=print, ts=(1, 6, 17), o
           rel(x, y) for x, y in zip(jax.tree.leaves(f(*full_args(s, c))), jax.tree.leaves(want)))
       jobs.append((dict(name=f"kda_verify T={t} {name}", config=str(cfg), **base), verify_prog(f),
                    lambda sets=sets, consts=consts: (sets, consts), "kda_verify", vnull, chk))
-    # commit n = max(1, T-2) on the model's commit inputs
+    # commit n = max(1, T-2) of the model's rows
     cis = [oracles.kda_verify(*full_args(s, consts))[1] for s in sets]
     ns = [jnp.array([max(1, t - 2)], jnp.int32)] * ncalls
-    cbytes = 2 * nbytes(sets[0][6]) + nbytes(cis[0])
-    s_ref = oracles.kda_commit(sets[0][6], cis[0], ns[0])
-    cargs = lambda sets=sets, cis=cis, ns=ns: ([jnp.copy(s[6]) for s in sets], cis, ns)
-    cnull = jax.jit(lambda st, c, n: st, donate_argnums=0)
-    cbase = dict(bytes=cbytes, baseline="model kda_replay (XLA)")
+    cbytes = 2 * nbytes((sets[0][2], sets[0][3])) + nbytes(cis[0])
+    s_ref = oracles.kda_commit(sets[0][3], sets[0][2], cis[0], ns[0])
+    cargs = lambda sets=sets, cis=cis, ns=ns: ([jnp.copy(s[3]) for s in sets], [jnp.copy(s[2]) for s in sets], cis,
+                                               ns)
+    cnull = jax.jit(lambda st, w, c, n: (st, w), donate_argnums=(0, 1))
+    cbase = dict(bytes=cbytes, baseline="model kda_replay + slide_window (XLA)")
     if configs["commit"]:
       jobs.append((dict(name=f"kda_commit T={t} n={max(1, t - 2)} XLA reference", **cbase),
                    commit_prog(oracles.kda_commit), cargs, None, cnull, None))
     for name, cfg in configs["commit"]:
-      f = lambda s, c, n, cfg=cfg: kda.kda_commit(s, c, n, config=cfg)
-      chk = lambda f=f, s=sets[0][6], c=cis[0], n=ns[0], want=s_ref: rel(f(jnp.copy(s), c, n), want)
+      f = lambda s, w, c, n, cfg=cfg: kda.kda_commit(s, w, c, n, config=cfg)
+      chk = lambda f=f, s=sets[0], c=cis[0], n=ns[0], want=s_ref: max(
+          rel(x, y) for x, y in zip(f(jnp.copy(s[3]), jnp.copy(s[2]), c, n), want))
       jobs.append((dict(name=f"kda_commit T={t} n={max(1, t - 2)} {name}", config=str(cfg), **cbase),
                    commit_prog(f), cargs, "kda_commit", cnull, chk))
   bw_progs = []
@@ -294,7 +326,7 @@ def default_configs(small):
     c = kda.KdaConfig(block_v=16, interpret=True, algorithm="chunk")
     s = kda.KdaConfig(block_v=16, interpret=True)
     return dict(verify=[("chunk", c), ("serial", s)], commit=[("chunk", c), ("serial", s)],
-                decode=[("fused", s), ("old path: serial verify + commit + XLA window", s)])
+                decode=[("fused", s), ("verify + commit (the default path)", s)])
   S, C = kda.KdaConfig, (lambda **k: kda.KdaConfig(algorithm="chunk", **k))
   return dict(   # the 2026-11-30 run: serial bv32w4 best of serial bv16w1 / chunk bv32..128 / ieee
       verify=[("serial bv32w4 (default)", S()), ("serial bv32w8", S(num_warps=8)),
@@ -304,7 +336,7 @@ def default_configs(small):
               ("chunk bv64w4", C(block_v=64))],
       decode=[("fused bv32w4", S()), ("fused bv32w8", S(num_warps=8)), ("fused bv16w4", S(block_v=16)),
               ("fused bv64w8", S(block_v=64, num_warps=8)),
-              ("old path: serial verify + commit + XLA window, bv32w4", S())])
+              ("verify + commit (the default path), bv32w4", S())])
 
 
 def fmt(r):

@@ -4,8 +4,8 @@
   python3 -m bench.kernels_kda_chain --small         (CPU smoke test: tiny dims, interpret mode, no timing)
 
 Rows per T in (1, 6, 17), each a NEXTN step of one layer up to o_proj's output (o_proj included everywhere):
-  today          kda_verify (Triton) + kda_output (XLA) + kda_commit (Triton) + window slide (XLA)  3|S|
-  chain+commit   kda_chain (epilogue fused) + o_proj + kda_commit + window slide                   3|S|
+  today          kda_verify (Triton) + kda_output (XLA) + kda_commit (Triton, window slide in it)  3|S|
+  chain+commit   kda_chain (epilogue fused) + o_proj + kda_commit (window slide in it)             3|S|
   chain folded   kda_chain(pending of Tp = T rows, n_prev = max(1, T-2)) + o_proj                  2|S|
   chain advance  (T = 1) kda_chain(advance=True) + o_proj: the plain decode step                    2|S|
 Every row is first checked against the model's jnp layer (ling_jax.layers.kda, bf16); a mismatch exits 1.
@@ -58,17 +58,21 @@ def step_fns(p, cfg, chain_cfg):
   chain = lambda s, win, st, **kw: kda_chain(s["proj"], s["b_raw"], p["A_log"], p["dt_bias"], p["conv_w"],
                                              p["o_norm"], win, st, lower_bound=lb, eps=eps, config=chain_cfg, **kw)
 
+  def commit(win, st, pending, n):  # the model's commit (one kernel, window included) on stacks of one layer
+    win, st = M.kda_commit_layers(win[None], st[None], pending, n, calls)
+    return win[0], st[0]
+
   def today(s, win, st):
     pr = s["proj"]
-    o, ci = calls.kda_verify(pr[:, :, 0], pr[:, :, 1], pr[:, :, 2], pr[:, :, 3], s["b_raw"], p["A_log"],
-                             p["dt_bias"], *p["conv_w"], win, st, lower_bound=lb)
+    o, rows = calls.kda_verify(pr, s["b_raw"], p["A_log"], p["dt_bias"], p["conv_w"], win[None], st[None], 0,
+                               lower_bound=lb)
     out = M.kda_output(p, o, pr[:, :, 4], cfg, BF)
-    return (out,) + M.kda_commit(win, st, M.KdaPending(pr[:, :, :3], *ci), s["n"], kernels=calls)
+    return (out,) + commit(win, st, M.KdaPending(*rows), s["n"])
 
   def chain_commit(s, win, st):
     r = chain(s, win, st)
-    return (o_proj(r.o),) + M.kda_commit(win, st, M.KdaPending(s["proj"][:, :, :3], *r.commit), s["n"],
-                                         kernels=calls)
+    pending = jax.tree.map(lambda a: a[None], M.KdaPending(s["proj"][:, :, :3], *r.commit))
+    return (o_proj(r.o),) + commit(win, st, pending, s["n"])
 
   def folded(s, win, st):
     r = chain(s, win, st, pending=s["pending"], n_prev=s["n"])

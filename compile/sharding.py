@@ -29,7 +29,7 @@ from ling_jax.config import ModelConfig
 from ling_jax.kernel_calls import KernelCalls
 from ling_jax.weights import ArrayInfo, array_spec
 from pallas_kernels.kda_chain import KdaChainOut
-from pallas_kernels.kda_verify import KdaCommitInputs
+from pallas_kernels.kda_verify import KdaCommitInputs, KdaRows
 
 TP = "tp"
 
@@ -179,6 +179,13 @@ def shard_kernel(fn: Callable, mesh: Mesh, in_axes, out_axes, rules: ShardingRul
     return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
+# The stacked KDA states and verify rows [Lk, B, ...] as the kernels see them, split by heads (each stream's
+# channels C = H*K by heads, as the state's kda_conv rule).
+KDA_STATE, KDA_WINDOW = (None, None, "heads", None, None), (None, None, None, None, "heads")
+_KDA_BTHK = (None, None, None, "heads", None)
+KDA_ROWS = KdaRows((None, None, None, None, "heads"), _KDA_BTHK, _KDA_BTHK, _KDA_BTHK, (None, None, None, "heads"))
+
+
 @dataclass(frozen=True)
 class ShardedKernelCalls(KernelCalls):
     """The model's Pallas kernel calls, each run per device under `jax.shard_map` with specs from the rules
@@ -255,29 +262,27 @@ class ShardedKernelCalls(KernelCalls):
         f = shard_kernel(boundary, self.mesh, in_axes + (None, None), (None, None), self.rules)
         return f(x, ids, weights, w_gate, w_up, w_down, *shared, residual, norm_weight)
 
-    def kda_verify(self, q_raw, k_raw, v_raw, f_raw, b_raw, A_log, dt_bias, q_conv_w, k_conv_w, v_conv_w,
-                   conv_window, rec_state, *, lower_bound: float):
+    def kda_verify(self, proj, b_raw, A_log, dt_bias, conv_w, conv_window, rec_state, layer, pending=None, *,
+                   lower_bound: float):
         base = super()
 
         def kernel(*a):
             return base.kda_verify(*a, lower_bound=lower_bound)
 
-        ch, w = (None, None, "heads"), ("heads", None, None)
-        in_axes = (ch, ch, ch, ch, ch, ("heads",), ("heads",), w, w, w, (None, None, None, "heads"),
-                   (None, "heads", None, None))
-        bthk = (None, None, "heads", None)
-        out_axes = (bthk, KdaCommitInputs(bthk, bthk, bthk, (None, None, "heads")))
-        f = shard_kernel(kernel, self.mesh, in_axes, out_axes, self.rules)
-        return f(q_raw, k_raw, v_raw, f_raw, b_raw, A_log, dt_bias, q_conv_w, k_conv_w, v_conv_w, conv_window,
-                 rec_state)
+        in_axes = ((None, None, None, "heads"), (None, None, "heads"), ("heads",), ("heads",),
+                   (None, "heads", None, None), KDA_WINDOW, KDA_STATE, None)
+        args = (proj, b_raw, A_log, dt_bias, conv_w, conv_window, rec_state, jnp.asarray(layer, jnp.int32))
+        if pending is not None:
+            in_axes, args = in_axes + (KDA_ROWS,), args + (KdaRows(*pending),)
+        f = shard_kernel(kernel, self.mesh, in_axes, ((None, None, "heads", None), KDA_ROWS), self.rules)
+        return f(*args)
 
-    def kda_commit(self, rec_state, inputs, n_accept):
+    def kda_commit(self, rec_state, conv_window, pending, n_accept):
         base = super()
-        bthk, state = (None, None, "heads", None), (None, "heads", None, None)
-        in_axes = (state, KdaCommitInputs(bthk, bthk, bthk, (None, None, "heads")), None)
-        f = shard_kernel(lambda s, i, n: base.kda_commit(s, i, n), self.mesh, in_axes, state, self.rules)
-        return f(rec_state, inputs, n_accept)
-
+        in_axes = (KDA_STATE, KDA_WINDOW, KDA_ROWS, None)
+        f = shard_kernel(lambda s, c, r, n: base.kda_commit(s, c, r, n), self.mesh, in_axes,
+                         (KDA_STATE, KDA_WINDOW), self.rules)
+        return f(rec_state, conv_window, KdaRows(*pending), n_accept)
 
     def routed_moe(self, x, gate_w, expert_bias, cfg, experts, shared, **kw):
         """Not under shard_map yet: each device's slot tables would have to cover its own experts only, so the

@@ -11,10 +11,17 @@ Shapes (per call, the layers' view; a subclass sees its per-device slices inside
               shared = (gate [Is, D], up [Is, D], down [D, Is])           -> [T, D] f32
               (any weight may be a quant.Fp8Weight: w8 of that shape + its 128-block scales)
   moe_residual_norm: moe's arguments, residual [T, D], the next norm's weight [D] -> (residual [T, D], normed [T, D])
-  kda_verify: q/k/v/f raw [B, T, C], b_raw [B, T, H], A_log [H], dt_bias [C], conv weights 3 x [C, 1, W],
-              conv_window [B, W-1, 3, C], rec_state [B, H, K, V] f32       -> (o [B, T, H, V] f32, KdaCommitInputs)
-  kda_commit: rec_state [B, H, K, V], KdaCommitInputs, n_accept [B]        -> rec_state
-  kda_decode: kda_verify's arguments with T = 1                           -> (o, rec_state, conv_window)
+  kda_verify: proj [B, T, 5, C] (the fused q, k, v, f, out-gate streams), b_raw [B, T, H], A_log [H], dt_bias [C],
+              conv_w [3, C, 1, W], the model's stacks conv_window [Lk, B, W-1, 3, C] and rec_state [Lk, B, H, K, V]
+              f32 read at `layer` (int), pending: the stacked KdaPending [Lk, ...] of the layers before or None
+                                                                           -> (o [B, T, H, V] in proj's dtype (the
+                                                                               model's first rounding in kda_output),
+                                                                               KdaRows [Lk, ...] with layer `layer`
+                                                                               written in place)
+  kda_commit: rec_state [Lk, B, H, K, V], conv_window [Lk, B, W-1, 3, C], pending (KdaPending [Lk, ...]),
+              n_accept [B]                                                 -> (rec_state, conv_window), in place
+  kda_decode: q/k/v/f raw [B, 1, C], b_raw [B, 1, H], A_log [H], dt_bias [C], conv weights 3 x [C, 1, W],
+              conv_window [B, W-1, 3, C], rec_state [B, H, K, V] f32       -> (o, rec_state, conv_window)
   route:      x [T, D], gate_w [E, D], expert_bias [E], the model config    -> (ids [T, A] int32, weights [T, A] f32),
               or None when the Pallas router does not fit the dims (the caller routes in jnp)
   routed_moe: route's arguments, the experts (w_gate, w_up, w_down), shared, live_rows [B] or None
@@ -71,8 +78,11 @@ class KernelCalls:
     moe_impl: "auto" (Mosaic GPU for bf16/f16 at T <= 64 whenever its tiles divide the dims: 1.0-1.2x faster than
       Triton on H200, bench/results/kernels-h200-2026-11-30-run4.json; Triton otherwise), "mosaic" or "triton".
     kda_impl: decode/verify KDA as "verify" (kda_verify + kda_commit kernels, the output epilogue in XLA; the
-      default) or "chain" (pallas_kernels/kda_chain.py: conv, norms, gates, delta rule and the output RMSNorm +
-      gate in one kernel per layer; decode advances the state in the same kernel). Measured on H200
+      default: each layer's verify reads the fused projection, conv_w and its layer of the stacked states in place
+      and writes its rows into one stack, and ONE kda_commit call then advances every layer's state and conv window
+      in place, in decode as in NEXTN's commit: no XLA slice, scatter or copy around them) or "chain"
+      (pallas_kernels/kda_chain.py: conv, norms, gates, delta rule and the output RMSNorm + gate in one kernel per
+      layer; decode advances the state in the same kernel). Measured on H200
       (2026-12-01): one layer at T = 1 (decode) 12.2 us chain-advance vs 21.1 us verify + epilogue + commit,
       but at T = 6 110.5 us vs 26.9 us (one program per head spills registers; 32 programs on 132 SMs); the
       12-layer slice's NEXTN5 step 5487 us with chain vs 4759 us with verify. Verify stays the default.
@@ -333,15 +343,13 @@ class KernelCalls:
                                   shared_limit=shared_limit, config=self._triton_moe_config(w_gate))
         return out.astype(jnp.float32)
 
-    def kda_verify(self, q_raw, k_raw, v_raw, f_raw, b_raw, A_log, dt_bias, q_conv_w, k_conv_w, v_conv_w,
-                   conv_window, rec_state, *, lower_bound: float):
-        B, Wm1 = conv_window.shape[:2]
-        return _kda_verify.kda_verify(q_raw, k_raw, v_raw, f_raw, b_raw, A_log, dt_bias, q_conv_w, k_conv_w,
-                                      v_conv_w, conv_window.reshape(B, Wm1, -1), rec_state, lower_bound=lower_bound,
-                                      config=self._kda_config())
+    def kda_verify(self, proj, b_raw, A_log, dt_bias, conv_w, conv_window, rec_state, layer, pending=None, *,
+                   lower_bound: float):
+        return _kda_verify.kda_verify(proj, b_raw, A_log, dt_bias, conv_w, conv_window, rec_state, layer, pending,
+                                      lower_bound=lower_bound, config=self._kda_config())
 
-    def kda_commit(self, rec_state, inputs, n_accept):
-        return _kda_verify.kda_commit(rec_state, inputs, n_accept, config=self._kda_config())
+    def kda_commit(self, rec_state, conv_window, pending, n_accept):
+        return _kda_verify.kda_commit(rec_state, conv_window, pending, n_accept, config=self._kda_config())
 
     def kda_decode(self, q_raw, k_raw, v_raw, f_raw, b_raw, A_log, dt_bias, q_conv_w, k_conv_w, v_conv_w,
                    conv_window, rec_state, *, lower_bound: float):

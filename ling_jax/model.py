@@ -18,7 +18,6 @@ Model code is pure: jit, donation and sharding are applied by the caller.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -28,7 +27,7 @@ import jax.numpy as jnp
 from ling_jax.config import ModelConfig
 from ling_jax.kernel_calls import CHOICES as KERNEL_CHOICES
 from ling_jax.kernel_calls import KernelCalls, kernel_calls
-from ling_jax.layers.kda import KdaPending, kda_commit, kda_layer
+from ling_jax.layers.kda import KdaPending, kda_commit_layers, kda_in_place, kda_layer, kda_verify_block
 from ling_jax.layers.linear import Normed
 from ling_jax.layers.mla import mla_layer
 from ling_jax.layers.moe import dense_mlp, moe_layer
@@ -185,6 +184,8 @@ def forward(params, tokens, state: DecodeState, cfg: ModelConfig, *, mode: str, 
 
     rec, conv, cache = state.kda_recurrent, state.kda_conv, state.mla_cache
     pending, loads = [], []
+    in_place = kda_in_place(opts.calls, mode)
+    rows = None  # in place: the KDA layers' rows, stacked [Lk, ...] by the verify kernels
     x = embed(params, tokens)
     captured = {-1: x} if -1 in capture else {}
     ki = mi = 0
@@ -202,12 +203,16 @@ def forward(params, tokens, state: DecodeState, cfg: ModelConfig, *, mode: str, 
             mi += 1
             continue
         h = Normed(x, p["input_norm"], cfg.rms_norm_eps) if normed is None else normed
-        x, new_conv, new_rec, pend = kda_layer(p["attn"], h, conv[ki], rec[ki], cfg, mode=mode, n_valid=n_valid,
-                                               chunked=chunked, kernels=opts.calls, residual=x)
-        if pend is None:
-            conv, rec = conv.at[ki].set(new_conv), rec.at[ki].set(new_rec)
+        if in_place:  # the kernel reads layer ki of the stacks where they lie and stacks its rows in place
+            x, rows = kda_verify_block(p["attn"], h, conv, rec, cfg, layer=ki, pending=rows, kernels=opts.calls,
+                                       residual=x)
         else:
-            pending.append(pend)
+            x, new_conv, new_rec, pend = kda_layer(p["attn"], h, conv[ki], rec[ki], cfg, mode=mode,
+                                                   n_valid=n_valid, chunked=chunked, kernels=opts.calls, residual=x)
+            if pend is None:
+                conv, rec = conv.at[ki].set(new_conv), rec.at[ki].set(new_rec)
+            else:
+                pending.append(pend)
         ki += 1
         x = ffn(p, x, cfg, i, opts, expert_load, live_rows, next_norm)
         if expert_load:
@@ -222,20 +227,25 @@ def forward(params, tokens, state: DecodeState, cfg: ModelConfig, *, mode: str, 
         raise ValueError(f"capture layer ids {missing} are outside -1..{len(params['layers']) - 1}")
     layer_hidden = jnp.concatenate([captured[i] for i in capture], axis=-1) if capture else None
 
+    if in_place and mode == "decode" and rows is not None:  # decode = every layer's verify, then ONE commit
+        conv, rec = kda_commit_layers(conv, rec, rows, n_valid, opts.calls)
     lengths = state.lengths if mode == "verify" else state.lengths + n_valid.astype(jnp.int32)
     new_state = DecodeState(kda_recurrent=rec, kda_conv=conv, mla_cache=cache, lengths=lengths)
-    stacked = jax.tree.map(lambda *a: jnp.stack(a), *pending) if pending else None
+    if in_place:
+        stacked = rows if mode == "verify" else None
+    else:
+        stacked = jax.tree.map(lambda *a: jnp.stack(a), *pending) if pending else None
     load = (jnp.stack(loads) if loads else None) if expert_load else None
     return ForwardOutput(hidden, new_state, stacked, load, layer_hidden)
 
 
 def commit(state: DecodeState, pending: KdaPending, n_accept, opts: RuntimeOptions = RuntimeOptions()) -> DecodeState:
     """Commit the first n_accept[b] verified positions: KDA states replayed from the pre-verify state (reads
-    and writes |S| once per layer), conv windows slid, lengths advanced. MLA rows were written by verify.
+    and writes |S| once per layer), conv windows slid, lengths advanced (with kernels: one kernel call for every
+    layer, both states in place). MLA rows were written by verify.
     pending None: the model has no KDA layer (e.g. a slice inside the first layer group: all MLA), only the
     lengths advance."""
     if pending is None:
         return state.replace(lengths=state.lengths + n_accept.astype(jnp.int32))
-    replay = functools.partial(kda_commit, kernels=opts.calls)
-    conv, rec = jax.vmap(replay, in_axes=(0, 0, 0, None))(state.kda_conv, state.kda_recurrent, pending, n_accept)
+    conv, rec = kda_commit_layers(state.kda_conv, state.kda_recurrent, pending, n_accept, opts.calls)
     return state.replace(kda_recurrent=rec, kda_conv=conv, lengths=state.lengths + n_accept.astype(jnp.int32))

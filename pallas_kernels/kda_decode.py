@@ -32,9 +32,14 @@ def _decode_kernel(q_ref, k_ref, v_ref, f_ref, b_ref, alog_ref, dtb_ref, qw_ref,
   hd = h_n * dk
   c0, v0 = h * dk, h * dk + vb * bv
   cols = pl.ds(vb * bv, bv)
-  (q,) = _conv_rows(q_ref, cs_ref, qw_ref, b, c0, dk, 0, 1, width)        # [Dk]
-  (k,) = _conv_rows(k_ref, cs_ref, kw_ref, b, c0, dk, hd, 1, width)
-  (v,) = _conv_rows(v_ref, cs_ref, vw_ref, b, v0, bv, 2 * hd, 1, width)   # [BV]
+
+  def conv(raw_ref, w_ref, c, n, cs_off):  # R(silu(conv)) of channels [c, c+n) of one stream: [n] f32
+    xcat = [cs_ref[b, i, pl.ds(cs_off + c, n)] for i in range(width - 1)] + [raw_ref[b, 0, pl.ds(c, n)]]
+    (y,) = _conv_rows(xcat, [w_ref[pl.ds(c, n), 0, j].astype(jnp.float32) for j in range(width)], raw_ref.dtype)
+    return y
+
+  q, k = conv(q_ref, qw_ref, c0, dk, 0), conv(k_ref, kw_ref, c0, dk, hd)   # [Dk]
+  v = conv(v_ref, vw_ref, v0, bv, 2 * hd)                                # [BV]
   f = f_ref[b, 0, pl.ds(c0, dk)].astype(jnp.float32)
   braw = b_ref[b, 0, h].astype(jnp.float32)
   a = jnp.exp(alog_ref[h].astype(jnp.float32))

@@ -1,7 +1,8 @@
 """KDA (Kimi Delta Attention) verify + commit: fused conv1d + gates + delta rule, state never written by verify.
 
-Shape legend: B batch, T positions (<= ~17), H heads, Dk = Dv head dims, HD = H*Dk,
-W conv kernel (4), BV value tile of one program.
+Shape legend: L KDA layers (the model's stacked states), B batch, T positions (<= ~17), H heads, Dk = Dv head
+dims, C = H*Dk channels of one stream, S >= 4 streams of the fused projection (q, k, v, f, ...), W conv kernel
+(4), BV value tile of one program.
 
 Per position t, per head (fp32; R(.) = round to the activation dtype, the raw streams', and back):
   y_t[c] = R(silu(sum_j w[c, 0, j] * xcat_{t+j}[c]))     xcat = concat(conv_state, raw) along time
@@ -11,13 +12,23 @@ Per position t, per head (fp32; R(.) = round to the activation dtype, the raw st
   S      = diag(exp(g)) S                                  S [Dk, Dv], decay on the K rows
   S      = S + beta k (v - S^T k)^T
   o_t    = S^T q
-Verify returns o and the per-position (k, v, g, beta) the commit needs; commit replays the
-accepted prefix t < n_accept[b] from the pre-verify state (reads S once, writes S once).
-Reference: the model's own jnp, ling_jax/layers/kda.py (kda_inputs + kda_recurrent for verify, kda_replay for
-commit, with its rounding points R above); tests/kernel_oracles.py calls it with these layouts.
+Verify returns R(o) (the model's epilogue, kda_output, rounds the recurrence's output to the activation dtype
+first: rounded here, no XLA convert between) and writes the per-position rows the commit needs (raw q/k/v, k, v,
+g, beta: `KdaRows`); commit replays the accepted prefix t < n_accept[b] from the pre-verify state (reads S once, writes S once) and
+slides the conv window by n_accept[b].
+Reference: the model's own jnp, ling_jax/layers/kda.py (kda_inputs + kda_recurrent for verify, kda_replay and
+slide_window for commit, with its rounding points R above); tests/kernel_oracles.py calls it with these layouts.
 
-Kernels (Triton): grid (B, H, Dv/BV). Each program loads its head's q/k conv window (full Dk,
-recomputed by the Dv/BV programs of a head: only raw rows, tiny) and its [Dk, BV] state tile.
+In place (the model's layouts, no XLA glue around the kernels): verify takes the fused projection output
+proj [B, T, S, C] and the whole conv weight [3, C, 1, W] (streams and taps indexed in the kernel), reads the
+stacked states [L, ...] at `layer`, and writes its rows into the stacked KdaRows at `layer` (aliased in place;
+the first layer's call allocates them). One commit call then advances every layer's state and conv window in
+place. Inside the kernels the stream axes are flattened (channel s*C + c of stream s: free reshapes).
+
+Kernels (Triton): verify grid (B, H, Dv/BV), commit grid (L*B, H, Dv/BV). Each verify program loads its head's
+q/k conv window (full Dk, recomputed by the Dv/BV programs of a head: only raw rows, tiny) and its [Dk, BV] state
+tile; program (., h, vb) owns the channels h*Dk + vb*BV + [0, BV) of each of q, k, v for the raw rows (verify)
+and the conv window (commit), so the in-place writes of programs never overlap.
   algorithm="serial" (v2, default): the T steps unrolled on the register tile, two reductions
     over Dk each.
   algorithm="chunk": the UT / WY form over all T positions at once (see the comment above
@@ -38,10 +49,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 L2_EPS = 1e-6  # ling_jax.layers.norms.l2_normalize's eps (KDA's q and k)
+F32 = jnp.float32
 
 
 class KdaCommitInputs(NamedTuple):
-  """What commit needs from verify (fp32).
+  """What commit needs from verify (fp32), per layer (kda_chain's commit outputs).
 
   Attributes:
     k: [B, T, H, Dk] l2-normalised keys.
@@ -49,6 +61,23 @@ class KdaCommitInputs(NamedTuple):
     g: [B, T, H, Dk] log-decay (lower_bound * sigmoid(...)), in (lower_bound, 0).
     beta: [B, T, H] write strengths.
   """
+  k: jax.Array
+  v: jax.Array
+  g: jax.Array
+  beta: jax.Array
+
+
+class KdaRows(NamedTuple):
+  """A verify pass's rows of every KDA layer, stacked (the fields of the model's KdaPending, in its order).
+
+  Attributes:
+    qkv_raw: [L, B, T, 3, C] the raw q, k, v conv inputs (activation dtype), to slide the conv windows.
+    k: [L, B, T, H, Dk] l2-normalised keys (f32).
+    v: [L, B, T, H, Dv] values after conv + silu (f32).
+    g: [L, B, T, H, Dk] log-decays (f32).
+    beta: [L, B, T, H] write strengths (f32).
+  """
+  qkv_raw: jax.Array
   k: jax.Array
   v: jax.Array
   g: jax.Array
@@ -85,6 +114,9 @@ class KdaConfig:
 
 
 # ----------------------------------------------------------------------------- kernels
+#
+# Flattened layouts inside the kernels (free reshapes of the model's): proj [B, T, S*C], conv_w [3C, 1, W],
+# conv_state [L, B, W-1, 3C], qkv_raw rows [L, B, T, 3C]; stream s's channel c sits at s*C + c.
 
 
 def _sigmoid(x):
@@ -96,39 +128,88 @@ def _round(x, act):
   return x.astype(act).astype(jnp.float32)
 
 
-def _conv_rows(raw_ref, cs_ref, w_ref, b, c0, n, cs_off, t_len, width):
-  """silu(conv) rows for channels [c0, c0+n) of one stream: list of T arrays [n] f32."""
-  cols = pl.ds(c0, n)
-  xcat = [cs_ref[b, i, pl.ds(cs_off + c0, n)].astype(jnp.float32) for i in range(width - 1)]
-  xcat += [raw_ref[b, t, cols].astype(jnp.float32) for t in range(t_len)]
-  w = [w_ref[cols, 0, j].astype(jnp.float32) for j in range(width)]
+def _conv_rows(xcat, taps, act):
+  """R(silu(causal conv)) rows: xcat the W-1 conv window rows then the T raw rows (each [n], as stored), taps the
+  W weights [n] f32 -> T rows [n] f32, y_t = sum_j w_j xcat_{t+j}."""
+  width = len(taps)
+  x = [r.astype(jnp.float32) for r in xcat]
   out = []
-  for t in range(t_len):
-    y = w[0] * xcat[t]
+  for t in range(len(x) - width + 1):
+    y = taps[0] * x[t]
     for j in range(1, width):
-      y = y + w[j] * xcat[t + j]
-    out.append(_round(y * _sigmoid(y), raw_ref.dtype))
+      y = y + taps[j] * x[t + j]
+    out.append(_round(y * _sigmoid(y), act))
   return out
 
 
-def _verify_kernel(q_ref, k_ref, v_ref, f_ref, b_ref, alog_ref, dtb_ref, qw_ref, kw_ref, vw_ref,
-                   cs_ref, s_ref, o_ref, ko_ref, vo_ref, go_ref, bo_ref, *, t_len, width, h_n,
-                   dk, bv, lower_bound):
+def _stream_rows(proj_ref, cs_ref, l, b, ch, t_len, width):
+  """xcat of channels `ch` (flat): layer l's W-1 conv window rows, then the T raw rows of the projection."""
+  return ([cs_ref[l, b, i, ch] for i in range(width - 1)]
+          + [proj_ref[b, t, ch] for t in range(t_len)])
+
+
+def _taps(w_ref, ch, width):
+  return [w_ref[ch, 0, j].astype(jnp.float32) for j in range(width)]
+
+
+def _own_raw(proj_ref, b, c, bv, c_all, t_len):
+  """This program's raw q, k, v rows (channels [c, c+BV) of each stream) for the commit's window slide."""
+  return [[proj_ref[b, t, pl.ds(s * c_all + c, bv)] for t in range(t_len)] for s in range(3)]
+
+
+def _store_own_raw(raw_ref, l, b, c, bv, c_all, own):
+  for s, rows in enumerate(own):
+    for t, row in enumerate(rows):
+      raw_ref[l, b, t, pl.ds(s * c_all + c, bv)] = row
+
+
+def _slid_window(cs_ref, raw_ref, l, b, n, c, bv, c_all, t_len, width):
+  """Layer l's conv window after n accepted positions (the model's slide_window), channels [c, c+BV) of each
+  stream: rows n .. n+W-2 of xcat = [window (W-1 rows) | raw (T rows)] -> [(channels, [W-1 rows])]."""
+  out = []
+  for s in range(3):
+    ch = pl.ds(s * c_all + c, bv)
+    rows = []
+    for i in range(width - 1):
+      src = n + i
+      old = cs_ref[l, b, jnp.minimum(src, width - 2), ch]
+      new = raw_ref[l, b, jnp.clip(src - (width - 1), 0, t_len - 1), ch].astype(cs_ref.dtype)
+      rows.append(jnp.where(src < width - 1, old, new))
+    out.append((ch, rows))
+  return out
+
+
+def _store_window(cs_ref, l, b, window):
+  for ch, rows in window:
+    for i, row in enumerate(rows):
+      cs_ref[l, b, i, ch] = row
+
+
+def _verify_kernel(layer_ref, proj_ref, b_ref, alog_ref, dtb_ref, w_ref, cs_ref, s_ref, *refs, t_len, width,
+                   h_n, dk, bv, lower_bound):
+  o_ref, raw_ref, ko_ref, vo_ref, go_ref, bo_ref = refs[-6:]   # before them: the rows aliased in place (unread)
   b, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  hd = h_n * dk
-  c0, v0 = h * dk, h * dk + vb * bv
-  qs = _conv_rows(q_ref, cs_ref, qw_ref, b, c0, dk, 0, t_len, width)
-  ks = _conv_rows(k_ref, cs_ref, kw_ref, b, c0, dk, hd, t_len, width)
-  vs = _conv_rows(v_ref, cs_ref, vw_ref, b, v0, bv, 2 * hd, t_len, width)
-  a = jnp.exp(alog_ref[h].astype(jnp.float32))
-  dtb = dtb_ref[pl.ds(c0, dk)].astype(jnp.float32)
+  l = layer_ref[0]
+  c_all = h_n * dk
+  c0, v0 = h * dk, h * dk + vb * bv                                    # the head's channels, this program's
+  head, vcols = pl.ds(c0, dk), pl.ds(v0, bv)
+  act = proj_ref.dtype
   # Every load is issued before the recurrence and every store after it: a load placed after a
   # store may alias it (the compiler cannot tell), which would put one global round trip on
   # each of the T serial steps.
-  fs = [f_ref[b, t, pl.ds(c0, dk)].astype(jnp.float32) for t in range(t_len)]
+  xq = _stream_rows(proj_ref, cs_ref, l, b, pl.ds(c0, dk), t_len, width)
+  xk = _stream_rows(proj_ref, cs_ref, l, b, pl.ds(c_all + c0, dk), t_len, width)
+  xv = _stream_rows(proj_ref, cs_ref, l, b, pl.ds(2 * c_all + v0, bv), t_len, width)
+  own = _own_raw(proj_ref, b, v0, bv, c_all, t_len)
+  qs = _conv_rows(xq, _taps(w_ref, pl.ds(c0, dk), width), act)
+  ks = _conv_rows(xk, _taps(w_ref, pl.ds(c_all + c0, dk), width), act)
+  vs = _conv_rows(xv, _taps(w_ref, pl.ds(2 * c_all + v0, bv), width), act)
+  a = jnp.exp(alog_ref[h].astype(jnp.float32))
+  dtb = dtb_ref[head].astype(jnp.float32)
+  fs = [proj_ref[b, t, pl.ds(3 * c_all + c0, dk)].astype(jnp.float32) for t in range(t_len)]
   bs = [b_ref[b, t, h].astype(jnp.float32) for t in range(t_len)]
-  s = s_ref[b, h, :, pl.ds(vb * bv, bv)]                               # [Dk, BV] f32
-  scale, act = dk ** -0.5, q_ref.dtype
+  s = s_ref[l, b, h, :, pl.ds(vb * bv, bv)]                            # [Dk, BV] f32
+  scale = dk ** -0.5
   qn, kn, gs, betas, outs = [], [], [], [], []
   for t in range(t_len):                                               # position-parallel part
     qn.append(_round(qs[t] * lax.rsqrt(jnp.sum(qs[t] * qs[t]) + L2_EPS), act) * scale)
@@ -142,32 +223,37 @@ def _verify_kernel(q_ref, k_ref, v_ref, f_ref, b_ref, alog_ref, dtb_ref, qw_ref,
     s = s + k[:, None] * (betas[t] * (vs[t] - kv))[None, :]
     outs.append(jnp.sum(s * qn[t][:, None], axis=0))                   # o_t = S^T q
   for t in range(t_len):
-    o_ref[b, t, h, pl.ds(vb * bv, bv)] = outs[t]
-    vo_ref[b, t, h, pl.ds(vb * bv, bv)] = vs[t]
+    o_ref[b, t, h, pl.ds(vb * bv, bv)] = outs[t].astype(act)             # R(o)
+    vo_ref[l, b, t, h, pl.ds(vb * bv, bv)] = vs[t]
+  _store_own_raw(raw_ref, l, b, v0, bv, c_all, own)
 
   @pl.when(vb == 0)
   def _():
     for t in range(t_len):
-      ko_ref[b, t, h, :] = kn[t]
-      go_ref[b, t, h, :] = gs[t]
-      bo_ref[b, t, h] = betas[t]
+      ko_ref[l, b, t, h, :] = kn[t]
+      go_ref[l, b, t, h, :] = gs[t]
+      bo_ref[l, b, t, h] = betas[t]
 
 
-def _commit_kernel(s_ref, n_ref, k_ref, v_ref, g_ref, beta_ref, out_ref, *, t_len, bv):
-  b, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+def _commit_kernel(n_ref, s_in, cs_in, raw_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, cs_ref, *, b_n, t_len,
+                   width, h_n, dk, bv):
+  lb, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  l, b = lb // b_n, lb % b_n
   cols = pl.ds(vb * bv, bv)
-  s = s_ref[b, h, :, cols]                                             # [Dk, BV]
   n = n_ref[b]
-  ks = [k_ref[b, t, h, :] for t in range(t_len)]                       # all loads first
-  es = [jnp.exp(g_ref[b, t, h, :]) for t in range(t_len)]
-  vs = [v_ref[b, t, h, cols] for t in range(t_len)]
-  betas = [beta_ref[b, t, h] for t in range(t_len)]
+  s = s_in[l, b, h, :, cols]                                           # [Dk, BV]
+  ks = [k_ref[l, b, t, h, :] for t in range(t_len)]                    # all loads first
+  es = [jnp.exp(g_ref[l, b, t, h, :]) for t in range(t_len)]
+  vs = [v_ref[l, b, t, h, cols] for t in range(t_len)]
+  betas = [beta_ref[l, b, t, h] for t in range(t_len)]
+  window = _slid_window(cs_in, raw_ref, l, b, n, h * dk + vb * bv, bv, h_n * dk, t_len, width)
   for t in range(t_len):
     s_new = s * es[t][:, None]
     kv = jnp.sum(s_new * ks[t][:, None], axis=0)
     s_new = s_new + ks[t][:, None] * (betas[t] * (vs[t] - kv))[None, :]
     s = jnp.where(t < n, s_new, s)
-  out_ref[b, h, :, cols] = s
+  s_ref[l, b, h, :, cols] = s
+  _store_window(cs_ref, l, b, window)
 
 
 # ----------------------------------------------------------------------------- chunked (UT) kernels
@@ -206,8 +292,8 @@ def _iota2(shape, dim):
   return lax.broadcasted_iota(jnp.int32, shape, dim)
 
 
-def _conv_tile(raw_ref, cs_ref, w_ref, b, c0, n, cs_off, t_len, tp, width):
-  """silu(causal conv) of channels [c0, c0+n) for rows t < Tp (rows >= T are garbage): [Tp, n] f32.
+def _conv_tile(proj_ref, cs_ref, w_ref, l, b, c0, n, t_len, tp, width):
+  """silu(causal conv) of flat channels [c0, c0+n) for rows t < Tp (rows >= T are garbage): [Tp, n] f32.
 
   Row t needs xcat rows t..t+W-1, xcat = [conv window (W-1 rows), raw (T rows)]: each shift j is
   one gather of clipped rows from the window and one from raw, then a select."""
@@ -215,27 +301,27 @@ def _conv_tile(raw_ref, cs_ref, w_ref, b, c0, n, cs_off, t_len, tp, width):
   y = None
   for j in range(width):
     src = r + j
-    xs = cs_ref[b, jnp.clip(src, 0, width - 2), c + cs_off].astype(jnp.float32)
-    xr = raw_ref[b, jnp.clip(src - (width - 1), 0, t_len - 1), c].astype(jnp.float32)
+    xs = cs_ref[l, b, jnp.clip(src, 0, width - 2), c].astype(jnp.float32)
+    xr = proj_ref[b, jnp.clip(src - (width - 1), 0, t_len - 1), c].astype(jnp.float32)
     wj = w_ref[pl.ds(c0, n), 0, j].astype(jnp.float32)
     term = wj[None, :] * jnp.where(src < width - 1, xs, xr)
     y = term if y is None else y + term
-  return _round(y * _sigmoid(y), raw_ref.dtype)
+  return _round(y * _sigmoid(y), proj_ref.dtype)
 
 
-def _chunk_prepare(k_ref, v_ref, f_ref, b_ref, alog_ref, dtb_ref, kw_ref, vw_ref, cs_ref, *,
-                   b, h, c0, v0, t_len, tp, width, hd, dk, bv, lower_bound):
+def _chunk_prepare(proj_ref, b_ref, alog_ref, dtb_ref, w_ref, cs_ref, *, l, b, h, c0, v0, t_len, tp, width,
+                   c_all, dk, bv, lower_bound):
   """k [Tp, Dk] (l2-normed), v [Tp, BV], g [Tp, Dk], beta [Tp] f32; zero on padding rows."""
   valid = _iota2((tp, 1), 0) < t_len
-  k = _conv_tile(k_ref, cs_ref, kw_ref, b, c0, dk, hd, t_len, tp, width)
-  v = _conv_tile(v_ref, cs_ref, vw_ref, b, v0, bv, 2 * hd, t_len, tp, width)
+  k = _conv_tile(proj_ref, cs_ref, w_ref, l, b, c_all + c0, dk, t_len, tp, width)
+  v = _conv_tile(proj_ref, cs_ref, w_ref, l, b, 2 * c_all + v0, bv, t_len, tp, width)
   rows = jnp.clip(_iota2((tp, dk), 0), 0, t_len - 1)
-  f = f_ref[b, rows, _iota2((tp, dk), 1) + c0].astype(jnp.float32)
+  f = proj_ref[b, rows, _iota2((tp, dk), 1) + 3 * c_all + c0].astype(jnp.float32)
   rows1 = jnp.clip(lax.broadcasted_iota(jnp.int32, (tp,), 0), 0, t_len - 1)
   braw = b_ref[b, rows1, h].astype(jnp.float32)
   a = jnp.exp(alog_ref[h].astype(jnp.float32))
   dtb = dtb_ref[pl.ds(c0, dk)].astype(jnp.float32)
-  k = jnp.where(valid, _round(k * lax.rsqrt(jnp.sum(k * k, axis=1, keepdims=True) + L2_EPS), k_ref.dtype), 0.0)
+  k = jnp.where(valid, _round(k * lax.rsqrt(jnp.sum(k * k, axis=1, keepdims=True) + L2_EPS), proj_ref.dtype), 0.0)
   v = jnp.where(valid, v, 0.0)
   g = jnp.where(valid, lower_bound * _sigmoid(a * (f + dtb[None, :])), 0.0)
   beta = jnp.where(valid[:, 0], _sigmoid(braw), 0.0)
@@ -265,110 +351,144 @@ def _chunk_solve(k, v, g, beta, s0, prec, t_len, tp):
   return _mm(x, rhs, prec), big_g, eg, eg_mid, kinv
 
 
-def _verify_chunk_kernel(q_ref, k_ref, v_ref, f_ref, b_ref, alog_ref, dtb_ref, qw_ref, kw_ref,
-                         vw_ref, cs_ref, s_ref, o_ref, ko_ref, vo_ref, go_ref, bo_ref, *, t_len,
-                         tp, width, h_n, dk, bv, lower_bound, prec):
+def _verify_chunk_kernel(layer_ref, proj_ref, b_ref, alog_ref, dtb_ref, w_ref, cs_ref, s_ref, *refs, t_len, tp,
+                         width, h_n, dk, bv, lower_bound, prec):
+  o_ref, raw_ref, ko_ref, vo_ref, go_ref, bo_ref = refs[-6:]   # before them: the rows aliased in place (unread)
   b, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  hd = h_n * dk
+  l = layer_ref[0]
+  c_all = h_n * dk
   c0, v0 = h * dk, h * dk + vb * bv
-  s0 = s_ref[b, h, :, pl.ds(vb * bv, bv)]                              # [Dk, BV] f32, issued first
-  k, v, g, beta = _chunk_prepare(k_ref, v_ref, f_ref, b_ref, alog_ref, dtb_ref, kw_ref, vw_ref,
-                                 cs_ref, b=b, h=h, c0=c0, v0=v0, t_len=t_len, tp=tp, width=width,
-                                 hd=hd, dk=dk, bv=bv, lower_bound=lower_bound)
-  q = _conv_tile(q_ref, cs_ref, qw_ref, b, c0, dk, 0, t_len, tp, width)
-  q = _round(q * lax.rsqrt(jnp.sum(q * q, axis=1, keepdims=True) + L2_EPS), q_ref.dtype) * dk ** -0.5
+  s0 = s_ref[l, b, h, :, pl.ds(vb * bv, bv)]                           # [Dk, BV] f32, issued first
+  own = _own_raw(proj_ref, b, v0, bv, c_all, t_len)
+  k, v, g, beta = _chunk_prepare(proj_ref, b_ref, alog_ref, dtb_ref, w_ref, cs_ref, l=l, b=b, h=h, c0=c0, v0=v0,
+                                 t_len=t_len, tp=tp, width=width, c_all=c_all, dk=dk, bv=bv,
+                                 lower_bound=lower_bound)
+  q = _conv_tile(proj_ref, cs_ref, w_ref, l, b, c0, dk, t_len, tp, width)
+  q = _round(q * lax.rsqrt(jnp.sum(q * q, axis=1, keepdims=True) + L2_EPS), proj_ref.dtype) * dk ** -0.5
   q = jnp.where(_iota2((tp, 1), 0) < t_len, q, 0.0)
   u, _, eg, eg_mid, kinv = _chunk_solve(k, v, g, beta, s0, prec, t_len, tp)
   r, c = _iota2((tp, tp), 0), _iota2((tp, tp), 1)
   m = jnp.where(r >= c, _mm(q * eg_mid, kinv, prec, tb=True), 0.0)     # M_ti, i <= t
   o = _mm(q * eg, s0, prec) + _mm(m, u, prec)                          # [Tp, BV]
   rv, cv = _iota2((tp, bv), 0), _iota2((tp, bv), 1) + vb * bv
-  plt.store(o_ref.at[b, rv, h, cv], o, mask=rv < t_len)
-  plt.store(vo_ref.at[b, rv, h, cv], v, mask=rv < t_len)
+  plt.store(o_ref.at[b, rv, h, cv], o.astype(o_ref.dtype), mask=rv < t_len)
+  plt.store(vo_ref.at[l, b, rv, h, cv], v, mask=rv < t_len)
+  _store_own_raw(raw_ref, l, b, v0, bv, c_all, own)
 
   @pl.when(vb == 0)
   def _():
     rk, ck = _iota2((tp, dk), 0), _iota2((tp, dk), 1)
-    plt.store(ko_ref.at[b, rk, h, ck], k, mask=rk < t_len)
-    plt.store(go_ref.at[b, rk, h, ck], g, mask=rk < t_len)
+    plt.store(ko_ref.at[l, b, rk, h, ck], k, mask=rk < t_len)
+    plt.store(go_ref.at[l, b, rk, h, ck], g, mask=rk < t_len)
     r1 = lax.broadcasted_iota(jnp.int32, (tp,), 0)
-    plt.store(bo_ref.at[b, r1, h], beta, mask=r1 < t_len)
+    plt.store(bo_ref.at[l, b, r1, h], beta, mask=r1 < t_len)
 
 
-def _commit_chunk_kernel(s_ref, n_ref, k_ref, v_ref, g_ref, beta_ref, out_ref, *, t_len, tp, dk,
-                         bv, prec):
-  b, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+def _commit_chunk_kernel(n_ref, s_in, cs_in, raw_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, cs_ref, *, b_n, t_len,
+                         tp, width, h_n, dk, bv, prec):
+  lb, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  l, b = lb // b_n, lb % b_n
   cols = pl.ds(vb * bv, bv)
   n = n_ref[b]
-  s0 = s_ref[b, h, :, cols]                                            # [Dk, BV]
+  s0 = s_in[l, b, h, :, cols]                                          # [Dk, BV]
   rk = _iota2((tp, dk), 0)
   rows = jnp.clip(rk, 0, t_len - 1)
   valid = rk < t_len
-  k = jnp.where(valid, k_ref[b, rows, h, _iota2((tp, dk), 1)], 0.0)
-  g = jnp.where(valid, g_ref[b, rows, h, _iota2((tp, dk), 1)], 0.0)
+  k = jnp.where(valid, k_ref[l, b, rows, h, _iota2((tp, dk), 1)], 0.0)
+  g = jnp.where(valid, g_ref[l, b, rows, h, _iota2((tp, dk), 1)], 0.0)
   rv = _iota2((tp, bv), 0)
-  v = jnp.where(rv < t_len, v_ref[b, jnp.clip(rv, 0, t_len - 1), h, _iota2((tp, bv), 1) + vb * bv],
-                0.0)
+  v = jnp.where(rv < t_len, v_ref[l, b, jnp.clip(rv, 0, t_len - 1), h, _iota2((tp, bv), 1) + vb * bv], 0.0)
   r1 = lax.broadcasted_iota(jnp.int32, (tp,), 0)
-  beta = jnp.where(r1 < t_len, beta_ref[b, jnp.clip(r1, 0, t_len - 1), h], 0.0)
+  beta = jnp.where(r1 < t_len, beta_ref[l, b, jnp.clip(r1, 0, t_len - 1), h], 0.0)
+  window = _slid_window(cs_in, raw_ref, l, b, n, h * dk + vb * bv, bv, h_n * dk, t_len, width)
   u, big_g, _, _, _ = _chunk_solve(k, v, g, beta, s0, prec, t_len, tp)
   g_n = jnp.sum(jnp.where(rk < n, g, 0.0), axis=0)                     # G_{n-1}  [Dk]
   kdec = jnp.where(rk < n, k * jnp.exp(g_n[None, :] - big_g), 0.0)     # e^(G_{n-1} - G_i) k_i
-  out_ref[b, h, :, cols] = jnp.exp(g_n)[:, None] * s0 + _mm(kdec, u, prec, ta=True)
+  s_ref[l, b, h, :, cols] = jnp.exp(g_n)[:, None] * s0 + _mm(kdec, u, prec, ta=True)
+  _store_window(cs_ref, l, b, window)
+
+
+def _rows_shape(n_layers, bsz, t, h, dk, c, act):
+  S = jax.ShapeDtypeStruct
+  return KdaRows(S((n_layers, bsz, t, 3 * c), act), S((n_layers, bsz, t, h, dk), F32),
+                 S((n_layers, bsz, t, h, dk), F32), S((n_layers, bsz, t, h, dk), F32), S((n_layers, bsz, t, h), F32))
 
 
 @functools.partial(jax.jit, static_argnames=("lower_bound", "config"))
-def kda_verify(q_raw, k_raw, v_raw, f_raw, b_raw, A_log, dt_bias, q_conv_w, k_conv_w, v_conv_w,
-               conv_state, rec_state, *, lower_bound=-5.0, config=None):
-  """Pallas (Triton) verify: q/k/v/f raw [B,T,HD], b_raw [B,T,H], A_log [H], dt_bias [HD], conv weights
-  [HD,1,W], conv_state [B,W-1,3HD], rec_state [B,H,Dk,Dv] f32 -> (o [B,T,H,Dv] f32, KdaCommitInputs), the
-  model's kda_inputs + kda_recurrent (its verify path) on these streams."""
+def kda_verify(proj, b_raw, A_log, dt_bias, conv_w, conv_state, rec_state, layer, rows=None, *, lower_bound=-5.0,
+               config=None):
+  """Pallas (Triton) verify of KDA layer `layer`, the model's kda_inputs + kda_recurrent (its verify path).
+
+  proj [B, T, S, C] the fused projection (raw q, k, v, f streams first; more streams are not read), b_raw [B, T, H],
+  A_log [H], dt_bias [C], conv_w [3, C, 1, W], conv_state [L, B, W-1, 3, C] and rec_state [L, B, H, Dk, Dv] f32
+  (read at `layer`, never written), layer int32 scalar; rows: the KdaRows [L, ...] the layers verified before
+  wrote, written here at `layer` in place (their outputs alias them: donate them), or None: allocated, the other
+  layers' rows undefined until their own verify writes them.
+  -> (o [B, T, H, Dv] in the activation dtype (the projection's: the model's kda_output rounds the recurrence's
+  output there first), rows)."""
   cfg = config or KdaConfig()
-  bsz, t, hd = q_raw.shape
+  bsz, t, n_streams, c = proj.shape
   h = b_raw.shape[-1]
-  dk = hd // h
-  dv = rec_state.shape[-1]
-  width = q_conv_w.shape[-1]
-  assert rec_state.shape == (bsz, h, dk, dv) and conv_state.shape == (bsz, width - 1, 3 * hd)
-  assert dv % cfg.block_v == 0, (dv, cfg.block_v)
-  f32 = jnp.float32
+  dk = c // h
+  n_layers, dv = rec_state.shape[0], rec_state.shape[-1]
+  width = conv_w.shape[-1]
+  assert n_streams >= 4 and conv_w.shape == (3, c, 1, width), (proj.shape, conv_w.shape)
+  assert rec_state.shape == (n_layers, bsz, h, dk, dv), rec_state.shape
+  assert conv_state.shape == (n_layers, bsz, width - 1, 3, c), conv_state.shape
+  assert dv == dk and dv % cfg.block_v == 0, (dk, dv, cfg.block_v)
+  out_rows = _rows_shape(n_layers, bsz, t, h, dk, c, proj.dtype)
+  if rows is None:
+    in_rows, aliases = (), {}
+  else:
+    rows = KdaRows(*rows)
+    in_rows = (rows.qkv_raw.reshape(n_layers, bsz, t, 3 * c),) + tuple(rows[1:])
+    assert [(a.shape, a.dtype) for a in in_rows] == [(a.shape, a.dtype) for a in out_rows], (in_rows, out_rows)
+    aliases = {8 + i: 1 + i for i in range(len(in_rows))}
   if cfg.algorithm == "serial":
     kern = functools.partial(_verify_kernel, t_len=t, width=width, h_n=h, dk=dk, bv=cfg.block_v,
                              lower_bound=float(lower_bound))
   else:
-    kern = functools.partial(_verify_chunk_kernel, t_len=t, tp=_pad_t(t), width=width, h_n=h,
-                             dk=dk, bv=cfg.block_v, lower_bound=float(lower_bound),
-                             prec=_dot_precision(cfg))
-  o, k, v, g, beta = pl.pallas_call(
+    kern = functools.partial(_verify_chunk_kernel, t_len=t, tp=_pad_t(t), width=width, h_n=h, dk=dk,
+                             bv=cfg.block_v, lower_bound=float(lower_bound), prec=_dot_precision(cfg))
+  o, raw, k, v, g, beta = pl.pallas_call(
       kern, grid=(bsz, h, dv // cfg.block_v),
-      out_shape=(jax.ShapeDtypeStruct((bsz, t, h, dv), f32),
-                 jax.ShapeDtypeStruct((bsz, t, h, dk), f32),
-                 jax.ShapeDtypeStruct((bsz, t, h, dv), f32),
-                 jax.ShapeDtypeStruct((bsz, t, h, dk), f32),
-                 jax.ShapeDtypeStruct((bsz, t, h), f32)),
+      out_shape=(jax.ShapeDtypeStruct((bsz, t, h, dv), proj.dtype),) + tuple(out_rows),
+      input_output_aliases=aliases,
       compiler_params=plt.CompilerParams(num_warps=cfg.num_warps, num_stages=1),
       interpret=cfg.interpret, name="kda_verify",
-  )(q_raw, k_raw, v_raw, f_raw, b_raw, A_log, dt_bias, q_conv_w, k_conv_w, v_conv_w,
-    conv_state, rec_state)
-  return o, KdaCommitInputs(k, v, g, beta)
+  )(jnp.asarray(layer, jnp.int32).reshape(1), proj.reshape(bsz, t, n_streams * c), b_raw, A_log, dt_bias,
+    conv_w.reshape(3 * c, 1, width), conv_state.reshape(n_layers, bsz, width - 1, 3 * c), rec_state, *in_rows)
+  return o, KdaRows(raw.reshape(n_layers, bsz, t, 3, c), k, v, g, beta)
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
-def kda_commit(rec_state, commit_inputs, n_accept, *, config=None):
-  """Pallas (Triton) commit: the state after the first n_accept[b] positions (the model's kda_replay).
-  The output aliases rec_state (donate it to update in place)."""
+def kda_commit(rec_state, conv_state, rows, n_accept, *, config=None):
+  """Pallas (Triton) commit of every layer: the state after the first n_accept[b] verified positions (the model's
+  kda_replay) and the conv window slid by them (slide_window), in one call.
+
+  rec_state [L, B, H, Dk, Dv] f32, conv_state [L, B, W-1, 3, C], rows: the verify pass's KdaRows [L, ...],
+  n_accept [B] (<= T) -> (rec_state, conv_state), aliasing their inputs (donate them to update in place)."""
   cfg = config or KdaConfig()
-  bsz, h, dk, dv = rec_state.shape
-  t = commit_inputs.k.shape[1]
+  n_layers, bsz, h, dk, dv = rec_state.shape
+  rows = KdaRows(*rows)
+  t = rows.k.shape[2]
+  width = conv_state.shape[2] + 1
+  c = h * dk
+  assert conv_state.shape == (n_layers, bsz, width - 1, 3, c), conv_state.shape
+  assert rows.qkv_raw.shape == (n_layers, bsz, t, 3, c) and dv == dk, (rows.qkv_raw.shape, rec_state.shape)
   if cfg.algorithm == "serial":
-    kern = functools.partial(_commit_kernel, t_len=t, bv=cfg.block_v)
+    kern = functools.partial(_commit_kernel, b_n=bsz, t_len=t, width=width, h_n=h, dk=dk, bv=cfg.block_v)
   else:
-    kern = functools.partial(_commit_chunk_kernel, t_len=t, tp=_pad_t(t), dk=dk, bv=cfg.block_v,
-                             prec=_dot_precision(cfg))
-  return pl.pallas_call(
-      kern, grid=(bsz, h, dv // cfg.block_v),
-      out_shape=jax.ShapeDtypeStruct(rec_state.shape, rec_state.dtype),
-      input_output_aliases={0: 0},
+    kern = functools.partial(_commit_chunk_kernel, b_n=bsz, t_len=t, tp=_pad_t(t), width=width, h_n=h, dk=dk,
+                             bv=cfg.block_v, prec=_dot_precision(cfg))
+  flat_window = conv_state.reshape(n_layers, bsz, width - 1, 3 * c)
+  state, window = pl.pallas_call(
+      kern, grid=(n_layers * bsz, h, dv // cfg.block_v),
+      out_shape=(jax.ShapeDtypeStruct(rec_state.shape, rec_state.dtype),
+                 jax.ShapeDtypeStruct(flat_window.shape, flat_window.dtype)),
+      input_output_aliases={1: 0, 2: 1},
       compiler_params=plt.CompilerParams(num_warps=cfg.num_warps, num_stages=1),
       interpret=cfg.interpret, name="kda_commit",
-  )(rec_state, n_accept.astype(jnp.int32), *commit_inputs)
+  )(n_accept.astype(jnp.int32), rec_state, flat_window, rows.qkv_raw.reshape(n_layers, bsz, t, 3 * c),
+    rows.k, rows.v, rows.g, rows.beta)
+  return state, window.reshape(conv_state.shape)

@@ -3,9 +3,10 @@ layouts. Layout only here (stack, reshape, name the config fields); every piece 
 is the model's, written once in ling_jax. Used by the kernel tests and by the benches (their XLA baselines).
 
 Kernel layouts (pallas_kernels): router x [T, D], gate_w [E, D], expert_bias [E]; MoE x [T, D], ids / weights
-[T, A], experts [E, I, D] / [E, D, I], shared (gate [Is, D], up [Is, D], down [D, Is]); KDA raw streams
-q/k/v/f [B, T, C], b_raw [B, T, H], conv weights 3 x [C, 1, W], conv_state [B, W-1, 3C] (q | k | v channels),
-rec_state [B, H, K, V] f32.
+[T, A], experts [E, I, D] / [E, D, I], shared (gate [Is, D], up [Is, D], down [D, Is]); KDA verify/commit the
+model's own (proj [B, T, S, C], conv_w [3, C, 1, W], the stacked conv_state [L, B, W-1, 3, C] and rec_state
+[L, B, H, K, V] f32 read at a layer); KDA decode the raw streams q/k/v/f [B, T, C], b_raw [B, T, H], conv weights
+3 x [C, 1, W], conv_state [B, W-1, 3C] (q | k | v channels), rec_state [B, H, K, V] f32.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import jax.numpy as jnp
 from ling_jax.config import ModelConfig
 from ling_jax.layers import kda as model_kda
 from ling_jax.layers import moe as model_moe
-from pallas_kernels.kda_verify import KdaCommitInputs
+from pallas_kernels.kda_verify import KdaRows
 
 
 @functools.partial(jax.jit, static_argnames=("n_group", "topk_group", "top_k", "routed_scaling_factor",
@@ -48,21 +49,27 @@ def _model_layout(q_raw, k_raw, v_raw, f_raw, A_log, dt_bias, q_conv_w, k_conv_w
 
 
 @functools.partial(jax.jit, static_argnames=("lower_bound",))
-def kda_verify(q_raw, k_raw, v_raw, f_raw, b_raw, A_log, dt_bias, q_conv_w, k_conv_w, v_conv_w, conv_state,
-               rec_state, *, lower_bound=-5.0):
+def kda_verify(proj, b_raw, A_log, dt_bias, conv_w, conv_state, rec_state, layer, rows=None, *, lower_bound=-5.0):
   """pallas_kernels.kda_verify.kda_verify's contract through the model's kda_inputs + kda_recurrent (its verify
-  path) -> (o [B, T, H, V] f32, KdaCommitInputs). The activation dtype is the raw streams'."""
-  proj, p, window = _model_layout(q_raw, k_raw, v_raw, f_raw, A_log, dt_bias, q_conv_w, k_conv_w, v_conv_w,
-                                  conv_state)
-  q, k, v, g, beta = model_kda.kda_inputs(proj, b_raw, p, window, lower_bound, q_raw.dtype)
-  o, _ = model_kda.kda_recurrent(q, k, v, g, beta, rec_state)
-  return o, KdaCommitInputs(k, v, g, beta)
+  path) -> (o [B, T, H, V] rounded to the activation dtype (the projection's) as kda_output does first, KdaRows with
+  layer `layer` set; rows None: the other layers zero)."""
+  p = dict(conv_w=conv_w, A_log=A_log, dt_bias=dt_bias)
+  q, k, v, g, beta = model_kda.kda_inputs(proj, b_raw, p, conv_state[layer], lower_bound, proj.dtype)
+  o, _ = model_kda.kda_recurrent(q, k, v, g, beta, rec_state[layer])
+  mine = KdaRows(proj[:, :, :3], k, v, g, beta)
+  if rows is None:
+    rows = jax.tree.map(lambda a: jnp.zeros((rec_state.shape[0],) + a.shape, a.dtype), mine)
+  return o.astype(proj.dtype), jax.tree.map(lambda stack, a: stack.at[layer].set(a), KdaRows(*rows), mine)
 
 
 @jax.jit
-def kda_commit(rec_state, commit_inputs, n_accept):
-  """pallas_kernels.kda_verify.kda_commit's contract through the model's kda_replay."""
-  return model_kda.kda_replay(rec_state, *commit_inputs, n_accept)
+def kda_commit(rec_state, conv_state, rows, n_accept):
+  """pallas_kernels.kda_verify.kda_commit's contract through the model's kda_replay and slide_window, layer by
+  layer -> (rec_state, conv_state)."""
+  def layer(state, window, r):
+    return model_kda.kda_replay(state, r.k, r.v, r.g, r.beta, n_accept), \
+        model_kda.slide_window(window, r.qkv_raw, n_accept).astype(window.dtype)
+  return jax.vmap(layer)(rec_state, conv_state, KdaRows(*rows))
 
 
 @functools.partial(jax.jit, static_argnames=("lower_bound",))

@@ -3,7 +3,7 @@
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels.kda_verify import KdaCommitInputs, kda_commit, kda_verify
+from pallas_kernels.kda_verify import KdaRows, kda_commit, kda_verify
 from pallas_kernels.moe import moe
 from tests import cuda_lowering
 from tests.cuda_lowering import S
@@ -32,9 +32,13 @@ def test_moe_lowers_for_cuda(t):
 
 @pytest.mark.parametrize("t", [1, 6, 17])
 def test_kda_lowers_for_cuda(t):
-  args = ((S((1, t, HD), BF),) * 4 + (S((1, t, H), BF), S((H,), F32), S((HD,), F32))
-          + (S((HD, 1, W), BF),) * 3 + (S((1, W - 1, 3 * HD), BF), S((1, H, DK, DK), F32)))
+  """Verify (the first layer's: rows allocated; a later one's: rows aliased in place) and the all-layer commit,
+  on the model's stacked states (35 KDA layers)."""
+  n_layers = 35
+  args = (S((1, t, 5, HD), BF), S((1, t, H), BF), S((H,), F32), S((HD,), F32), S((3, HD, 1, W), BF),
+          S((n_layers, 1, W - 1, 3, HD), BF), S((n_layers, 1, H, DK, DK), F32), S((), I32))
+  rows = KdaRows(S((n_layers, 1, t, 3, HD), BF), S((n_layers, 1, t, H, DK), F32), S((n_layers, 1, t, H, DK), F32),
+                 S((n_layers, 1, t, H, DK), F32), S((n_layers, 1, t, H), F32))
   lower_cuda(kda_verify, *args)
-  ci = KdaCommitInputs(S((1, t, H, DK), F32), S((1, t, H, DK), F32), S((1, t, H, DK), F32),
-                       S((1, t, H), F32))
-  lower_cuda(kda_commit, args[-1], ci, S((1,), I32))
+  lower_cuda(kda_verify, *args, rows)
+  lower_cuda(kda_commit, args[6], args[5], rows, S((1,), I32))

@@ -143,33 +143,38 @@ def test_sharded_moe_kernel_under_shard_map(expert_parallel):
     assert rel_err(got, want) <= 1e-5
 
 
-def _kda_inputs(B=1, T=4, H=4, K=16, W=4):
+def _kda_inputs(B=1, T=4, H=4, K=16, W=4, L=2):
     C = H * K
     ks = jax.random.split(jax.random.key(1), 12)
-    raw = [jax.random.normal(ks[i], (B, T, C), F32) for i in range(4)]
+    proj = jax.random.normal(ks[0], (B, T, 5, C), F32)
     b = jax.random.normal(ks[4], (B, T, H), F32)
     A_log = jnp.log(jax.random.uniform(ks[5], (H,), F32, 1.0, 8.0))
     dt = 0.5 * jax.random.normal(ks[6], (C,), F32)
-    cw = [0.5 * jax.random.normal(ks[7 + i], (C, 1, W), F32) for i in range(3)]
-    conv = jax.random.normal(ks[10], (B, W - 1, 3, C), F32)
-    rec = 0.1 * jax.random.normal(ks[11], (B, H, K, K), F32)
-    return raw, b, A_log, dt, cw, conv, rec
+    cw = 0.5 * jax.random.normal(ks[7], (3, C, 1, W), F32)
+    conv = jax.random.normal(ks[10], (L, B, W - 1, 3, C), F32)
+    rec = 0.1 * jax.random.normal(ks[11], (L, B, H, K, K), F32)
+    return proj, b, A_log, dt, cw, conv, rec
 
 
 def test_sharded_kda_verify_and_commit_under_shard_map():
-    """KDA verify + commit kernels (interpreter) split by heads over 4 devices equal the unsharded model
-    (ling_jax.layers.kda: kda_inputs + kda_recurrent, kda_replay)."""
+    """KDA verify (both layers of the stacked states, rows stacked in place) + the all-layer commit (interpreter)
+    split by heads over 4 devices equal the unsharded model (ling_jax.layers.kda: kda_inputs + kda_recurrent,
+    kda_replay + slide_window)."""
     from tests import kernel_oracles as model
 
     mesh = make_mesh(4)
-    raw, b, A_log, dt, cw, conv, rec = _kda_inputs()
-    B, Wm1 = conv.shape[:2]
-    want = model.kda_verify(*raw, b, A_log, dt, *cw, conv.reshape(B, Wm1, -1), rec)
+    args = _kda_inputs()
     calls = ShardedKernelCalls(interpret=True, mesh=mesh)
-    got = jax.jit(lambda *a: calls.kda_verify(*a, lower_bound=-5.0))(*raw, b, A_log, dt, *cw, conv, rec)
-    for g_, w_ in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    verify = jax.jit(lambda *a: calls.kda_verify(*a, lower_bound=-5.0))
+    want_rows = got_rows = None
+    for layer in (1, 0):
+        want, want_rows = model.kda_verify(*args, layer, want_rows)
+        got, got_rows = verify(*args, layer, got_rows)
+        assert rel_err(got, want) <= 1e-5
+    for g_, w_ in zip(got_rows, want_rows):
         assert rel_err(g_, w_) <= 1e-5
     n_accept = jnp.array([3], jnp.int32)
-    want_s = model.kda_commit(rec, want[1], n_accept)
-    got_s = jax.jit(calls.kda_commit)(rec, got[1], n_accept)
-    assert rel_err(got_s, want_s) <= 1e-5
+    want_s = model.kda_commit(args[-1], args[-2], want_rows, n_accept)
+    got_s = jax.jit(calls.kda_commit)(args[-1], args[-2], got_rows, n_accept)
+    for g_, w_ in zip(got_s, want_s):
+        assert rel_err(g_, w_) <= 1e-5

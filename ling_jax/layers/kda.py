@@ -204,7 +204,7 @@ def no_op_mask(g, beta, n_valid):
 
 
 def _kernel_inputs(p, x, conv_window, rec_state, kernels=None):
-    """The fused KDA kernels' arguments (raw q/k/v/f streams, b, gates, conv weights, states) and the out-gate
+    """The fused decode kernel's arguments (raw q/k/v/f streams, b, gates, conv weights, states) and the out-gate
     stream, from one projection of x."""
     proj, b_raw = kda_projections(p, x, kernels)  # [B, T, 5, C], [B, T, H]
     conv_w = p["conv_w"]  # [3, C, 1, W]
@@ -213,11 +213,26 @@ def _kernel_inputs(p, x, conv_window, rec_state, kernels=None):
     return args, proj
 
 
-def _pallas_verify(p, x, conv_window, rec_state, cfg, kernels):
-    """The fused Pallas verify kernel: conv + gate + beta + l2norm + delta rule, state read once, not written."""
-    args, proj = _kernel_inputs(p, x, conv_window, rec_state, kernels)
-    o, ci = kernels.kda_verify(*args, lower_bound=cfg.kda_lower_bound)
-    return o, KdaPending(proj[:, :, :3], ci.k, ci.v, ci.g, ci.beta), proj[:, :, 4]
+def kda_in_place(kernels, mode: str) -> bool:
+    """Whether the KDA blocks of a decode / verify pass run the verify kernel on the model's stacked states in
+    place (kernels with kda_impl "verify", decode not fused): each block reads its layer of the stacks where they
+    lie and writes its rows into one stacked KdaPending, and one commit call then advances every layer
+    (`kda_commit_layers`): no XLA slice, scatter or copy of a state around the kernels."""
+    return (kernels is not None and mode in ("decode", "verify") and kernels.kda_impl == "verify"
+            and not (mode == "decode" and kernels.kda_fused_decode))
+
+
+def kda_verify_block(p, x, conv, rec, cfg, *, layer: int, pending, kernels, residual=None):
+    """One KDA block's verify on the model's stacked states, in place (see `kda_in_place`).
+
+    x [B, T, D] the normed input (or a layers.linear.Normed); conv [Lk, B, W-1, 3, C] and rec [Lk, B, H, K, V]
+    read at `layer` by the kernel, never written; pending: the stacked KdaPending [Lk, ...] the blocks before wrote
+    (None for the first). The kernel takes the fused projection [B, T, 5, C] and conv_w [3, C, 1, W] whole.
+    Returns (out [B, T, D] (+ residual, as kda_layer), pending with this layer's rows written in place)."""
+    proj, b_raw = kda_projections(p, x, kernels)  # [B, T, 5, C], [B, T, H]
+    o, rows = kernels.kda_verify(proj, b_raw, p["A_log"], p["dt_bias"], p["conv_w"], conv, rec, layer, pending,
+                                 lower_bound=cfg.kda_lower_bound)
+    return kda_output(p, o, proj[:, :, 4], cfg, x.dtype, kernels, residual), KdaPending(*rows)
 
 
 def _pallas_decode(p, x, conv_window, rec_state, cfg, kernels):
@@ -250,7 +265,9 @@ def kda_layer(p, x, conv_window, rec_state, cfg, *, mode: str, n_valid, chunked:
     mode "prefill"/"decode": consume x[:, :n_valid] and return the new (conv_window, rec_state).
     mode "verify": leave both states untouched and return a KdaPending for `kda_commit`.
     kernels: a ling_jax.kernel_calls.KernelCalls, or None for the jnp path. Its kda_fused_decode runs decode in
-    one kernel (B = 1 decode always has n_valid = 1); its kda_pallas_prefill runs the chunked prefill in Pallas.
+    one kernel (B = 1 decode always has n_valid = 1); its kda_pallas_prefill runs the chunked prefill in Pallas;
+    with kda_in_place, decode / verify run kda_verify_block (+ kda_commit_layers) on this layer's states as stacks
+    of one (the model calls kda_verify_block on its own stacks instead: no copy of a state around the kernel).
     Returns (out [B, T, D], conv_window, rec_state, pending or None).
     """
     if kernels is not None and mode != "prefill" and kernels.kda_impl == "chain":
@@ -259,13 +276,13 @@ def kda_layer(p, x, conv_window, rec_state, cfg, *, mode: str, n_valid, chunked:
     if kernels is not None and mode == "decode" and kernels.kda_fused_decode:
         o, rec_state, conv_window, out_gate = _pallas_decode(p, x, conv_window, rec_state, cfg, kernels)
         return kda_output(p, o, out_gate, cfg, x.dtype, kernels, residual), conv_window, rec_state, None
-    if kernels is not None and mode != "prefill":  # decode = verify of one row + commit of one row
-        o, pending, out_gate = _pallas_verify(p, x, conv_window, rec_state, cfg, kernels)
-        out = kda_output(p, o, out_gate, cfg, x.dtype, kernels, residual)
+    if kda_in_place(kernels, mode):  # this layer's states as stacks of one (the model passes its stacks)
+        out, pending = kda_verify_block(p, x, conv_window[None], rec_state[None], cfg, layer=0, pending=None,
+                                        kernels=kernels, residual=residual)
         if mode == "verify":
-            return out, conv_window, rec_state, pending
-        conv_window, rec_state = kda_commit(conv_window, rec_state, pending, n_valid, kernels=kernels)
-        return out, conv_window, rec_state, None
+            return out, conv_window, rec_state, jax.tree.map(lambda a: a[0], pending)
+        conv, rec = kda_commit_layers(conv_window[None], rec_state[None], pending, n_valid, kernels)
+        return out, conv[0], rec[0], None
     q, k, v, g, beta, qkv_raw, out_gate = kda_project(p, x, conv_window, cfg, kernels)
     if mode == "verify":
         o, _ = kda_recurrent(q, k, v, g, beta, rec_state)
@@ -281,16 +298,20 @@ def kda_layer(p, x, conv_window, rec_state, cfg, *, mode: str, n_valid, chunked:
     return out, slide_window(conv_window, qkv_raw, n_valid), new_state, None
 
 
-def kda_commit(conv_window, rec_state, pending: KdaPending, n_accept, kernels=None):
+def kda_commit(conv_window, rec_state, pending: KdaPending, n_accept):
     """Apply the first n_accept[b] verified positions to the committed state (replay from the pre-verify S)."""
-    if kernels is not None:
-        from pallas_kernels.kda_verify import KdaCommitInputs
-
-        inputs = KdaCommitInputs(pending.k, pending.v, pending.g, pending.beta)
-        new_state = kernels.kda_commit(rec_state, inputs, n_accept)
-        return slide_window(conv_window, pending.qkv_raw, n_accept), new_state
     new_state = kda_replay(rec_state, pending.k, pending.v, pending.g, pending.beta, n_accept)
     return slide_window(conv_window, pending.qkv_raw, n_accept), new_state
+
+
+def kda_commit_layers(conv, rec, pending: KdaPending, n_accept, kernels=None):
+    """Commit every KDA layer: conv [Lk, B, W-1, 3, C], rec [Lk, B, H, K, V], pending stacked [Lk, ...] ->
+    (conv, rec). kernels: ONE kernel call for all layers, both states updated in place; None: kda_commit per
+    layer (its reference)."""
+    if kernels is not None:
+        rec, conv = kernels.kda_commit(rec, conv, pending, n_accept)
+        return conv, rec
+    return jax.vmap(kda_commit, in_axes=(0, 0, 0, None))(conv, rec, pending, n_accept)
 
 
 def kda_replay(rec_state, k, v, g, beta, n_accept):
