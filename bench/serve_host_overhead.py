@@ -45,8 +45,7 @@ class SlowDispatch:
     update and launch, ~0.5-1 ms of host time on the H200, with the GIL released: which part is which is not known
     here, so both are knobs)."""
 
-    late: list[float] = []  # per call: how much later than `seconds` the sleep returned (timer slack + GIL wait)
-    starts: list[float] = []  # per call: when it began
+    starts: list[float] = []  # per call: when it began (perf_counter: CLOCK_MONOTONIC, the harness's clock too)
 
     def __init__(self, step, seconds: float, held_s: float = 0.0):
         self.step, self.seconds, self.held_s = step, seconds, held_s
@@ -57,9 +56,7 @@ class SlowDispatch:
         t = time.perf_counter()
         while time.perf_counter() - t < self.held_s:  # host work that keeps the GIL
             pass
-        t = time.perf_counter()
         time.sleep(self.seconds)
-        SlowDispatch.late.append(time.perf_counter() - t - self.seconds)
         return out
 
     def __getattr__(self, name):
@@ -153,29 +150,29 @@ def serve(argv):
 
     from serve import launch_server
 
-    accept, dispatch_us, held_us, late_path = int(argv.pop(0)), float(argv.pop(0)), float(argv.pop(0)), argv.pop(0)
+    accept, dispatch_us, held_us, steps_path = int(argv.pop(0)), float(argv.pop(0)), float(argv.pop(0)), argv.pop(0)
     trivial_steps(accept, dispatch_us * 1e-6, held_us * 1e-6)
 
     def name_threads():  # OS thread id -> Python thread name, for the harness's /proc reading
         while True:
             names = {t.native_id: t.name for t in threading.enumerate()}
-            with open(late_path + ".threads.tmp", "w") as f:
+            with open(steps_path + ".threads.tmp", "w") as f:
                 json.dump(names, f)
-            os.replace(late_path + ".threads.tmp", late_path + ".threads")
+            os.replace(steps_path + ".threads.tmp", steps_path + ".threads")
             time.sleep(1)
 
     threading.Thread(target=name_threads, name="bench-names", daemon=True).start()
     rc = launch_server.main(argv)
-    with open(late_path, "w") as f:
-        json.dump({"late": SlowDispatch.late, "starts": SlowDispatch.starts}, f)
+    with open(steps_path, "w") as f:
+        json.dump({"starts": SlowDispatch.starts}, f)
     sys.exit(rc)
 
 
-def run_server(a, code: str, max_running: int, port: int, log_path: str, late_path: str):
+def run_server(a, code: str, max_running: int, port: int, log_path: str, steps_path: str):
     """The bench's server (`--serve`) from the source tree `code`, on `port`, once /health answers."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "bench.serve_host_overhead", "--serve", str(a.accept), str(a.dispatch_us),
-           str(a.dispatch_held_us), late_path, "--port", str(port),
+           str(a.dispatch_held_us), steps_path, "--port", str(port),
            "--dtype", "float32", "--max-running-requests", str(max_running), *SERVER_FLAGS]
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, cwd=code, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -235,10 +232,10 @@ def over_http(a):
         for name, code in trees.items():
             for n in sorted({n for n, _ in levels}):
                 tag = f"{name}-{n}"
-                late = os.path.join(a.out, f"late-{tag}.json")
+                steps = os.path.join(a.out, f"steps-{tag}.json")
                 port = a.port + len(servers)
-                servers[tag] = (run_server(a, code, n, port, os.path.join(a.out, f"server-{tag}.log"), late), port,
-                                late)
+                servers[tag] = (run_server(a, code, n, port, os.path.join(a.out, f"server-{tag}.log"), steps), port,
+                                steps)
         order = [(name, n, conc) for name in trees for n, conc in levels]
         for rnd in range(a.rounds):  # every other round in reverse: no server is always measured first
             for name, n, conc in order if rnd % 2 == 0 else order[::-1]:
@@ -260,33 +257,33 @@ def over_http(a):
                   f"{1e3 * np.median([r['median_itl_ms'] for r in rs]):7.1f} us | CPU {np.median(cpu):6.1f} us | "
                   f"{np.median(vol):5.2f}")
     if a.dispatch_us > 0 or a.dispatch_held_us > 0:
-        for tag, (_, _, late_path) in servers.items():
-            with open(late_path) as f:
-                d = json.load(f)
-            late, gaps = 1e6 * np.array(d["late"]), 1e6 * np.diff(d["starts"])
-            late, gaps = late[len(late) // 10 :], gaps[len(gaps) // 10 :]  # the warm-up's calls first
-            gaps = gaps[gaps < 20e3]  # dispatch to dispatch within a request (not across requests)
-            rows.append({"server": tag, "dispatch_late_us_median": float(np.median(late)),
-                         "dispatch_late_us_mean": float(late.mean()), "calls": len(late),
-                         "dispatch_interval_us_median": float(np.median(gaps)),
-                         "dispatch_interval_us_p25": float(np.percentile(gaps, 25))})
-            print(f"  {tag:12s}: dispatch to dispatch {np.median(gaps):7.1f} us (median; p25 "
-                  f"{np.percentile(gaps, 25):7.1f}) of which {a.dispatch_held_us:.0f} held, {a.dispatch_us:.0f} "
-                  f"asleep; the sleep returned late by {np.median(late):6.1f} us (median; mean {late.mean():6.1f}), "
-                  f"{len(late)} calls")
+        print("median dispatch-to-dispatch interval of the step calls (within a request's decoding), per level:")
+        for name in trees:
+            for n, conc in levels:
+                with open(servers[f"{name}-{n}"][2]) as f:
+                    starts = np.array(json.load(f)["starts"])
+                rs = [r for r in rows if (r.get("tree"), r.get("max_running"), r.get("concurrency")) == (name, n, conc)]
+                gaps = np.concatenate([1e6 * np.diff(starts[(starts >= r["window"][0]) & (starts <= r["window"][1])])
+                                       for r in rs])
+                gaps = gaps[gaps < 20e3]  # not across requests
+                rows.append({"tree": name, "max_running": n, "concurrency": conc,
+                             "dispatch_interval_us_median": float(np.median(gaps)), "intervals": len(gaps)})
+                print(f"  {name:8s} --max-running-requests {n} concurrency {conc}: {np.median(gaps):7.1f} us "
+                      f"(p25 {np.percentile(gaps, 25):7.1f}; {a.dispatch_held_us:.0f} held + {a.dispatch_us:.0f} "
+                      f"asleep of it; {len(gaps)} intervals)")
     return rows
 
 
-def one_level(a, tree: str, max_running: int, conc: int, rnd: int, proc, port: int, late_path: str) -> dict:
+def one_level(a, tree: str, max_running: int, conc: int, rnd: int, proc, port: int, steps_path: str) -> dict:
     out = os.path.join(a.out, f"bench-{tree}-{max_running}-c{conc}-{rnd}.json")
-    before = thread_counters(proc.pid)
+    before, t0 = thread_counters(proc.pid), time.perf_counter()  # CLOCK_MONOTONIC: the server's clock too
     subprocess.run([sys.executable, "-m", "bench.bench_serving", "--port", str(port), *BENCH_FLAGS,
                     "--max-concurrency", str(conc), "--num-prompts", str(a.num_prompts * conc), "--output-file",
                     out], cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    after = thread_counters(proc.pid)
+    after, t1 = thread_counters(proc.pid), time.perf_counter()
     with open(out) as f:
         m = json.load(f)
-    with open(late_path + ".threads") as f:
+    with open(steps_path + ".threads") as f:
         names = json.load(f)
     per_thread = cpu_by_thread(before, after, names, m["total_output_tokens"])
     total = sum(v[0] for v in per_thread.values())
@@ -296,7 +293,7 @@ def one_level(a, tree: str, max_running: int, conc: int, rnd: int, proc, port: i
           f"us (median {1e3 * m['median_tpot_ms']:7.1f}), median ITL {1e3 * m['median_itl_ms']:7.1f} us, TTFT "
           f"{m['mean_ttft_ms']:6.2f} ms, {m['output_throughput']:6.0f} tok/s; server CPU per token {total:6.1f} us: "
           f"{threads}", flush=True)
-    return {"tree": tree, "max_running": max_running, "concurrency": conc, "round": rnd,
+    return {"tree": tree, "max_running": max_running, "concurrency": conc, "round": rnd, "window": (t0, t1),
             "mean_tpot_ms": m["mean_tpot_ms"], "median_tpot_ms": m["median_tpot_ms"],
             "median_itl_ms": m["median_itl_ms"], "mean_ttft_ms": m["mean_ttft_ms"],
             "output_throughput": m["output_throughput"], "per_token_by_thread": per_thread}

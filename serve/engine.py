@@ -5,8 +5,9 @@ The worker is an asyncio task that starts each request once a running place is f
 blocking `stream` (itself run-ahead: step k+1 is dispatched before step k is read) runs in an engine thread, which
 does the request's per-chunk work (`Decoding`: text, stops, metrics) as each chunk is yielded. Batched: the request
 goes to the BatchGenerator with its `Decoding` as consumer, run by the scheduler thread on each chunk the moment it
-is read: the same one thread per step as at batch 1 (a thread per request woken per step, between the scheduler
-and the event loop, cost the lone request ~20 % of its TPOT: bench/serve_host_overhead.py). Either way every
+is read: the same one thread per step as at batch 1 (a thread per request woken per step between the scheduler
+and the event loop cost the lone request +184 us per step in bench/serve_host_overhead.py's emulation of the
+H200's host-bound step; the H200 sweep showed +22 % TPOT at concurrency 1). Either way every
 output is handed to the request's asyncio queue with `call_soon_threadsafe` — no polling anywhere. Requests beyond
 the running ones wait in the FIFO queue. With --num-continuous-decode-steps N a dispatch's N steps arrive together
 and are handed back one after another (the client sees N steps at a time; stops are checked per step, as at N = 1).
