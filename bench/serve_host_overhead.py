@@ -13,12 +13,15 @@ median dispatch-to-dispatch interval of the step calls (the per-step host cost, 
         --baseline OLD_TREE --out $OUT
     python3 -m bench.serve_host_overhead --in-process    # Generator.stream vs BatchGenerator.stream, no server
 
-Found with it (CPU, 2026-12-02, bench/results/serve-host-overhead-cpu-2026-12-02*.json): the batching server ran
-each request's stream in an engine thread fed by a queue from the scheduler, so every step woke one more thread
-between the scheduler and the event loop than the batch-1 server does (voluntary switches per token 2.05 vs
-1.30). With the GIL held during the dispatch, the lone request's step cost 1680 vs 1496 us dispatch to dispatch
-(+184 us, the H200's +22 % was ~+200 us per ~1 ms step); with the dispatch off the GIL the extra thread hid (TPOT
-equal, CPU +14 %). Now the scheduler runs the request's consumer itself (serve.engine.Decoding): 1463 vs 1503 us.
+Found with it (CPU, 2026-12-02; bench/results/serve-host-overhead-cpu-2026-12-02.json: this tree vs e81b80e in the
+same 10 rounds; *-before-14rounds / *-after-14rounds.json: each alone): the batching server ran each request's
+stream in an engine thread fed by a queue from the scheduler, so every step woke one more thread between the
+scheduler and the event loop than the batch-1 server does (voluntary switches per token 2.1 vs 1.3). With the
+GIL held during the dispatch, the lone request's step took +184 / +244 us (two runs) dispatch to dispatch over the
+batch-1 server's (the H200's +22 % TPOT was ~+200 us per ~1 ms step), server CPU per token +14 / +17 %; with the
+dispatch off the GIL the extra thread hid (TPOT equal, CPU +14 %). Now the scheduler runs the request's consumer
+itself (serve.engine.Decoding): -40 / +85 us per step (identical trees differ by ~5 % here), CPU -2 / +1 %,
+switches equal; at concurrency 8 TPOT 1462 vs 1953 us, CPU per token 163 vs 222 us.
 """
 
 from __future__ import annotations
