@@ -32,9 +32,11 @@ max_running + the next bucket down + the staging slot rows (serve.launch_server.
 
 Host. One scheduler thread: admit -> one prefill chunk (the last one joins the group) -> dispatch the step ->
 read the previous step's outputs and the new rows' first tokens (one step late, as Generator.stream: the device
-is busy with the step just queued) -> hand each row its tokens. EOS / stop ids / max tokens / a closed stream
-end a row at that read; the step already dispatched for it runs on masked (its outputs are dropped, never
-committed to the request) and its position is dead until a new request is put there.
+is busy with the step just queued) -> hand each row its tokens, to its Consumer, right there in this thread
+(`stream` wraps a queue.Queue for a caller's thread; the server's consumer does the request's text and reply work
+in place, so no other thread has to wake per step, as none does for Generator.stream). EOS / stop ids / max tokens
+/ a closed stream end a row at that read; the step already dispatched for it runs on masked (its outputs are
+dropped, never committed to the request) and its position is dead until a new request is put there.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import jax
 import numpy as np
@@ -66,6 +69,16 @@ def row_buckets(max_running: int) -> tuple[int, ...]:
     return tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b < max_running) + (max_running,)
 
 
+class Consumer(Protocol):
+    """Where a row's output goes, handed over in the scheduler thread as it is read: each chunk (a list of token
+    ids) in order, then _END (after an exception when batched decoding failed). `put` returns True once the
+    consumer wants nothing more (as closing a stream): the row ends before the next step is dispatched. A
+    queue.Queue is one (its put returns None); serve.engine's consumer does a request's per-chunk work right
+    there, so no thread of its own wakes per step."""
+
+    def put(self, item) -> bool | None: ...
+
+
 @dataclass(eq=False)
 class _Row:
     """One request as the scheduler sees it. emitted: tokens handed out; unread: dispatched outputs (its first
@@ -78,7 +91,10 @@ class _Row:
     options: SamplingOptions
     seed: int
     stats: GenerationStats
-    out: queue.Queue = field(default_factory=queue.Queue)
+    out: Consumer = field(default_factory=queue.Queue)
+    # (SamplingParams, key) on device, made by `submit` in the caller's thread (None: made at admission), so
+    # the scheduler, which every running row waits on, does not build them
+    device_inputs: tuple | None = None
     t0: float = field(default_factory=time.perf_counter)
     closed: bool = False  # the consumer closed its stream
     done: bool = False
@@ -86,12 +102,22 @@ class _Row:
     emitted: int = 0
     unread: int = 0
 
+    def put(self, item):
+        """Hand `item` to the consumer; it may close the row (its answer, or its failure: nothing more reaches a
+        consumer that raised)."""
+        try:
+            if self.out.put(item):
+                self.closed = True  # only ever set: the stream's own close may come from another thread meanwhile
+        except Exception:  # noqa: BLE001 - the consumer's bug: it gets no more, the others keep decoding
+            log.exception("a row's consumer failed")
+            self.closed = True
+
     def end(self, reason: str | None):
         if not self.done:
             self.done = True
             self.stats.finish_reason = self.stats.finish_reason or reason
             self.stats.total_s = time.perf_counter() - self.t0
-            self.out.put(_END)
+            self.put(_END)
 
 
 class BatchGenerator:
@@ -183,23 +209,32 @@ class BatchGenerator:
     def stream(self, prompt, *, max_new_tokens: int, seed: int = 0, stop_token_ids=None,
                stats: GenerationStats | None = None, top_logprobs: int | None = None, **sampling):
         """As Generator.stream (same arguments, same chunks); the request decodes batched with the others."""
-        gen = self.gen
-        prompt = gen.check_inputs(prompt, max_new_tokens, top_logprobs)
-        options = SamplingOptions(**sampling)
-        options.device(gen.cfg.vocab_size)  # logit_bias ids checked here, in the caller's thread
-        stats = stats if stats is not None else GenerationStats()
-        stats.prompt_tokens, stats.num_steps = len(prompt), gen.K
-        stops = frozenset(stop_token_ids if stop_token_ids is not None else (gen.cfg.eos_token_id,))
-        row = _Row(prompt, max_new_tokens, stops, top_logprobs, options, seed, stats)
-        self._ensure_scheduler()
-        self.inbox.put(row)
+        out = queue.Queue()
+        row = self.submit(prompt, out, max_new_tokens=max_new_tokens, seed=seed, stop_token_ids=stop_token_ids,
+                          stats=stats, top_logprobs=top_logprobs, **sampling)
         try:
-            while (item := row.out.get()) is not _END:
+            while (item := out.get()) is not _END:
                 if isinstance(item, BaseException):
                     raise item
                 yield item
         finally:
             row.closed = True  # the scheduler drops the row at its next turn
+
+    def submit(self, prompt, out: Consumer, *, max_new_tokens: int, seed: int = 0, stop_token_ids=None,
+               stats: GenerationStats | None = None, top_logprobs: int | None = None, **sampling) -> _Row:
+        """Queue a request whose chunks (those `stream` yields) go to `out` (see Consumer); returns its row (set
+        `closed` to leave). Its arguments are checked here, in the caller's thread (ValueError)."""
+        gen = self.gen
+        prompt = gen.check_inputs(prompt, max_new_tokens, top_logprobs)
+        options = SamplingOptions(**sampling)
+        device_inputs = options.device(gen.cfg.vocab_size), jax.random.key(seed)  # logit_bias ids checked here
+        stats = stats if stats is not None else GenerationStats()
+        stats.prompt_tokens, stats.num_steps = len(prompt), gen.K
+        stops = frozenset(stop_token_ids if stop_token_ids is not None else (gen.cfg.eos_token_id,))
+        row = _Row(prompt, max_new_tokens, stops, top_logprobs, options, seed, stats, out, device_inputs)
+        self._ensure_scheduler()
+        self.inbox.put(row)
+        return row
 
     def generate(self, prompt, **kw):
         return collect(self.stream, prompt, **kw)
@@ -219,7 +254,7 @@ class BatchGenerator:
             except Exception as e:  # noqa: BLE001 - fail the requests in flight, keep serving with fresh slots
                 log.exception("batched decoding failed")
                 for row in turns.rows():
-                    row.out.put(RuntimeError(f"batched decoding failed: {e}"))
+                    row.put(RuntimeError(f"batched decoding failed: {e}"))
                     row.end("abort")
                 turns = _Turns(self)
                 self.staging = self.fresh_slot()
@@ -265,6 +300,8 @@ class _Turns:
         self.in_flight = dispatched
 
     def _take(self, block: bool):
+        if not block and self.bg.inbox.empty():  # the usual turn: nothing new (a put racing this is taken next turn)
+            return
         try:
             self.waiting.append(self.bg.inbox.get(block=block))
             while True:
@@ -279,7 +316,8 @@ class _Turns:
             if row.closed:
                 row.end(None)
                 continue
-            sp, key = row.options.device(bg.gen.cfg.vocab_size), jax.random.key(row.seed)
+            sp, key = row.device_inputs or (row.options.device(bg.gen.cfg.vocab_size), jax.random.key(row.seed))
+            row.device_inputs = None
             if bg.staging is None:  # the last staging slot became a lone group
                 bg.staging = bg.gen.init_fn(False)(sp, key)
             else:
@@ -360,7 +398,7 @@ class _Turns:
             _record_logprobs(st, jax.tree.map(lambda a: a[:, None], lp), 1, row.top_logprobs)
         st.ttft_s = time.perf_counter() - row.t0
         row.emitted = st.completion_tokens = 1
-        row.out.put([first])
+        row.put([first])
         if first in row.stops:
             row.end("stop")
         elif row.max_new == 1:
@@ -386,7 +424,7 @@ class _Turns:
                 _record_logprobs(st, jax.tree.map(lambda a: a[j : j + 1], lp[0]), len(new), row.top_logprobs)
             row.emitted += len(new)
             st.completion_tokens = row.emitted
-            row.out.put(new)
+            row.put(new)
             if st.finish_reason is not None:
                 row.end("stop")
             elif row.emitted >= row.max_new:

@@ -1,9 +1,14 @@
 """The serving engine: requests run FIFO through ling_jax.runner.Generator (batch 1) or, with
 --max-running-requests > 1, up to that many at once through ling_jax.batching.BatchGenerator (continuous batching).
 
-The worker is an asyncio task that starts each request, once a running place is free, as a blocking `stream`
-(itself run-ahead: step k+1 is dispatched before step k is read) in a thread of its own, and every consumed step
-is handed back to the request's asyncio queue with `call_soon_threadsafe` — no polling anywhere. Requests beyond
+The worker is an asyncio task that starts each request once a running place is free. Batch 1: the Generator's
+blocking `stream` (itself run-ahead: step k+1 is dispatched before step k is read) runs in an engine thread, which
+does the request's per-chunk work (`Decoding`: text, stops, metrics) as each chunk is yielded. Batched: the request
+goes to the BatchGenerator with its `Decoding` as consumer, run by the scheduler thread on each chunk the moment it
+is read: the same one thread per step as at batch 1 (a thread per request woken per step between the scheduler
+and the event loop cost the lone request +184 us per step in bench/serve_host_overhead.py's emulation of the
+H200's host-bound step; the H200 sweep showed +22 % TPOT at concurrency 1). Either way every
+output is handed to the request's asyncio queue with `call_soon_threadsafe` — no polling anywhere. Requests beyond
 the running ones wait in the FIFO queue. With --num-continuous-decode-steps N a dispatch's N steps arrive together
 and are handed back one after another (the client sees N steps at a time; stops are checked per step, as at N = 1).
 
@@ -15,7 +20,7 @@ that token's text is not part of the reply.
 
 Aborts: a request ends early when its client disconnects, /abort_request names it, its per-request timeout
 passes, or the server shuts down. The last three answer the waiting client at once from the event loop (the
-worker thread notices the flag at its next step and closes the stream); an abort that carries a
+request's Decoding notices the flag at its next chunk and closes the stream / the row); an abort that carries a
 `status_code` is an error for the client, one without (SGLang's /abort_request) a normal, shortened reply.
 """
 
@@ -185,9 +190,13 @@ class Engine:
         self.num_finished = self.num_aborted = 0
         self.last_gen_throughput = 0.0
         self.max_running = getattr(generator, "max_running", 1)  # a BatchGenerator's slots, else batch 1
-        self.running: dict[str, Request] = {}  # the requests whose streams run now, by id
+        # a BatchGenerator takes requests with a consumer its scheduler thread hands each chunk to (no thread per
+        # request); a Generator's blocking stream runs in an engine thread
+        self.batched = callable(getattr(generator, "submit", None))
+        self.running: dict[str, Request] = {}  # the requests being generated now, by id
         self._places = asyncio.Semaphore(self.max_running)
-        self._threads = concurrent.futures.ThreadPoolExecutor(self.max_running, thread_name_prefix="engine-stream")
+        self._threads = None if self.batched else concurrent.futures.ThreadPoolExecutor(
+            self.max_running, thread_name_prefix="engine-stream")
 
     # ---- async side -------------------------------------------------------------------------------------------
     def start(self):
@@ -195,7 +204,7 @@ class Engine:
         self.worker = asyncio.create_task(self._run(), name="engine-worker")
 
     async def stop(self):
-        for req in list(self.running.values()):  # each stream's thread closes it at the next chunk
+        for req in list(self.running.values()):  # each request's Decoding closes it at the next chunk
             self.cancel(req, "server shutting down")
         if self.worker is not None:
             self.worker.cancel()
@@ -258,8 +267,11 @@ class Engine:
                 continue
             self.m.running.inc()
             self.running[req.id] = req
-            self.loop.run_in_executor(self._threads, self._process, req).add_done_callback(
-                lambda _, req=req: self._ended(req))
+            if self.batched:
+                self._submit(req)
+            else:
+                self.loop.run_in_executor(self._threads, self._process, req).add_done_callback(
+                    lambda _, req=req: self._ended(req))
 
     def _ended(self, req: Request):
         self.running.pop(req.id, None)
@@ -285,57 +297,31 @@ class Engine:
                 req.timer.cancel()
         req.queue.put_nowait(out)
 
-    # ---- worker thread -----------------------------------------------------------------------------------------
+    # ---- generation: a request's chunks, in the thread that reads them ----------------------------------------
+    def _submit(self, req: Request):
+        """On the event loop: hand `req` to the BatchGenerator; its scheduler thread runs the request's Decoding
+        on each chunk and the place is freed once the request finished."""
+        d = Decoding(self, req, on_finished=lambda: self.loop.call_soon_threadsafe(self._ended, req))
+        try:
+            self.gen.submit(req.gen.input_ids, d, **d.stream_args())
+        except Exception as e:  # noqa: BLE001 - refused arguments: reported to the client, as a stream's error
+            d.fail(e)
+
     def _process(self, req: Request):
-        g = req.gen
-        eos = () if g.ignore_eos else self.limits.eos_ids
-        stop_ids = tuple(eos) + tuple(g.stop_token_ids)
-        text = TextAssembler(self.limits.tokenizer, g.stop)
-        seed = device_seed(g.seed) if g.seed is not None else self.rng.randrange(2**31)
-        it = self.gen.stream(g.input_ids, max_new_tokens=g.max_new_tokens, seed=seed, stop_token_ids=stop_ids,
-                             stats=req.stats, top_logprobs=g.top_logprobs, **g.sampling.kwargs())
-        n_out, t_last = 0, req.t_arrival
+        """In an engine thread: `req` through the Generator's stream (the thread ends, and frees the place, once
+        it is closed)."""
+        d = Decoding(self, req)
+        it = d.stream = self.gen.stream(req.gen.input_ids, **d.stream_args())
         try:
             for ids in it:
-                now = time.perf_counter()
-                if not req.log_metrics:  # a /health_generate probe
-                    pass
-                elif n_out == 0:
-                    req.ttft_s = now - req.t_arrival
-                    self.m.ttft.observe(req.ttft_s)
-                else:
-                    for _ in ids:
-                        self.m.itl.observe((now - t_last) / len(ids))
-                t_last = now
-                # The Generator ends a chunk at a stop token; decided here from the ids themselves, since its
-                # stats only say so once the stream is resumed (the first token is yielded before it checks).
-                stop_token = ids[-1] if ids and ids[-1] in stop_ids else None
-                n, delta = text.add(ids[:-1] if stop_token is not None else ids)  # its text is dropped
-                if text.matched is None:
-                    n = len(ids)
-                ids = ids[:n]
-                lps = self._logprobs(req, n_out, n)
-                n_out += n
-                reason = None
-                if text.matched is not None:
-                    reason = {"type": "stop", "matched": text.matched}
-                elif stop_token is not None:
-                    reason = {"type": "stop", "matched": stop_token}
-                elif n_out >= g.max_new_tokens:
-                    reason = {"type": "length", "length": g.max_new_tokens}
-                elif req.cancelled.is_set():
-                    reason = req.abort_reason or {"type": "abort", "message": "client disconnected"}
-                if reason is not None:
-                    it.close()  # cancels the run-ahead step still in flight
-                    return self._finish(req, reason, n_out, ids, delta + text.finish(), lps)
-                self._emit(req, Output(ids, delta, logprobs=lps))
-            # the generator ended without a reason (it should not): close as length
-            self._finish(req, {"type": "length", "length": g.max_new_tokens}, n_out, [], text.finish())
+                if d.chunk(ids):
+                    return
+            d.end()
         except Exception as e:  # noqa: BLE001 - report it to the client, keep serving
-            log.exception("request %s failed", req.id)
-            self._finish(req, {"type": "abort", "message": f"internal error: {e}", "status_code": 500}, n_out, [], "")
+            d.fail(e)
         finally:
-            it.close()  # explicit, not at garbage collection: multi-host followers wait on this decision
+            it.close()  # explicit, not at garbage collection (cancels the run-ahead step; multi-host followers
+            # wait on this decision)
 
     @staticmethod
     def _logprobs(req: Request, start: int, n: int) -> list[TokenLogprob] | None:
@@ -373,6 +359,103 @@ class Engine:
         if kind == "abort":
             log.info("request %s aborted after %d tokens: %s", req.id, n_out, reason.get("message"))
         self._emit(req, Output(ids or [], delta, finished=True, finish_reason=reason, logprobs=logprobs))
+
+
+class Decoding:
+    """One request's generation as its chunks of token ids arrive: text (stop strings cut), stop ids, logprobs,
+    metrics, and the finished output (Engine._finish). `chunk` runs in the thread that reads the generator:
+    the request's engine thread (batch 1), or the BatchGenerator's scheduler (as its Consumer: `put`), where a
+    chunk is handed over the moment it is read, as Generator.stream yields it in its own thread."""
+
+    def __init__(self, engine: Engine, req: Request, on_finished=None):
+        g = req.gen
+        self.engine, self.req, self.on_finished = engine, req, on_finished
+        self.stream = None  # batch 1: the Generator's stream, closed as soon as the request finished
+        eos = () if g.ignore_eos else engine.limits.eos_ids
+        self.stop_ids = tuple(eos) + tuple(g.stop_token_ids)
+        self.text = TextAssembler(engine.limits.tokenizer, g.stop)
+        self.seed = device_seed(g.seed) if g.seed is not None else engine.rng.randrange(2**31)
+        self.n_out, self.t_last = 0, req.t_arrival
+        self.finished = False
+
+    def stream_args(self) -> dict:
+        """The generator's arguments but the prompt (Generator.stream's, BatchGenerator.submit's)."""
+        g = self.req.gen
+        return dict(max_new_tokens=g.max_new_tokens, seed=self.seed, stop_token_ids=self.stop_ids,
+                    stats=self.req.stats, top_logprobs=g.top_logprobs, **g.sampling.kwargs())
+
+    def chunk(self, ids: list[int]) -> bool:
+        """One consumed step's ids; True once the request finished (its last output is emitted)."""
+        req, g, m = self.req, self.req.gen, self.engine.m
+        now = time.perf_counter()
+        if not req.log_metrics:  # a /health_generate probe
+            pass
+        elif self.n_out == 0:
+            req.ttft_s = now - req.t_arrival
+            m.ttft.observe(req.ttft_s)
+        else:
+            for _ in ids:
+                m.itl.observe((now - self.t_last) / len(ids))
+        self.t_last = now
+        # The Generator ends a chunk at a stop token; decided here from the ids themselves, since its
+        # stats only say so once the stream is resumed (the first token is yielded before it checks).
+        text = self.text
+        stop_token = ids[-1] if ids and ids[-1] in self.stop_ids else None
+        n, delta = text.add(ids[:-1] if stop_token is not None else ids)  # its text is dropped
+        if text.matched is None:
+            n = len(ids)
+        ids = ids[:n]
+        lps = self.engine._logprobs(req, self.n_out, n)
+        self.n_out += n
+        reason = None
+        if text.matched is not None:
+            reason = {"type": "stop", "matched": text.matched}
+        elif stop_token is not None:
+            reason = {"type": "stop", "matched": stop_token}
+        elif self.n_out >= g.max_new_tokens:
+            reason = {"type": "length", "length": g.max_new_tokens}
+        elif req.cancelled.is_set():
+            reason = req.abort_reason or {"type": "abort", "message": "client disconnected"}
+        if reason is not None:
+            if self.stream is not None:
+                self.stream.close()  # cancels the run-ahead step still in flight
+            self._finish(reason, ids, delta + text.finish(), lps)
+            return True
+        self.engine._emit(req, Output(ids, delta, logprobs=lps))
+        return False
+
+    def end(self):
+        """The generator ended without a reason (it should not): close as length."""
+        if not self.finished:
+            self._finish({"type": "length", "length": self.req.gen.max_new_tokens}, [], self.text.finish())
+
+    def fail(self, e: BaseException):
+        if not self.finished:
+            log.error("request %s failed", self.req.id, exc_info=e)
+            self._finish({"type": "abort", "message": f"internal error: {e}", "status_code": 500}, [], "")
+
+    def put(self, item) -> bool:
+        """ling_jax.batching.Consumer: a chunk, an exception, or the end; True once finished (the row closes)."""
+        if self.finished:
+            return True
+        if isinstance(item, BaseException):
+            self.fail(item)
+        elif not isinstance(item, list):
+            self.end()
+        else:
+            try:
+                self.chunk(item)
+            except Exception as e:  # noqa: BLE001 - report it to the client, keep serving
+                self.fail(e)
+        return self.finished
+
+    def _finish(self, reason: dict, ids: list[int], delta: str, logprobs: list[TokenLogprob] | None = None):
+        self.finished = True
+        try:
+            self.engine._finish(self.req, reason, self.n_out, ids, delta, logprobs)
+        finally:
+            if self.on_finished is not None:  # the request's running place is freed whatever happened
+                self.on_finished()
 
 
 def warmup(gen: Generator, limits: ModelLimits, progress=None):
