@@ -93,19 +93,23 @@ def random_state(prog: Program, mesh, rules, ctx: int):
     return jax.jit(make)(jax.random.key(7))
 
 
-def time_chain(step, params, state, n_steps=10, reps=20, dispatch: list | None = None):
+def time_chain(step, params, state, n_steps=10, reps=20, dispatch: list | None = None, hold: int = 0):
     """Median seconds per step over `reps` chains of n_steps (donated state carried). Returns (s, state).
     dispatch: receives the median host seconds one call takes to return (dispatch only, nothing blocks): when
-    it is close to the step time, the step is host-bound."""
+    it is close to the step time, the step is host-bound. hold: keep the last `hold` calls' outputs alive (a host
+    reading them late), else each is dropped when the next call returns."""
     state, _ = step(params, state)  # warm-up (compile)
     jax.block_until_ready(state)
     ts, ds = [], []
+    held = collections.deque(maxlen=max(hold, 1))
     for _ in range(reps):
         t0 = time.perf_counter()
         for _ in range(n_steps):
             t1 = time.perf_counter()
             state, out = step(params, state)
             ds.append(time.perf_counter() - t1)
+            if hold:
+                held.append(out)
         jax.block_until_ready((state, out))
         ts.append((time.perf_counter() - t0) / n_steps)
     if dispatch is not None:

@@ -25,7 +25,6 @@ it with XLA's command-buffer VLOG on to count each variant's re-recordings (mark
 from __future__ import annotations
 
 import argparse
-import collections
 import os
 import sys
 import time
@@ -34,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.bench_step import random_state, write
+from bench.bench_step import random_state, time_chain, write
 from compile.mesh import make_mesh
 from compile.runner import constrain
 from compile.sharding import ShardingRules, kernel_calls_for, shardings_for, state_shardings, with_shardings
@@ -50,26 +49,6 @@ def marker(text: str):
     """A line in stderr between the variants, so the VLOG lines of each can be counted."""
     sys.stderr.write(f"\n== variant {text}\n")
     sys.stderr.flush()
-
-
-def time_calls(call, params, state, n_calls: int, reps: int, hold: int):
-    """(median host seconds per call, median device-synchronised seconds per call, state). hold: keep the outputs
-    of the last `hold` calls alive (0: each is dropped when the next call returns)."""
-    state, out = call(params, state)  # warm-up: compiles and records the graph
-    jax.block_until_ready(state)
-    held = collections.deque(maxlen=max(hold, 1))
-    disp, wall = [], []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(n_calls):
-            t1 = time.perf_counter()
-            state, out = call(params, state)
-            disp.append(time.perf_counter() - t1)
-            if hold:
-                held.append(out)
-        jax.block_until_ready((state, out))
-        wall.append((time.perf_counter() - t0) / n_calls)
-    return float(np.median(disp)), float(np.median(wall)), state
 
 
 def main():
@@ -129,7 +108,9 @@ def main():
     for name, call, hold in [(f"{n} #{r}", c, h) for r in range(a.rounds) for n, c, h in variants]:
         state = random_state(prog, mesh, rules, a.ctx)
         marker(name)
-        d, w, state = time_calls(call, params, state, a.calls, a.reps, hold)
+        disp: list = []
+        w, state = time_chain(call, params, state, a.calls, a.reps, disp, hold)
+        d = disp[0]
         marker(f"{name} done")
         del state
         rows.append({"name": f"{a.mode}{K} {name}", "host_us_per_call": d * 1e6, "step_us": w * 1e6,
