@@ -350,7 +350,7 @@ def programs(a, cfg, mesh, rules, kernels, fused_linear: bool = False):
     NEXTN --steps, then each NEXTN --steps again with --draft-vocab."""
     out = []
     calls = (kernel_calls(kernels, kda_impl=a.kda_impl, fused_linear=fused_linear, p2p_allreduce=a.p2p_allreduce,
-                          moe_router_tables=a.moe_router_tables)
+                          moe_router_tables=a.moe_router_tables, mla_live_prefix=a.mla_live_prefix)
              if kernels != "reference" else None)
     opts = kernel_calls_for(RuntimeOptions(kernels=calls), mesh, rules)
     nextn = [int(k) for k in a.steps.split(",")]
@@ -457,6 +457,8 @@ def main():
                     "projections through pallas_kernels/fused_linear.py instead of XLA (off by default)")
     ap.add_argument("--moe-router-tables", action="store_true", help="KernelCalls.moe_router_tables=True: on the "
                     "Triton MoE the router's one launch also emits the MoE's tables (off by default until timed)")
+    ap.add_argument("--mla-live-prefix", action="store_true", help="KernelCalls.mla_live_prefix=True: decode/verify "
+                    "MLA attention over the live prefix only (pallas_kernels/mla_attention.py; off by default)")
     ap.add_argument("--p2p-allreduce", action="store_true", help="KernelCalls.p2p_allreduce=True (--tp >= 2): each "
                     "MoE layer's all-reduce + residual add + next RMSNorm as one peer-to-peer Mosaic kernel instead "
                     "of psum (shapes the kernel rejects stay on psum)")
@@ -531,11 +533,13 @@ def run_all(a, cfg, tp, mesh, rules):
                        "routing_source": a.routing_from or "captured from this run's router (jnp copy of the step)"}
     fused = a.fused_linear
     extra.update(kernels=a.kernels, fused_linear=fused, p2p_allreduce=a.p2p_allreduce,
-                 moe_router_tables=a.moe_router_tables, tree=tree_of(a.tree), multi_step=a.multi_step, reps=a.reps)
+                 moe_router_tables=a.moe_router_tables, mla_live_prefix=a.mla_live_prefix, tree=tree_of(a.tree),
+                 multi_step=a.multi_step, reps=a.reps)
     prefix = "step" + ("-" + os.path.basename(os.path.normpath(a.model)) if a.model else "") + f"-kda{a.kda_impl}"
     prefix += (f"-{a.quantization}" if a.quantization else "") + ("-fl" if fused else "")
     prefix += "-p2p" if a.p2p_allreduce else ""
     prefix += "-mrt" if a.moe_router_tables else ""
+    prefix += "-live" if a.mla_live_prefix else ""
     kept = None
     os.makedirs(a.out, exist_ok=True)
     write(a.out, prefix + a.tag, rows, extra, device)  # the plan and ceiling survive a crash of the first step
