@@ -455,8 +455,9 @@ def main():
     ap.add_argument("--kda-impl", default="verify", choices=("chain", "verify"), help="KernelCalls.kda_impl")
     ap.add_argument("--fused-linear", action="store_true", help="KernelCalls.fused_linear=True: the layers' "
                     "projections through pallas_kernels/fused_linear.py instead of XLA (off by default)")
-    ap.add_argument("--moe-router-tables", action="store_true", help="KernelCalls.moe_router_tables=True: on the "
-                    "Triton MoE the router's one launch also emits the MoE's tables (off by default until timed)")
+    ap.add_argument("--no-moe-router-tables", dest="moe_router_tables", action="store_false",
+                    help="KernelCalls.moe_router_tables=False: the router without the MoE's tables, the alignment in "
+                    "XLA (the default before 2026-12-02)")
     ap.add_argument("--mla-live-prefix", action="store_true", help="KernelCalls.mla_live_prefix=True: decode/verify "
                     "MLA attention over the live prefix only (pallas_kernels/mla_attention.py; off by default)")
     ap.add_argument("--p2p-allreduce", action="store_true", help="KernelCalls.p2p_allreduce=True (--tp >= 2): each "
@@ -538,7 +539,7 @@ def run_all(a, cfg, tp, mesh, rules):
     prefix = "step" + ("-" + os.path.basename(os.path.normpath(a.model)) if a.model else "") + f"-kda{a.kda_impl}"
     prefix += (f"-{a.quantization}" if a.quantization else "") + ("-fl" if fused else "")
     prefix += "-p2p" if a.p2p_allreduce else ""
-    prefix += "-mrt" if a.moe_router_tables else ""
+    prefix += "" if a.moe_router_tables else "-nomrt"
     prefix += "-live" if a.mla_live_prefix else ""
     kept = None
     os.makedirs(a.out, exist_ok=True)

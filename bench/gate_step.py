@@ -2,7 +2,8 @@
 greedy generations (plain and NEXTN) on a few fixed prompts of the demo model, compared token for token.
 
 A variant is KernelCalls fields, e.g. `rtables:moe_router_tables=1` or `fl:fused_linear=1,moe_router_tables=1`
-(the first variant is the default KernelCalls and is the baseline). Per variant it reports:
+(the default KernelCalls runs first and is the baseline; e.g. `old:moe_router_tables=0` gates a default that
+changed). The JSON is rewritten after every variant, so a run cut short keeps what it finished. Per variant it reports:
   plain == baseline plain: the variant's plain greedy tokens equal the baseline's, prompt by prompt (a kernel
     that is "the same math" must give the same tokens; bf16 rounding differences show up here as a count < P);
   NEXTN == own plain: speculation is lossless with this variant's kernels (bf16 verify rows are not batch-invariant
@@ -45,7 +46,7 @@ PROMPTS = (
 
 
 def parse_variant(text: str) -> tuple[str, dict]:
-    """`name:field=value,...` -> (name, KernelCalls fields); values are ints, floats, true/false or strings."""
+    """`name:field=value,...` -> (name, KernelCalls fields); values: 1/0/true/false for bool fields, else ints or strings."""
     name, _, body = text.partition(":")
     fields = {}
     known = {f.name: f for f in dataclasses.fields(KernelCalls)}
@@ -123,8 +124,8 @@ def main():
         diffs = [d for d in row["plain_first_diff_vs_baseline"] if d is not None]
         print(f"{name:<12} {row['plain_equal_baseline']:>8}/{len(prompts)} {row['nextn_equal_own_plain']:>9}/{len(prompts)} "
               f"{row['mean_accept_length']:>7.3f} {str(row['rerun_equal_first']):>12}  {diffs}", flush=True)
-    dev = jax.devices()[0].device_kind
-    path = write(a.out, "gate", rows, dict(model=a.model, dtype=a.dtype, kernels=a.kernels, tree=a.tree), dev)
+        path = write(a.out, "gate", rows, dict(model=a.model, dtype=a.dtype, kernels=a.kernels, tree=a.tree),
+                     jax.devices()[0].device_kind)
     print("wrote", path)
 
 

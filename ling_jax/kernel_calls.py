@@ -105,12 +105,11 @@ class KernelCalls:
       moe.moe_segments): router, up, down, and the shared expert's XLA fusions where its width is not I (the v2
       demo: 192 vs 64), instead of router scores, router top-k and the XLA alignment (key add, sort, gather,
       scatter-add, stack and copies between them). Same ids, weights, tables and products as that chain
-      (tests/test_kernels_router_segments.py: bitwise in the interpreter; the GPU's check is
-      bench/kernels_moe_router_tables.py). Off until it is timed and checked on the GPU (the device time of
-      2026-12-02 ran out before it was merged; its Triton compile is untested): the v2 demo's plain step is
-      launch-bound (~261 kernels, 0.37 ms of GPU time, H200 HLO dump of 2026-12-02), and ~8 kernels per MoE pass
-      go with it. The A/B: bench_step --model models/ling-demo with and without it, and
-      bench/kernels_moe_router_tables.py (bitwise checks on the GPU).
+      (tests/test_kernels_router_segments.py: bitwise in the interpreter). On by default since 2026-12-02: on the
+      H200 the demo model's greedy tokens are identical with and without it (bench/gate_step.py, 4 prompts x 256
+      tokens, plain and NEXTN5, accept length 5.005 both), and its steps (8 steps per dispatch, so GPU-bound) take
+      264.5 vs 278.1 us (plain) and 713.6 vs 790.2 us (NEXTN5), 18.6 vs 24.5 kernels per plain layer pass
+      (bench/results/step-ling-demo-*-2026-12-02.json, gate-h200-2026-12-02.json).
     moe_n_tokens: the Mosaic MoE's token columns N (16, 32 or a multiple of 64; a call with more tokens uses
       64, and Triton above that). Every weight tile is multiplied with an [N, BK] x tile, so N = 64 at T = 1 streams
       as many activation bytes through SMEM as the up kernel's weight rows (and the down kernel's h' tiles
@@ -157,7 +156,7 @@ class KernelCalls:
     kda_pallas_prefill: bool = False
     mla_live_prefix: bool = False
     moe_slots: bool = False
-    moe_router_tables: bool = False
+    moe_router_tables: bool = True
     moe_n_tokens: int = 64
     moe_tiles: _moe_mosaic.MosaicMoeConfig | None = None
     fused_linear: bool = False
