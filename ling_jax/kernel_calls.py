@@ -109,7 +109,7 @@ class KernelCalls:
       H200 the demo model's greedy tokens are identical with and without it (bench/gate_step.py, 4 prompts x 256
       tokens, plain and NEXTN5, accept length 5.005 both), and its steps (8 steps per dispatch, so GPU-bound) take
       264.5 vs 278.1 us (plain) and 713.6 vs 790.2 us (NEXTN5), 18.6 vs 24.5 kernels per plain layer pass
-      (bench/results/step-ling-demo-*-2026-12-02.json, gate-h200-2026-12-02.json).
+      (bench/results/step-ling-demo-*-2026-12-02.json, gate-h200-2026-12-02-log.txt).
     moe_n_tokens: the Mosaic MoE's token columns N (16, 32 or a multiple of 64; a call with more tokens uses
       64, and Triton above that). Every weight tile is multiplied with an [N, BK] x tile, so N = 64 at T = 1 streams
       as many activation bytes through SMEM as the up kernel's weight rows (and the down kernel's h' tiles
