@@ -350,7 +350,8 @@ def programs(a, cfg, mesh, rules, kernels, fused_linear: bool = False):
     NEXTN --steps, then each NEXTN --steps again with --draft-vocab."""
     out = []
     calls = (kernel_calls(kernels, kda_impl=a.kda_impl, fused_linear=fused_linear, p2p_allreduce=a.p2p_allreduce,
-                          moe_router_tables=a.moe_router_tables, mla_live_prefix=a.mla_live_prefix)
+                          moe_router_tables=a.moe_router_tables, moe_router_norm=a.moe_router_norm,
+                          mla_live_prefix=a.mla_live_prefix)
              if kernels != "reference" else None)
     opts = kernel_calls_for(RuntimeOptions(kernels=calls), mesh, rules)
     nextn = [int(k) for k in a.steps.split(",")]
@@ -458,6 +459,8 @@ def main():
     ap.add_argument("--no-moe-router-tables", dest="moe_router_tables", action="store_false",
                     help="KernelCalls.moe_router_tables=False: the router without the MoE's tables, the alignment in "
                     "XLA (the default before 2026-12-02)")
+    ap.add_argument("--moe-router-norm", action="store_true", help="KernelCalls.moe_router_norm=True: the MoE "
+                    "layer's input RMSNorm in router_segments' program (with moe_router_tables; off by default)")
     ap.add_argument("--mla-live-prefix", action="store_true", help="KernelCalls.mla_live_prefix=True: decode/verify "
                     "MLA attention over the live prefix only (pallas_kernels/mla_attention.py; off by default)")
     ap.add_argument("--p2p-allreduce", action="store_true", help="KernelCalls.p2p_allreduce=True (--tp >= 2): each "
@@ -534,12 +537,14 @@ def run_all(a, cfg, tp, mesh, rules):
                        "routing_source": a.routing_from or "captured from this run's router (jnp copy of the step)"}
     fused = a.fused_linear
     extra.update(kernels=a.kernels, fused_linear=fused, p2p_allreduce=a.p2p_allreduce,
-                 moe_router_tables=a.moe_router_tables, mla_live_prefix=a.mla_live_prefix, tree=tree_of(a.tree),
+                 moe_router_tables=a.moe_router_tables, moe_router_norm=a.moe_router_norm,
+                 mla_live_prefix=a.mla_live_prefix, tree=tree_of(a.tree),
                  multi_step=a.multi_step, reps=a.reps)
     prefix = "step" + ("-" + os.path.basename(os.path.normpath(a.model)) if a.model else "") + f"-kda{a.kda_impl}"
     prefix += (f"-{a.quantization}" if a.quantization else "") + ("-fl" if fused else "")
     prefix += "-p2p" if a.p2p_allreduce else ""
     prefix += "" if a.moe_router_tables else "-nomrt"
+    prefix += "-rnorm" if a.moe_router_norm else ""
     prefix += "-live" if a.mla_live_prefix else ""
     kept = None
     os.makedirs(a.out, exist_ok=True)

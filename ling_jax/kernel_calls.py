@@ -24,9 +24,10 @@ Shapes (per call, the layers' view; a subclass sees its per-device slices inside
               conv_window [B, W-1, 3, C], rec_state [B, H, K, V] f32       -> (o, rec_state, conv_window)
   route:      x [T, D], gate_w [E, D], expert_bias [E], the model config    -> (ids [T, A] int32, weights [T, A] f32),
               or None when the Pallas router does not fit the dims (the caller routes in jnp)
-  routed_moe: route's arguments, the experts (w_gate, w_up, w_down), shared, live_rows [B] or None
-                                                                           -> (y [T, D] f32, ids [T, A]) or None
-              (the router's launch also aligns the experts: moe_slots on Mosaic, moe_router_tables on Triton)
+  routed_moe: route's arguments (x: or a layers.linear.Normed of the residual rows [T, D]), the experts (w_gate,
+              w_up, w_down), shared, live_rows [B] or None               -> (y [T, D] f32, ids [T, A]) or None
+              (the router's launch also aligns the experts: moe_slots on Mosaic, moe_router_tables on Triton;
+              moe_router_norm: the norm of a Normed in that launch too)
   kda_prefill: q, k [B, T, H, K] (q scaled), v [B, T, H, V], g [B, T, H, K], beta [B, T, H], state
               [B, H, K, V]                                                -> (o [B, T, H, V] f32, state)
   norm_linear: h a layers.linear.Normed of x [B, T, D] (or of a tuple of inputs), projections of weights
@@ -46,6 +47,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from ling_jax.layers.linear import Normed
 from ling_jax.layers.moe import shared_expert
 from ling_jax.layers.norms import add_rms_norm
 from ling_jax import quant
@@ -110,6 +112,18 @@ class KernelCalls:
       tokens, plain and NEXTN5, accept length 5.005 both), and its steps (8 steps per dispatch, so GPU-bound) take
       264.5 vs 278.1 us (plain) and 713.6 vs 790.2 us (NEXTN5), 18.6 vs 24.5 kernels per plain layer pass
       (bench/results/step-ling-demo-*-2026-12-02.json, gate-h200-2026-12-02-log.txt).
+    moe_router_norm: with moe_router_tables serving the call, the MoE layer's input RMSNorm (the post-attention
+      norm) in the router's program (router_segments.route_segments with its norm weight: one sum per row, the
+      model's rounding points; its xn output is what the up kernel and the shared expert read) where it takes
+      it (router_segments.takes_norm: the gate one score tile, E == 16 as the v2 demo; wider gates norm in XLA):
+      the norm's XLA reduce and multiply fusions go (2 kernels per MoE pass; 1 if XLA had fused the residual add
+      into the reduce). In the interpreter: the kernel's xn equals rms_norm's bitwise (bf16 x), and the demo's
+      logits equal those with the XLA norm bitwise where XLA keeps the program's bf16 roundings
+      (xla_allow_excess_precision=False; by default XLA may norm the unrounded f32 residual sum where the kernel
+      reads the bf16 stream: tests/test_kernels_router_norm.py). On the GPU the row sum's order is Triton's,
+      not XLA's (as the router's matvec already is), so tokens may differ from the XLA norm's at near-ties;
+      plain and NEXTN run the same kernel. Off (the XLA norm) until it is timed and gated on the GPU (its
+      Triton compile is untested; the A/B: bench_step / bench.gate_step with and without it).
     moe_n_tokens: the Mosaic MoE's token columns N (16, 32 or a multiple of 64; a call with more tokens uses
       64, and Triton above that). Every weight tile is multiplied with an [N, BK] x tile, so N = 64 at T = 1 streams
       as many activation bytes through SMEM as the up kernel's weight rows (and the down kernel's h' tiles
@@ -157,6 +171,7 @@ class KernelCalls:
     mla_live_prefix: bool = False
     moe_slots: bool = False
     moe_router_tables: bool = True
+    moe_router_norm: bool = False
     moe_n_tokens: int = 64
     moe_tiles: _moe_mosaic.MosaicMoeConfig | None = None
     fused_linear: bool = False
@@ -264,28 +279,41 @@ class KernelCalls:
         where no such chain applies (the caller routes and calls `moe`): on the Mosaic MoE, moe_slots (bf16
         weights, a shared expert of width I); on the Triton MoE, moe_router_tables (T <= its MAX_TOKENS).
         Neither where the router tiles do not fit. live_rows int32[B] with rows_per_seq = T / B: padding rows
-        borrow routing (as ling_jax.layers.moe.borrow_routing)."""
-        rc = self._router_config(x, gate_w.shape[0], cfg)
+        borrow routing (as ling_jax.layers.moe.borrow_routing).
+        x: the MoE's input rows [T, D], or a layers.linear.Normed of the residual stream [..., D] (one input; T
+        its rows): where moe_router_tables serves the call and moe_router_norm (router_segments.takes_norm), the
+        router's program computes that RMSNorm and the MoE reads its xn; every other chain runs the model's norm
+        (Normed.value(), then the rows)."""
+        rows = jax.ShapeDtypeStruct((math.prod(x.shape[:-1]), x.shape[-1]), x.dtype)  # what the choices read
+        rc = self._router_config(rows, gate_w.shape[0], cfg)
         if rc is None:
             return None
         route_kw = dict(n_group=cfg.n_group, topk_group=cfg.topk_group, top_k=cfg.num_experts_per_tok,
                         routed_scaling_factor=cfg.routed_scaling_factor, norm_topk_prob=cfg.norm_topk_prob,
                         rows_per_seq=rows_per_seq if live_rows is not None else 0, config=rc)
-        if self._fp8_mosaic(x, experts, shared) or self.moe_kernel(x, experts[0]) == "mosaic":
-            return self._routed_moe_mosaic(x, gate_w, expert_bias, experts, shared, live_rows, route_kw,
-                                           limit=limit, shared_limit=shared_limit)
-        if not self.moe_router_tables or x.shape[0] > _router_segments.MAX_TOKENS:
+        if self._fp8_mosaic(rows, experts, shared) or self.moe_kernel(rows, experts[0]) == "mosaic":
+            return self._routed_moe_mosaic(_normed(x, rows.shape), gate_w, expert_bias, experts, shared, live_rows,
+                                           route_kw, limit=limit, shared_limit=shared_limit)
+        if not self.moe_router_tables or rows.shape[0] > _router_segments.MAX_TOKENS:
             return None
         # The Triton chain of `moe`, its alignment in the router's launch: the same kernels on the same tables
-        w_gate, w_up, w_down = (dense(w, x.dtype) for w in experts)
-        dense_shared = None if shared is None else tuple(dense(w, x.dtype) for w in shared)
+        w_gate, w_up, w_down = (dense(w, rows.dtype) for w in experts)
+        dense_shared = None if shared is None else tuple(dense(w, rows.dtype) for w in shared)
         in_kernel = dense_shared is not None and dense_shared[0].shape[0] == w_gate.shape[1]
-        r = _router_segments.route_segments(x, gate_w, expert_bias, live_rows, has_shared=in_kernel, **route_kw)
-        y = _moe_triton.moe_segments(x, r.order, r.seg, r.tok, r.w_rows, w_gate, w_up, w_down, limit=limit,
+        fold_norm = (self.moe_router_norm and isinstance(x, Normed) and len(x.parts) == 1
+                     and _router_segments.takes_norm(*rows.shape, gate_w.shape[0], rc))
+        if fold_norm:  # the post-attention RMSNorm in the router's program: its xn is the MoE's input
+            r = _router_segments.route_segments(x.x.reshape(rows.shape), gate_w, expert_bias, live_rows, x.weight,
+                                                eps=x.eps, has_shared=in_kernel, **route_kw)
+            xn = r.xn
+        else:
+            xn = _normed(x, rows.shape)
+            r = _router_segments.route_segments(xn, gate_w, expert_bias, live_rows, has_shared=in_kernel, **route_kw)
+        y = _moe_triton.moe_segments(xn, r.order, r.seg, r.tok, r.w_rows, w_gate, w_up, w_down, limit=limit,
                                      shared=dense_shared if in_kernel else None, shared_limit=shared_limit,
                                      config=self._triton_moe_config(w_gate)).astype(jnp.float32)
         if shared is not None and not in_kernel:  # as `moe`: a shared width other than I through the model
-            y = y + shared_expert(x, shared, shared_limit)
+            y = y + shared_expert(xn, shared, shared_limit)
         return y, r.ids
 
     def _routed_moe_mosaic(self, x, gate_w, expert_bias, experts, shared, live_rows, route_kw, *, limit: float,
@@ -500,6 +528,11 @@ class KernelCalls:
         if self.interpret:
             config = _kda_prefill.KdaPrefillConfig(block_v=min(32, v.shape[-1]), interpret=True)
         return _kda_prefill.kda_prefill(q, k, v, g, beta, state, config=config)
+
+
+def _normed(x, shape):
+    """The rows [T, D] a Normed stands for (the model's RMSNorm in XLA, then the rows), or x itself."""
+    return x.value().reshape(shape) if isinstance(x, Normed) else x
 
 
 def _bf16_rows(w, rows: int):

@@ -126,8 +126,8 @@ def ffn(p, x, cfg: ModelConfig, i: int, opts: RuntimeOptions, return_load: bool 
     kernel call (under TP: its all-reduce fused with the add and the norm)."""
     h = Normed(x, p["post_norm"], cfg.rms_norm_eps)
     if cfg.is_moe(i):  # the router and the MoE kernel (shared expert included) both read the normed rows
-        boundary = None if next_norm is None else (x, next_norm, cfg.rms_norm_eps)
-        y = moe_layer(p["mlp"], h.value(), cfg, routed_limit=cfg.routed_limit(i), shared_limit=cfg.shared_limit(i),
+        boundary = None if next_norm is None else (x, next_norm, cfg.rms_norm_eps)  # (the router's kernel may norm)
+        y = moe_layer(p["mlp"], h, cfg, routed_limit=cfg.routed_limit(i), shared_limit=cfg.shared_limit(i),
                       router_fp32=opts.numerics.router_fp32, return_load=return_load, kernels=opts.calls,
                       live_rows=live_rows, boundary=boundary)
         if boundary is not None:  # moe_layer returned the boundary (x', normed) itself

@@ -112,18 +112,21 @@ def check_groups(e, n_group, topk_group, top_k):
                      f"n_group={n_group}, E={e}")
 
 
-def gate_logits(x_ref, g_ref, e0, *, t, tp, be, bk, d, on_x_tile=None):
+def gate_logits(x_ref, g_ref, e0, *, t, tp, be, bk, d, on_x_tile=None, x_tile=None):
   """logits [T', BE] = x @ gate_w[e0:e0+BE].T: [T', BK] x [BE, BK] tiles over D, fp32 accumulation; rows >= T
-  of x read as 0. on_x_tile(kb, xb): called with each K step's x tile (route_slots copies it out)."""
+  of x read as 0. on_x_tile(kb, xb): called with each K step's x tile (route_slots copies it out). x_tile(kb, xb)
+  -> the tile the gate multiplies in place of xb (router_segments: the RMSNorm of x's rows)."""
   rows = lax.broadcasted_iota(jnp.int32, (tp, 1), 0) < t               # [T', 1]
-  prec = lax.Precision.HIGHEST if x_ref.dtype == jnp.float32 else None
 
   def k_step(kb, acc):
     xb = plt.load(x_ref.at[pl.ds(0, tp), pl.ds(kb * bk, bk)],
                   mask=jnp.broadcast_to(rows, (tp, bk)), other=0.0)
     if on_x_tile is not None:
       on_x_tile(kb, xb)
+    if x_tile is not None:
+      xb = x_tile(kb, xb)
     gb = g_ref[pl.ds(e0, be), pl.ds(kb * bk, bk)]                      # [BE, BK]
+    prec = lax.Precision.HIGHEST if xb.dtype == jnp.float32 else None
     return acc + plt.dot(xb, gb, trans_b=True, precision=prec)
 
   return lax.fori_loop(0, d // bk, k_step, jnp.zeros((tp, be), jnp.float32))

@@ -2,14 +2,21 @@
 
 Reference: the model's ling_jax.layers.moe.router_logits (fp32_weight=False) + route (+ borrow_routing) for the
 ids and weights; pallas_kernels.moe's alignment of those ids (moe._rows: the pairs sorted by expert) for the
-tables. `route_segments` -> moe.moe_segments is router -> up -> down with no XLA kernel between them.
+tables; with a norm weight, ling_jax.layers.norms.rms_norm for the normed rows. `route_segments` ->
+moe.moe_segments is router -> up -> down with no XLA kernel between them (with the norm: none before the router
+either; the post-attention RMSNorm is this program's prologue).
 
 Shape legend: T tokens (T' = router.padded_tokens(T): a power of 2 >= 16), D hidden, E experts in G groups of
 EG, A experts per token (AP lanes), P = T*A (token, expert) pairs, S = P slots (+1: the shared expert),
 R = P rows (+T: the shared expert's).
 
 One program for all T tokens:
-  logits [T', E] = x @ gate_w.T         (router.router_scores' tiles and K loop, in this program when the gate
+  (norm_weight given; only where the gate is one score tile, see takes_norm) x is the residual stream:
+  r [T'] = rsqrt(sum_d x^2 * (1/D) + eps)  (fp32; ONE sum over each whole row, as XLA sums rms_norm's mean)
+  xn = w * round(x * r) per K tile          (round: to x's dtype; the product in the dtype of w * x), stored as
+                                             the xn output (the MoE's and the shared expert's input) and fed to
+                                             the matvec below
+  logits [T', E] = x @ gate_w.T (xn)    (router.router_scores' tiles and K loop, in this program when the gate
                                           is one score tile, E == block_e: the v2 demo's E = 16; else
                                           router_scores runs first and this program reads its scores)
   s = sigmoid(logits);  ids, w [T', AP] = the grouped top-k of s + bias, row by row (router.topk_rows)
@@ -22,6 +29,9 @@ nonzero term, so every value is exact):
   order[row(t, a)] = t*A + a      tok[r] = order[r] // A      w_rows[r] = w[t, a] of that pair
   seg[:, slot(e)] = (start[e], cnt[e], e); empty slots (P, 0, the largest picked e); slot P the shared expert
   (P, T, 0), its rows P + t: tok t, weight 1.
+Bytes (one launch, the v2 demo at T = 6 bf16): reads gate_w E D 2 (10 KB), x T D 2 (3.8 KB; with the norm twice,
+the whole rows for the sum and then the K tiles, the second from L1/L2), expert_bias, live_rows, norm_weight D 2;
+writes ids, w (T A 4 each), order, seg, tok, w_rows (< 1 KB) and with the norm xn T D (3.8 KB).
 """
 from __future__ import annotations
 
@@ -30,6 +40,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
@@ -38,19 +49,23 @@ from pallas_kernels import router as _router
 
 # The tables are [rows, T'] and [slots, T'] one-hots in registers, one per pair column a: decode / verify rows.
 MAX_TOKENS = 32
+# The RMSNorm's rows, [T', pow2(D)] f32, are in registers at once (one sum per row): 128 per thread at 4 warps.
+NORM_ELEMENTS = 32 * 512
 
 
 class RoutedSegments(NamedTuple):
   """The router's outputs for pallas_kernels.moe.moe_segments.
   ids [T, A] int32, weights [T, A] f32 (as router.route; rows past their sequence's live count borrow);
   order [P] int32 (sorted row -> pair t*A + a), seg [3, S] int32, tok [R] int32, w_rows [R] f32 (moe._align's
-  layout; see the module docstring)."""
+  layout; see the module docstring); xn [T, D] the normed rows the router read (route_segments with
+  norm_weight), else None."""
   ids: jax.Array
   weights: jax.Array
   order: jax.Array
   seg: jax.Array
   tok: jax.Array
   w_rows: jax.Array
+  xn: jax.Array | None = None
 
 
 def _pow2(n):
@@ -114,20 +129,48 @@ def _tables(ids, w, valid, *, t, g, eg, top_k, ap, has_shared):
   return order, (st, ln, ex), tok, w_rows
 
 
+def _rms_scale(x_ref, *, t, tp, d, eps):
+  """r [T', 1] f32 = rsqrt(mean(x^2) + eps) of x's rows, as ling_jax.layers.norms.rms_norm computes it: fp32
+  squares, ONE sum over the whole row (loaded at once, zero columns past D: the same sum as over D), the mean
+  as XLA's x * (1/D) (its simplifier's form of x / D)."""
+  dp = _pow2(d)
+  live = (lax.broadcasted_iota(jnp.int32, (tp, dp), 0) < t) & (lax.broadcasted_iota(jnp.int32, (tp, dp), 1) < d)
+  xf = plt.load(x_ref.at[pl.ds(0, tp), pl.ds(0, dp)], mask=live, other=0.0).astype(jnp.float32)
+  mean_sq = jnp.sum(xf * xf, axis=1, keepdims=True) * (np.float32(1) / np.float32(d))
+  return lax.rsqrt(mean_sq + eps)
+
+
 def _segments_kernel(*refs, t, tp, d, g, eg, topk_group, top_k, ap, scale, norm, has_shared, rows_per_seq,
-                     block_k, from_x):
-  """from_x: refs = (x, gate_w, bias[, live], outs...), the scores computed here; else (scores, bias[, live],
-  outs...). Outputs: ids, w, order, seg, tok, w_rows (RoutedSegments)."""
-  n_in = (3 if from_x else 2) + (1 if rows_per_seq else 0)
-  ins, (ids_ref, w_ref, order_ref, seg_ref, tok_ref, wrow_ref) = refs[:n_in], refs[n_in:]
+                     block_k, from_x, rms_eps):
+  """from_x: refs = (x, gate_w[, norm_w], bias[, live], outs...), the scores computed here; else (scores, bias
+  [, live], outs...). Outputs: ids, w, order, seg, tok, w_rows (RoutedSegments) [, xn].
+  rms_eps (from_x only; None: x is the router's input as given): x is the residual stream, and the router (and
+  the MoE, through the xn output) reads xn = rms_norm(x, norm_w, rms_eps), computed here."""
+  with_norm = rms_eps is not None
+  n_in = (3 if from_x else 2) + (1 if with_norm else 0) + (1 if rows_per_seq else 0)
+  ins, outs = refs[:n_in], refs[n_in:]
+  ids_ref, w_ref, order_ref, seg_ref, tok_ref, wrow_ref = outs[:6]
   live_ref = ins[-1] if rows_per_seq else None
-  b_ref = ins[2] if from_x else ins[1]
+  b_ref = ins[n_in - 1 - (1 if rows_per_seq else 0)]
   row = lax.broadcasted_iota(jnp.int32, (tp,), 0)
   valid = row < t
   if from_x:
     x_ref, g_ref = ins[:2]
     e = g * eg
-    logits = _router.gate_logits(x_ref, g_ref, 0, t=t, tp=tp, be=e, bk=block_k, d=d)
+    x_tile = None
+    if with_norm:  # the post-attention RMSNorm: the rows' scale first, then each K step's tile normed and stored
+      nw_ref, xn_ref = ins[2], outs[6]
+      r = _rms_scale(x_ref, t=t, tp=tp, d=d, eps=rms_eps)
+      out_rows = jnp.broadcast_to(valid[:, None], (tp, block_k))
+
+      def x_tile(kb, xb):  # rms_norm's roundings: normed in x's dtype, then weight * normed in xn's dtype
+        normed = (xb.astype(jnp.float32) * r).astype(x_ref.dtype)
+        wb = nw_ref[pl.ds(kb * block_k, block_k)]
+        xn = wb.astype(xn_ref.dtype)[None, :] * normed.astype(xn_ref.dtype)
+        plt.store(xn_ref.at[pl.ds(0, tp), pl.ds(kb * block_k, block_k)], xn, mask=out_rows)
+        return xn
+
+    logits = _router.gate_logits(x_ref, g_ref, 0, t=t, tp=tp, be=e, bk=block_k, d=d, x_tile=x_tile)
     s = _router.sigmoid(logits).reshape(tp, g, eg)                      # [T', G, EG]
   else:
     shape = (tp, g, eg)
@@ -155,14 +198,27 @@ def _segments_kernel(*refs, t, tp, d, g, eg, topk_group, top_k, ap, scale, norm,
     plt.store(seg_ref.at[pl.ds(k, 1), pl.ds(0, sl)], v[None, :], mask=s_ok)
 
 
+def takes_norm(t, d, e, config=None) -> bool:
+  """Whether route_segments computes the input's RMSNorm in its program for x [T, D] and E experts: where the
+  gate is one score tile (E == block_e: the matvec is in this program; the router_scores launch of wider gates
+  reads x itself, so their norm stays the caller's) and the whole row of every token, [T', pow2(D)] f32, fits
+  the program's registers (NORM_ELEMENTS)."""
+  cfg = config or _router.RouterConfig()
+  return e == cfg.block_e and t <= MAX_TOKENS and _router.padded_tokens(t) * _pow2(d) <= NORM_ELEMENTS
+
+
 @functools.partial(jax.jit, static_argnames=("n_group", "topk_group", "top_k", "routed_scaling_factor",
-                                             "norm_topk_prob", "has_shared", "rows_per_seq", "config"))
-def route_segments(x, gate_w, expert_bias, live_rows=None, *, n_group, topk_group, top_k, routed_scaling_factor,
-                   norm_topk_prob=True, has_shared, rows_per_seq=0, config=None) -> RoutedSegments:
+                                             "norm_topk_prob", "has_shared", "rows_per_seq", "eps", "config"))
+def route_segments(x, gate_w, expert_bias, live_rows=None, norm_weight=None, *, n_group, topk_group, top_k,
+                   routed_scaling_factor, norm_topk_prob=True, has_shared, rows_per_seq=0, eps=None,
+                   config=None) -> RoutedSegments:
   """The router and the Triton MoE's tables: x [T, D], gate_w [E, D], expert_bias [E] f32, live_rows int32[B]
   or None (with rows_per_seq = T / B: rows past a sequence's live count borrow its last live row's routing)
   -> RoutedSegments. One launch when E == config.block_e (the gate one score tile), else router_scores first.
-  has_shared: the tables carry the shared expert as slot P (its width the routed width)."""
+  has_shared: the tables carry the shared expert as slot P (its width the routed width).
+  norm_weight [D] with eps (only where takes_norm): x is the residual stream, the router reads xn =
+  ling_jax.layers.norms.rms_norm(x, norm_weight, eps) computed in the program, returned as RoutedSegments.xn
+  (dtype: that of weight * x; gate_w must have it) for the MoE to read."""
   cfg = config or _router.RouterConfig()
   t, d = x.shape
   e = gate_w.shape[0]
@@ -173,27 +229,38 @@ def route_segments(x, gate_w, expert_bias, live_rows=None, *, n_group, topk_grou
                      "registers; larger calls align in moe.moe)")
   if live_rows is not None and (not rows_per_seq or live_rows.shape[0] * rows_per_seq != t):
     raise ValueError(f"live_rows {live_rows.shape} with rows_per_seq={rows_per_seq} must cover T={t}")
+  with_norm = norm_weight is not None
+  if with_norm != (eps is not None):
+    raise ValueError("route_segments: norm_weight and eps come together (the RMSNorm of x) or not at all")
+  if with_norm and not takes_norm(t, d, e, cfg):
+    raise ValueError(f"route_segments: no RMSNorm in the program at T={t}, D={d}, E={e} (block_e={cfg.block_e}): "
+                     "see takes_norm; the caller norms x")
+  xn_dtype = jnp.result_type(norm_weight, x) if with_norm else x.dtype
+  if with_norm and (norm_weight.shape != (d,) or gate_w.dtype != xn_dtype):
+    raise ValueError(f"norm_weight {norm_weight.shape} must be [D={d}] and gate_w ({gate_w.dtype}) of the normed "
+                     f"rows' dtype {xn_dtype}")
   tp, eg, p = _router.padded_tokens(t), e // n_group, t * top_k
   from_x = e == cfg.block_e
   if from_x:
-    head = (x, gate_w)
+    head = (x, gate_w) + ((norm_weight,) if with_norm else ())
   else:
     head = (_router.router_scores(x, gate_w, cfg).reshape(t, n_group, eg),)
   n_rows, n_slots = (p + t, p + 1) if has_shared else (p, p)
   kern = functools.partial(
       _segments_kernel, t=t, tp=tp, d=d, g=n_group, eg=eg, topk_group=topk_group, top_k=top_k,
       ap=_pow2(top_k), scale=float(routed_scaling_factor), norm=norm_topk_prob, has_shared=has_shared,
-      rows_per_seq=rows_per_seq if live_rows is not None else 0, block_k=cfg.block_k, from_x=from_x)
+      rows_per_seq=rows_per_seq if live_rows is not None else 0, block_k=cfg.block_k, from_x=from_x,
+      rms_eps=float(eps) if with_norm else None)
   live = () if live_rows is None else (live_rows.astype(jnp.int32),)
   i32 = jnp.int32
   out = pl.pallas_call(
       kern, grid=(1,),
       out_shape=(jax.ShapeDtypeStruct((t, top_k), i32), jax.ShapeDtypeStruct((t, top_k), jnp.float32),
                  jax.ShapeDtypeStruct((p,), i32), jax.ShapeDtypeStruct((3, n_slots), i32),
-                 jax.ShapeDtypeStruct((n_rows,), i32), jax.ShapeDtypeStruct((n_rows,), jnp.float32)),
+                 jax.ShapeDtypeStruct((n_rows,), i32), jax.ShapeDtypeStruct((n_rows,), jnp.float32))
+                + ((jax.ShapeDtypeStruct((t, d), xn_dtype),) if with_norm else ()),
       compiler_params=(plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages) if from_x  # the scores'
                        else plt.CompilerParams(num_warps=cfg.slots_warps, num_stages=1)),
       interpret=cfg.interpret, name="router_segments",
   )(*head, expert_bias.astype(jnp.float32).reshape(n_group, eg), *live)
   return RoutedSegments(*out)
-

@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ling_jax.layers.linear import Projection, linear, norm_projections, swiglu
+from ling_jax.layers.linear import Normed, Projection, linear, norm_projections, swiglu
 from ling_jax.layers.norms import add_rms_norm
 from ling_jax.quant import dense, take
 
@@ -115,6 +115,8 @@ def expert_load(ids, num_experts: int):
 def moe_layer(p, x, cfg, *, routed_limit: float, shared_limit: float, router_fp32: bool, return_load: bool = False,
               kernels=None, live_rows=None, boundary=None):
     """x [..., D] -> [..., D]. p: gate_w [E, D], expert_bias [E], w_gate, w_up, w_down, shared {gate,up,down}_proj.
+    x: the normed input, or a layers.linear.Normed of the residual stream (one input; not computed yet): the
+    router's kernel computes that norm where `kernels.routed_moe` takes it, every other path x.value().
     return_load: also return the expert load int32[E] of this call (training's router balancing).
     kernels: a ling_jax.kernel_calls.KernelCalls to run the router and experts through, or None for the jnp path.
     live_rows: int32[B] or None (x is [B, T, D]): rows t >= live_rows[b] are padding and borrow row
@@ -125,19 +127,22 @@ def moe_layer(p, x, cfg, *, routed_limit: float, shared_limit: float, router_fp3
     if boundary is not None and kernels is None:
         raise ValueError("moe_layer(boundary=...) needs kernels (KernelCalls.moe_residual_norm); the jnp model adds "
                          "and norms in the caller")
-    shape = x.shape
-    xt = x.reshape(-1, shape[-1])
-    gate_w = dense(p["gate_w"], x.dtype)
+    shape, dtype = x.shape, x.dtype  # (a Normed's: those of the normed rows)
+    normed = x if isinstance(x, Normed) else None
+    flat = lambda a: a.reshape(-1, shape[-1])
+    gate_w = dense(p["gate_w"], dtype)
     sh = p["shared"]
     shared = (sh["gate_proj"], sh["up_proj"], sh["down_proj"])
     with_load = lambda out, ids: (out, expert_load(ids, cfg.num_experts)) if return_load else out
     if kernels is not None and not router_fp32:  # router -> up -> down, the expert alignment inside the router
-        fused = kernels.routed_moe(xt, gate_w, p["expert_bias"], cfg, (p["w_gate"], p["w_up"], p["w_down"]),
+        rows = x if normed is not None and len(normed.parts) == 1 else flat(x if normed is None else x.value())
+        fused = kernels.routed_moe(rows, gate_w, p["expert_bias"], cfg, (p["w_gate"], p["w_up"], p["w_down"]),
                                    shared, limit=routed_limit, shared_limit=shared_limit, live_rows=live_rows,
                                    rows_per_seq=shape[-2])
         if fused is not None:
-            y = fused[0].astype(x.dtype).reshape(shape)
+            y = fused[0].astype(dtype).reshape(shape)
             return with_load(y if boundary is None else add_rms_norm(boundary[0], y, *boundary[1:]), fused[1])
+    xt = flat(x if normed is None else normed.value())  # every other path: the model's norm in XLA
     routed = None
     if kernels is not None and not router_fp32:  # one fused Pallas router (matvec + sigmoid + grouped top-k)
         routed = kernels.route(xt, gate_w, p["expert_bias"], cfg)
@@ -156,5 +161,5 @@ def moe_layer(p, x, cfg, *, routed_limit: float, shared_limit: float, router_fp3
         y = kernels.moe(*experts, limit=routed_limit, shared=shared, shared_limit=shared_limit)
     else:
         y = moe_experts(*experts, limit=routed_limit, shared=shared, shared_limit=shared_limit)
-    y = y.astype(x.dtype).reshape(shape)
+    y = y.astype(dtype).reshape(shape)
     return with_load(y, ids)
