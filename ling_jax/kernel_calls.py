@@ -122,8 +122,13 @@ class KernelCalls:
       (xla_allow_excess_precision=False; by default XLA may norm the unrounded f32 residual sum where the kernel
       reads the bf16 stream: tests/test_kernels_router_norm.py). On the GPU the row sum's order is Triton's,
       not XLA's (as the router's matvec already is), so tokens may differ from the XLA norm's at near-ties;
-      plain and NEXTN run the same kernel. Off (the XLA norm) until it is timed and gated on the GPU (its
-      Triton compile is untested; the A/B: bench_step / bench.gate_step with and without it).
+      plain and NEXTN run the same kernel. Off: on the H200 (2026-12-02) it compiles, the gate passes (same
+      tokens as the XLA norm on 3 prompts x 256, plain and NEXTN5, accept 4.806 both) and the kernels per layer
+      pass fall 18.6 -> 17.5 (plain) and 25.1 -> 24.3 (NEXTN5), but the steps do not get faster (8 steps per
+      dispatch: plain 265.5 vs 262.1 us, NEXTN5 730.1 vs 730.1 us): router_segments grows from 7.3 to 9.2 us a
+      call, as much as the two kernels it removes (bench/results/step-ling-demo-kdaverify-rnorm-ms8-rn-*.json,
+      gate-h200-2026-12-02-router-norm.json). The router's own latency (7-9 us for a 16 x 320 matvec, its
+      top-k and tables) is what to cut next.
     moe_n_tokens: the Mosaic MoE's token columns N (16, 32 or a multiple of 64; a call with more tokens uses
       64, and Triton above that). Every weight tile is multiplied with an [N, BK] x tile, so N = 64 at T = 1 streams
       as many activation bytes through SMEM as the up kernel's weight rows (and the down kernel's h' tiles
