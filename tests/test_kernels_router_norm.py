@@ -24,7 +24,7 @@ from ling_jax.state import init_state
 from ling_jax.weights import init_params
 from pallas_kernels import router_segments as RS
 from tests.cuda_lowering import S, lower_cuda
-from tests.test_kernels_router_segments import BF, DEMO, RC, flat_eqns, inputs, route_kw
+from tests.test_kernels_router_segments import BF, DEMO, RC, demo_moe_params, flat_eqns, inputs, route_kw
 
 EPS = 1e-6
 DEMO_DIR = Path(__file__).resolve().parents[1] / "models" / "ling-demo"
@@ -122,16 +122,12 @@ def test_demo_decode_and_verify_logits_bitwise_with_and_without_the_norm_in_the_
 def demo_pass(kernels, t):
   """One MoE layer pass of the demo as `ffn` runs it: x -> x + moe_layer(Normed(x, post_norm)), abstract args."""
   cfg = DEMO
-  d, e, i, si = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.moe_shared_expert_intermediate_size
-  p = dict(gate_w=S((e, d), BF), expert_bias=S((e,), jnp.float32), w_gate=S((e, i, d), BF),
-           w_up=S((e, i, d), BF), w_down=S((e, d, i), BF),
-           shared=dict(gate_proj=S((si, d), BF), up_proj=S((si, d), BF), down_proj=S((d, si), BF)))
 
   def layer(p, post_norm, x):
     h = Normed(x, post_norm, cfg.rms_norm_eps)
     return x + moe_layer(p, h, cfg, routed_limit=4.0, shared_limit=5.0, router_fp32=False, kernels=kernels)
 
-  return layer, (p, S((d,), BF), S((1, t, d), BF))
+  return layer, (demo_moe_params(cfg), S((cfg.hidden_size,), BF), S((1, t, cfg.hidden_size), BF))
 
 
 @pytest.mark.parametrize("t", [6, 32])

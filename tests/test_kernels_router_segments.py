@@ -196,18 +196,23 @@ def test_moe_layer_through_router_tables_matches_model(dtype, t, live, tol):
   np.testing.assert_array_equal(load, old_load)
 
 
+def demo_moe_params(cfg=DEMO):
+  """A demo MoE layer's params (router, routed and shared experts) as abstract args."""
+  d, e, i, si = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.moe_shared_expert_intermediate_size
+  return dict(gate_w=S((e, d), BF), expert_bias=S((e,), jnp.float32), w_gate=S((e, i, d), BF),
+              w_up=S((e, i, d), BF), w_down=S((e, d, i), BF),
+              shared=dict(gate_proj=S((si, d), BF), up_proj=S((si, d), BF), down_proj=S((d, si), BF)))
+
+
 def demo_layer_pass(kernels, t):
   """One MoE layer pass of the v2 demo as the step runs it (x -> residual + moe(x)) and its abstract args."""
   cfg = DEMO
-  d, e, i, si = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.moe_shared_expert_intermediate_size
-  p = dict(gate_w=S((e, d), BF), expert_bias=S((e,), jnp.float32), w_gate=S((e, i, d), BF),
-           w_up=S((e, i, d), BF), w_down=S((e, d, i), BF),
-           shared=dict(gate_proj=S((si, d), BF), up_proj=S((si, d), BF), down_proj=S((d, si), BF)))
 
   def layer(p, x, residual):
     return residual + moe_layer(p, x, cfg, routed_limit=4.0, shared_limit=5.0, router_fp32=False, kernels=kernels)
 
-  return layer, (p, S((1, t, d), BF), S((1, t, d), BF))
+  x = S((1, t, cfg.hidden_size), BF)
+  return layer, (demo_moe_params(cfg), x, x)
 
 
 # What runs outside the custom calls of the pass now: the shared expert (3 dots, SwiGLU + clamp, converts), the
