@@ -3,7 +3,8 @@ persistent kernel with a weight ring of e4m3 tiles (half the bytes) and their 12
 
 Shape legend (as fused_linear): T rows, TP wgmma N, K reduction width, KB = K / BK steps, N_s rows of
 projection s, BN x BK weight tile, G CTAs, M = ceil(tiles / G) tiles per CTA at most, nK = ceil(K / 128)
-scale columns (padded to a multiple of 4 for the TMA box), nw = 2 for "swiglu" (gate, up), else 1.
+scale columns (padded to a multiple of 32: every row of the SMEM scale table is a TMA destination, and TMA writes
+only to 128-byte aligned shared memory; 16-byte rows ran into CUDA_ERROR_MISALIGNED_ADDRESS on the H200), nw = 2 for "swiglu" (gate, up), else 1.
 
 Weights in the DeepSeek-V3 block layout (ling_jax.quant.Fp8Weight is one (w8, scale_inv) pair):
   w8 [N_s, K] float8_e4m3fn, s [ceil(N_s / 128), ceil(K / 128)] f32,   W = W8 * s per 128 x 128 block.
@@ -46,7 +47,7 @@ from pallas_kernels import fused_linear as fl
 
 FP8 = jnp.float8_e4m3fn
 SCALE_BLOCK = 128
-SCALE_ALIGN = 4   # scale row boxes: a multiple of 16 bytes of f32
+SCALE_ALIGN = 32  # f32 scale columns per SMEM row: 128 bytes, the alignment of a TMA destination in SMEM
 
 
 SCALE_ON = ("partial", "weight")
