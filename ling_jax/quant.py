@@ -95,6 +95,29 @@ def dense(w, dtype):
     return dequantize(w, dtype) if isinstance(w, Fp8Weight) else w
 
 
+def quantize_activations(x) -> tuple[jax.Array, jax.Array]:
+    """Dynamic activation quantisation (the checkpoint's activation_scheme "dynamic", DeepSeek-V3's act_quant):
+    per row, per 128-column group g of the last axis,
+        s_x[..., g] = amax |x[..., g]| / 448          x8 = e4m3(x / s_x)          x ~ x8 * s_x
+    x [..., K] (bf16 / f32) -> (x8 [..., K] float8_e4m3fn, s_x [..., ceil(K / 128)] f32). An all-zero group gets
+    s_x = 0 and x8 = 0 (as `quantize`). What an e4m3 x e4m3 wgmma reads: both of its operands are fp8 on Hopper."""
+    xf = x.astype(jnp.float32)
+    *lead, k = x.shape
+    groups = -(-k // BLOCK)
+    g = jnp.pad(xf, [(0, 0)] * len(lead) + [(0, groups * BLOCK - k)]).reshape(*lead, groups, BLOCK)
+    scale = jnp.max(jnp.abs(g), axis=-1) / FP8_MAX
+    safe = jnp.where(scale > 0, scale, 1.0)
+    x8 = (g / safe[..., None]).astype(FP8).reshape(*lead, groups * BLOCK)[..., :k]
+    return x8, scale
+
+
+def dequantize_activations(x8, scale, dtype=jnp.float32) -> jax.Array:
+    """x8 * s_x per 128-column group (f32 product, one rounding to dtype): the activations an e4m3 wgmma sees."""
+    k = x8.shape[-1]
+    s = jnp.repeat(scale, BLOCK, axis=-1)[..., :k]
+    return (x8.astype(jnp.float32) * s).astype(dtype)
+
+
 def take(w, ids):
     """w[ids] along the leading (expert) axis, for a dense array or an Fp8Weight (both parts gathered)."""
     if isinstance(w, Fp8Weight):
@@ -225,5 +248,5 @@ def stored_fp8(spec: dict, where: dict, qcfg: Fp8Config | None, model_dir: str) 
 
 
 __all__ = ["Fp8Weight", "Fp8Config", "quantize", "dequantize", "dense", "take", "quantize_numpy", "abstract",
-           "random_fp8", "nbytes", "fp8_policy",
+           "random_fp8", "nbytes", "fp8_policy", "quantize_activations", "dequantize_activations",
            "can_be_fp8", "quantization_config", "read_quantization_config", "stored_fp8", "scale_shape", "BLOCK"]

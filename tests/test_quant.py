@@ -62,6 +62,32 @@ def test_quantize_matches_blockwise_oracle_on_ragged_shape():
     assert np.abs(np.asarray(q.w8, np.float32)).max() == 448.0
 
 
+def test_activation_quantisation_per_row_and_128_group():
+    """quantize_activations (dynamic, per token per 128 columns) against a numpy loop over rows and groups."""
+    x = np.array(jax.random.normal(jax.random.key(1), (3, 300), jnp.float32))
+    x[0, :128] *= 50.0                                      # groups of one row with very different ranges
+    x[2, 256:] = 0.0                                        # an all-zero (ragged) group
+    x = x.astype(ml_dtypes.bfloat16)
+    x8, s = quant.quantize_activations(jnp.asarray(x))
+    assert x8.dtype == jnp.float8_e4m3fn and x8.shape == (3, 300) and s.shape == (3, 3) and s.dtype == jnp.float32
+    xf = x.astype(np.float32)
+    for r in range(3):
+        for g in range(3):
+            blk = xf[r, g * 128:(g + 1) * 128]
+            want_s = np.abs(blk).max() / np.float32(448.0)
+            np.testing.assert_allclose(float(s[r, g]), want_s, rtol=2.5e-7)
+            got = np.asarray(x8[r, g * 128:(g + 1) * 128], np.float32)
+            if want_s == 0:
+                assert np.all(got == 0)
+                continue
+            want = (blk / want_s).astype(E4M3).astype(np.float32)
+            assert np.mean(got != want) < 0.02 and np.all(np.abs(got - want) <= np.abs(want) * 2.0**-3 + 2.0**-9)
+    back = np.asarray(quant.dequantize_activations(x8, s))
+    scale = np.repeat(np.asarray(s), 128, 1)[:, :300]
+    assert np.all(np.abs(back - xf) <= np.maximum(np.abs(xf) * 2.0**-4, scale * 2.0**-9) * 1.001)
+    assert np.abs(np.asarray(x8, np.float32)).max() == 448.0
+
+
 def test_leading_axes_quantise_each_matrix_alone():
     w = jax.random.normal(jax.random.key(1), (3, 96, 256), jnp.float32) * jnp.array([1.0, 10.0, 0.01])[:, None, None]
     q = quant.quantize(w)
