@@ -5,8 +5,9 @@
   python3 -m bench.bench_step --tp 2 --out $OUT                         (two H200: the full model)
   python3 -m bench.bench_step --quantization fp8 --tp 1 --ttft 8192 --out $OUT   (one H200: the full model in fp8)
   python3 -m bench.bench_step --quantization fp8 --tp 1 --dry-run       (CPU: its memory plan, see step_budget.py)
-  ... --fused-linear [--baseline-fused-linear]   (KernelCalls.fused_linear on; A/B with it off in the same run,
-                                                 each step's baseline right after it)
+  ... --fused-linear [--baseline-fused-linear]   (KernelCalls.fused_linear on; A/B with it and fused_linear_fp8
+                                                 flipped in the same run, each step's baseline right after it)
+  ... --quantization fp8 --baseline-fused-linear (fp8 projections fused, the default, against XLA's dequantise)
   ... --tree <commit>                           (recorded as the JSON's `tree`; the JSON is rewritten after each row)
   ... --tp 2 --p2p-allreduce                    (KernelCalls.p2p_allreduce: the MoE boundaries through
                                                  pallas_kernels/allreduce.py; A/B: the same command without it)
@@ -345,11 +346,23 @@ def model_config(a):
     return slice_config(cfg, a.layers) if a.layers else cfg
 
 
-def programs(a, cfg, mesh, rules, kernels, fused_linear: bool = False):
+def fused_of(a) -> tuple[bool, bool]:
+    """The flags' KernelCalls (fused_linear, fused_linear_fp8)."""
+    return a.fused_linear, a.fused_linear_fp8
+
+
+def fused_label(fl: tuple[bool, bool]) -> str:
+    on = lambda b: "on" if b else "off"
+    return f"fused_linear={on(fl[0])}, fused_linear_fp8={on(fl[1])}"
+
+
+def programs(a, cfg, mesh, rules, kernels, fused: tuple[bool, bool] = (False, True)):
     """[(mode, K, Program, draft vocabulary N or None)] of the runs, in order: plain (unless --skip-plain), each
-    NEXTN --steps, then each NEXTN --steps again with --draft-vocab."""
+    NEXTN --steps, then each NEXTN --steps again with --draft-vocab. fused: KernelCalls (fused_linear,
+    fused_linear_fp8)."""
     out = []
-    calls = (kernel_calls(kernels, kda_impl=a.kda_impl, fused_linear=fused_linear, p2p_allreduce=a.p2p_allreduce,
+    calls = (kernel_calls(kernels, kda_impl=a.kda_impl, fused_linear=fused[0], fused_linear_fp8=fused[1],
+                          p2p_allreduce=a.p2p_allreduce,
                           moe_router_tables=a.moe_router_tables, moe_router_norm=a.moe_router_norm,
                           mla_live_prefix=a.mla_live_prefix)
              if kernels != "reference" else None)
@@ -424,7 +437,8 @@ def dry_run(a, cfg, mesh, rules):
                               "--device-gib" if a.device_gib else "assumed: 0.95 x 139 GiB, one H200")
     step_budget.print_dry_run(cfg, jnp.bfloat16, a.quantization, plan, compile_temp=not a.no_init_compile)
     params = abstract_params(cfg, jnp.bfloat16, quantization=a.quantization)
-    for mode, K, prog, _ in programs(a, cfg, mesh, rules, "pallas" if a.kernels == "auto" else a.kernels):
+    for mode, K, prog, _ in programs(a, cfg, mesh, rules, "pallas" if a.kernels == "auto" else a.kernels,
+                                     fused_of(a)):
         t0 = time.perf_counter()
         out = jax.eval_shape(prog.fn(), params, prog.abstract_state())
         print(f"traced {mode}{K} ({len(jax.tree.leaves(out))} output leaves) in {time.perf_counter() - t0:.1f} s")
@@ -456,6 +470,9 @@ def main():
     ap.add_argument("--kda-impl", default="verify", choices=("chain", "verify"), help="KernelCalls.kda_impl")
     ap.add_argument("--fused-linear", action="store_true", help="KernelCalls.fused_linear=True: the layers' "
                     "projections through pallas_kernels/fused_linear.py instead of XLA (off by default)")
+    ap.add_argument("--no-fused-linear-fp8", dest="fused_linear_fp8", action="store_false", help="KernelCalls."
+                    "fused_linear_fp8=False: block-fp8 weights' projections through XLA (dequantised to bf16 every step) "
+                    "instead of pallas_kernels/fused_linear_fp8.py (the default)")
     ap.add_argument("--no-moe-router-tables", dest="moe_router_tables", action="store_false",
                     help="KernelCalls.moe_router_tables=False: the router without the MoE's tables, the alignment in "
                     "XLA (the default before 2026-12-02)")
@@ -467,7 +484,8 @@ def main():
                     "MoE layer's all-reduce + residual add + next RMSNorm as one peer-to-peer Mosaic kernel instead "
                     "of psum (shapes the kernel rejects stay on psum)")
     ap.add_argument("--baseline-fused-linear", action="store_true", help="also time the steps with fused_linear "
-                    "flipped (same kernels otherwise) in the same run, as the baseline")
+                    "and fused_linear_fp8 both flipped (the fused projections against XLA's; same kernels otherwise) in "
+                    "the same run, as the baseline")
     ap.add_argument("--baseline-kernels", default=None, help="also time the steps with these kernels (e.g. "
                     "reference: the XLA-only model) in the same run, as the baseline")
     ap.add_argument("--routing-from", default=None, help="a slice run's step JSON: reuse its mean distinct experts "
@@ -512,14 +530,15 @@ def run_all(a, cfg, tp, mesh, rules):
     bw = ceiling.bytes_per_s
     print(f"HBM ceiling {bw / 1e12:.2f} TB/s ({ceiling.source}; streaming read {ceiling.stream_bytes_per_s / 1e12:.2f},"
           f" XLA copy {ceiling.copy_bytes_per_s / 1e12:.2f})", flush=True)
-    fl = a.fused_linear
+    fl = fused_of(a)
     runs = [(m, K, p, dv, a.kernels, fl) for m, K, p, dv in programs(a, cfg, mesh, rules, a.kernels, fl)]
     base = []
     if a.baseline_kernels:
         base = [(m, K, p, dv, a.baseline_kernels, fl) for m, K, p, dv in programs(a, cfg, mesh, rules,
                                                                                  a.baseline_kernels, fl)]
     if a.baseline_fused_linear:
-        base = [(m, K, p, dv, a.kernels, not fl) for m, K, p, dv in programs(a, cfg, mesh, rules, a.kernels, not fl)]
+        flip = (not fl[0], not fl[1])  # the fused projections against XLA's, bf16 and fp8 weights alike
+        base = [(m, K, p, dv, a.kernels, flip) for m, K, p, dv in programs(a, cfg, mesh, rules, a.kernels, flip)]
     if base:  # each step's baseline right after it: a run cut short by a timeout keeps whole A/B pairs
         runs = [r for pair in zip(runs, base) for r in pair]
     plan = step_budget.budget(cfg, jnp.bfloat16, a.quantization, {f"{m}{K}": p for m, K, p, *_ in runs},
@@ -536,12 +555,14 @@ def run_all(a, cfg, tp, mesh, rules):
                        "quantization": a.quantization, "memory_plan": plan.lines(), "host_peak_rss_bytes": host,
                        "routing_source": a.routing_from or "captured from this run's router (jnp copy of the step)"}
     fused = a.fused_linear
-    extra.update(kernels=a.kernels, fused_linear=fused, p2p_allreduce=a.p2p_allreduce,
+    extra.update(kernels=a.kernels, fused_linear=fused, fused_linear_fp8=a.fused_linear_fp8,
+                 p2p_allreduce=a.p2p_allreduce,
                  moe_router_tables=a.moe_router_tables, moe_router_norm=a.moe_router_norm,
                  mla_live_prefix=a.mla_live_prefix, tree=tree_of(a.tree),
                  multi_step=a.multi_step, reps=a.reps)
     prefix = "step" + ("-" + os.path.basename(os.path.normpath(a.model)) if a.model else "") + f"-kda{a.kda_impl}"
     prefix += (f"-{a.quantization}" if a.quantization else "") + ("-fl" if fused else "")
+    prefix += "-nofl8" if a.quantization and not a.fused_linear_fp8 else ""
     prefix += "-p2p" if a.p2p_allreduce else ""
     prefix += "" if a.moe_router_tables else "-nomrt"
     prefix += "-rnorm" if a.moe_router_norm else ""
@@ -555,7 +576,7 @@ def run_all(a, cfg, tp, mesh, rules):
             kept = run_one(a, cfg, mesh, rules, p, bw, plan, rows, extra, mode, K, prog, kernels, prefix, dv,
                            fl) or kept
         except Exception as e:  # noqa: BLE001  (one step's compile / OOM must not cost the other rows)
-            rows.append({"name": f"{mode}{K} [kernels={kernels}, fused_linear={'on' if fl else 'off'}]",
+            rows.append({"name": f"{mode}{K} [kernels={kernels}, {fused_label(fl)}]",
                          "error": f"{type(e).__name__}: {str(e)[:1500]}"})
             print(f"FAILED {rows[-1]['name']}: {rows[-1]['error'][:600]}", flush=True)
         del p
@@ -579,11 +600,11 @@ def run_all(a, cfg, tp, mesh, rules):
 
 
 def run_one(a, cfg, mesh, rules, params, bw, plan, rows, extra, mode, K, prog, kernels, prefix, dv=None,
-            fl: bool = False):
+            fl: tuple[bool, bool] = (False, True)):
     """Compile, time (and census) one step; appends its row. Returns (step, routing) of the main NEXTN 5 step.
     dv: the draft vocabulary's size when params carry one (ling_jax.draft_vocab). fl: its KernelCalls.fused_linear
-    (a baseline when it differs from --fused-linear)."""
-    baseline = kernels != a.kernels or fl != a.fused_linear
+    and fused_linear_fp8 (a baseline when they differ from the flags')."""
+    baseline = kernels != a.kernels or fl != fused_of(a)
     step, temp = compile_step(prog, mesh, rules, params, plan, a.multi_step)
     state = random_state(prog, mesh, rules, a.ctx)
     routing = routing_from(a.routing_from, cfg, mode, K) if a.routing_from else distinct_experts(prog, params, state)
@@ -595,14 +616,14 @@ def run_one(a, cfg, mesh, rules, params, bw, plan, rows, extra, mode, K, prog, k
     name = "plain decode step" if mode == "plain" else f"NEXTN step (steps={K}, {K + 1} verify rows)"
     name += f" [draft vocab {dv}]" if dv else ""
     name += f" [kernels={kernels}]" if kernels != a.kernels else ""
-    name += f" [fused_linear={'on' if fl else 'off'}]" if fl != a.fused_linear else ""
+    name += f" [{fused_label(fl)}]" if fl != fused_of(a) else ""
     r = row(name, t, nbytes, bw, distinct_experts_per_router_call=routing, compile_and_time_s=time.perf_counter() - tc,
             kernels=kernels, layer_passes=layer_passes(cfg, mode, K), host_dispatch_us=disp[0] * 1e6,
             xla_temp_bytes=temp)
     if baseline:
         main_row = next((x for x in rows if x["name"] == name.split(" [kernels=")[0].split(" [fused_linear=")[0]),
                         None)  # None: the main step failed (its error row)
-        what = f"kernels={kernels}" if kernels != a.kernels else f"fused_linear={'on' if fl else 'off'}"
+        what = f"kernels={kernels}" if kernels != a.kernels else fused_label(fl)
         if main_row is not None:
             main_row.update(baseline=f"the same step with {what}, same run", baseline_time_us=t * 1e6)
     if mode == "nextn":

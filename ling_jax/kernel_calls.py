@@ -139,9 +139,10 @@ class KernelCalls:
       projection of one normed input in ONE kernel (the RMSNorm in its prologue, epilogues linear / sigmoid /
       SwiGLU: KDA's w_qkvfg | b_proj, MLA's q | kv_a | g_proj and q_b, the dense MLP's gate | up, the MTP's
       eh_proj over [enorm | hnorm]), and the output projections (KDA o_proj, MLA dense, dense down_proj) with the
-      residual add in the epilogue. bf16 activations; block-fp8 weights (quant.Fp8Weight) run the fp8 form of the
-      kernel (pallas_kernels/fused_linear_fp8.py: e4m3 tiles + block scales, see fp8_linear_scale), dense bf16
-      weights the bf16 one; a call mixing both runs one kernel per group (two reads of x). A call the kernel does
+      residual add in the epilogue, for bf16 weights. bf16 activations; block-fp8 weights (quant.Fp8Weight) run
+      the fp8 form of the kernel (pallas_kernels/fused_linear_fp8.py: e4m3 tiles + block scales, see
+      fp8_linear_scale) under fused_linear_fp8; a call mixing both kinds runs one kernel per group (two reads of
+      x) when both fields are on, else the jnp. A call the kernel does
       not take (fp32, widths or rows past its limits, e.g. prefill chunks whose x does not fit its SMEM, fp8
       weights [S, C, D] with C not a multiple of 128) runs the jnp.
       Tiles: block_k 128 where every input width is a multiple of 128 (Ling: D = 2560, o_proj K = 4096), else 64
@@ -162,6 +163,11 @@ class KernelCalls:
       MoE's partial sums + the residual add + the next layer's input norm, or the final norm; the next block reads
       that normed input); the attention's all-reduces after o_proj stay XLA's. Off by default (psum) until bench/kernels_allreduce.py has measured it on
       nvidia-h200-x2; no interpret mode (the CPU interpreter has no GMEM semaphores).
+    fused_linear_fp8: block-fp8 weights' projections (quant.Fp8Weight) through pallas_kernels/fused_linear_fp8.py
+      whatever fused_linear says (the bf16 weights' kernel): the jnp path dequantises every fp8 weight to bf16 in
+      HBM on every step (XLA keeps no dequantised copy: 63 us a KDA layer at Ling size), so the fp8 kernel is the
+      default. Full Ling-3.0-flash in fp8 on one H200 (bench/results/step-kdaverify-fp8-fl-h200x1-2026-12-02.json,
+      same run): plain 8800 -> 6555 us, NEXTN5 16220 -> 14154 us. One device only, as fused_linear.
     fp8_linear_scale: where the fp8 kernel applies the block scale: "partial" (on each K step's fp32 partial: the
       exact block product, one wgmma wait per step) or "weight" (on the weight before its bf16 rounding: the model's
       quant.dense weight, one wgmma group in flight). Not yet measured on the GPU (bench/kernels_fused_linear.py
@@ -180,6 +186,7 @@ class KernelCalls:
     moe_n_tokens: int = 64
     moe_tiles: _moe_mosaic.MosaicMoeConfig | None = None
     fused_linear: bool = False
+    fused_linear_fp8: bool = True
     p2p_allreduce: bool = False
     fp8_linear_scale: str = "partial"
 
@@ -438,7 +445,10 @@ class KernelCalls:
         xs, norm_ws = zip(*h.parts)
         weights = [w for p in projections for w in (p.weight if p.kind == "swiglu" else (p.weight,))]
         # bf16 throughout (a norm weight of another dtype would promote rms_norm's output: not the kernel's math)
-        if (not self.fused_linear or any(a.dtype != jnp.bfloat16 for a in xs + norm_ws)
+        has_fp8 = any(isinstance(w, Fp8Weight) for w in weights)
+        has_bf16 = not all(isinstance(w, Fp8Weight) for w in weights)
+        if ((has_fp8 and not self.fused_linear_fp8) or (has_bf16 and not self.fused_linear)
+                or any(a.dtype != jnp.bfloat16 for a in xs + norm_ws)
                 or any(not isinstance(w, Fp8Weight) and w.dtype != jnp.bfloat16 for w in weights)):
             return None
         lead = xs[0].shape[:-1]
@@ -488,7 +498,8 @@ class KernelCalls:
         """residual + o @ w^T in one kernel (the residual add in the projection's epilogue), or None.
         w: bf16 [N, K] or a quant.Fp8Weight (the fp8 kernel)."""
         fp8 = isinstance(w, Fp8Weight)
-        if (not self.fused_linear or any(a.dtype != jnp.bfloat16 for a in (o, residual))
+        if (not (self.fused_linear_fp8 if fp8 else self.fused_linear)
+                or any(a.dtype != jnp.bfloat16 for a in (o, residual))
                 or (not fp8 and w.dtype != jnp.bfloat16)):
             return None
         lead, n = o.shape[:-1], w.shape[0]

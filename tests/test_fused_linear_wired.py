@@ -234,6 +234,18 @@ def test_chooser_falls_back_where_the_kernel_does_not_take_the_call():
                     S((1, 6, 2560), BF))
     with pytest.raises(ValueError, match="fused_linear=True"):
         ShardedKernelCalls(interpret=True, mesh=jax.make_mesh((1,), ("tp",)), fused_linear=True)
+    # the defaults: fp8 weights through the fp8 kernel (fused_linear_fp8), bf16 weights through XLA (fused_linear)
+    default = KernelCalls(interpret=True)
+    assert not none(lambda x: norm_linear(default, x, q8), S((1, 3, 256), BF))
+    assert not none(lambda o, r: default.linear_residual(o, q8, r), S((1, 3, 256), BF), S((1, 3, 128), BF))
+    assert none(lambda x, w: norm_linear(default, x, w), S((1, 3, 256), BF), S((128, 256), BF))
+    assert none(lambda x, w: norm_linear(default, x, q8, w), S((1, 3, 256), BF), S((128, 256), BF))  # mixed
+    no_fp8 = KernelCalls(interpret=True, fused_linear=True, fused_linear_fp8=False)
+    assert none(lambda x: norm_linear(no_fp8, x, q8), S((1, 3, 256), BF))
+    assert none(lambda o, r: no_fp8.linear_residual(o, q8, r), S((1, 3, 256), BF), S((1, 3, 128), BF))
+    assert not none(lambda x, w: norm_linear(no_fp8, x, w), S((1, 3, 256), BF), S((128, 256), BF))
+    with pytest.raises(ValueError, match="fused_linear_fp8=True"):
+        ShardedKernelCalls(interpret=True, mesh=jax.make_mesh((1,), ("tp",)), fused_linear_fp8=True)
 
 
 DEMO = Path(__file__).resolve().parents[1] / "models" / "ling-demo"  # the shipped v2 demo model's config.json
