@@ -170,8 +170,13 @@ class KernelCalls:
       same run): plain 8800 -> 6555 us, NEXTN5 16220 -> 14154 us. One device only, as fused_linear.
     fp8_linear_scale: where the fp8 kernel applies the block scale: "partial" (on each K step's fp32 partial: the
       exact block product, one wgmma wait per step) or "weight" (on the weight before its bf16 rounding: the model's
-      quant.dense weight, one wgmma group in flight). Not yet measured on the GPU (bench/kernels_fused_linear.py
-      --fp8 is the A/B).
+      quant.dense weight, one wgmma group in flight); H200 2026-12-02: both 0.28-0.33 of the ceiling (KDA 44 us,
+      bf16 kernel 32 us). "e4m3": the activations too are quantised (per token and 128 columns, in the kernel's
+      prologue, as quant.quantize_activations) and both wgmma operands are e4m3, the scales promoted per step: no
+      per-element work on the weights. A numerics change (~2 % per activation, DeepSeek-V3's act_quant): the
+      jnp path does not quantise activations, so a call the e4m3 kernel does not take (block_k 64 widths, x too
+      large to keep resident, e.g. o_proj K = 4096 at T = 17) runs unquantised. Off; bench/kernels_fused_linear_fp8.py
+      is the A/B.
     """
 
     interpret: bool = False

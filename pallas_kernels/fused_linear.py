@@ -30,7 +30,8 @@ round robin: neighbouring CTAs stream neighbouring weight rows at the same time)
      (PDL: the previous kernel's x is only read after it) and griddepcontrol.launch_dependents;
   2. TMA x [TR, K] into SMEM once per CTA (resident: [KB, TP, BK] bf16, 128 B swizzle), norm weights alongside;
   3. prologue (norm_linear), once per CTA: per KB chunk load x^T [BK, TP] (transposed view, WGMMA layout),
-     sum of squares down the columns, r = rsqrt(ss / K + eps); a second pass writes xn back in place (bf16);
+     sum of squares down the columns, r = rsqrt(ss / K + eps); a second pass writes xn back in place (bf16; or
+     hands each chunk to the fp8 kernel's activation quantisation, fused_linear_fp8 scale_on="e4m3");
   4. per owned tile, K loop: wgmma(acc[BN, TP], W tile [BN, BK], xn chunk^T [BK, TP]). The ring is ONE
      stream over all of the CTA's tiles: load g (tile m, load j of its KB * n_weights) sits in slot g % R, and
      the slot freed by load g is refilled with load g + R, near a tile's end the NEXT tile's first loads
@@ -221,7 +222,8 @@ def _swizzled(itemsize: int = 2, cols: int = 128):
 
 def _fixed_smem(tp, k, norm, stream_x, cfg, extra=0):
   """SMEM besides the weight ring: resident x (or per-slot x chunks, counted with the ring), the norm
-  weights, the bf16 and f32 output tiles, `extra` (fp8: the dequantised tiles and the scale rows)."""
+  weights, the bf16 and f32 output tiles, `extra` (fp8: the dequantised tiles or the e4m3 activations, and
+  the scale rows)."""
   x = 0 if stream_x else tp * k * 2
   return x + (k * 2 if norm else 0) + tp * cfg.block_n * (2 + 4) + SMEM_SLACK + extra
 
@@ -263,10 +265,15 @@ def _load_x(x_gmems, nw_gmems, xs, nw_smem, x_bar, nw_bar, plan):
     kb0 += kbi
 
 
-def _normalize(xs, nw_smem, x_bar, nw_bar, plan):
-  """xs[kb] <- bf16(w * bf16(x * rsqrt(mean(x^2) + eps))) per input, computed on x^T chunks [BK, TP]."""
+def _chunk_t(xs, kb):
+  return xs.at[kb].transpose((1, 0))                                 # [BK, TP] view of [TP, BK]
+
+
+def _normalize(xs, nw_smem, x_bar, nw_bar, plan, emit=None):
+  """xs[kb] <- bf16(w * bf16(x * rsqrt(mean(x^2) + eps))) per input, computed on x^T chunks [BK, TP].
+  emit(kb, xn_chunk^T): where the normed chunk goes instead (fp8 activations: quantised into their own buffer)."""
   bk, tp, kb0 = plan.cfg.block_k, plan.tp, 0
-  chunk_t = lambda kb: xs.at[kb].transpose((1, 0))                  # [BK, TP] view of [TP, BK]
+  chunk_t = functools.partial(_chunk_t, xs)
   for i, k in enumerate(plan.k_parts):
     kbi = k // bk
 
@@ -283,7 +290,11 @@ def _normalize(xs, nw_smem, x_bar, nw_bar, plan):
       v = chunk_t(kb)[...].astype(jnp.float32)
       w = lax.broadcast_in_dim(nw_smem[kb].astype(jnp.float32), (bk, tp), (0,))
       normed = (v * r).astype(xs.dtype).astype(jnp.float32)         # normed.astype(x.dtype)
-      chunk_t(kb)[...] = (w * normed).astype(xs.dtype)               # weight * normed (bf16)
+      xn = (w * normed).astype(xs.dtype)                             # weight * normed (bf16)
+      if emit is None:
+        chunk_t(kb)[...] = xn
+      else:
+        emit(kb, xn)
       return carry
 
     lax.fori_loop(kb0, kb0 + kbi, scale, 0)
@@ -295,6 +306,14 @@ def _wait_x(x_bar, plan):
   for b in range(plan.kb // g):
     plgpu.barrier_wait(x_bar.at[b])
 
+
+def _emit_x(xs, plan, emit):
+  """emit(kb, x chunk^T [BK, TP]) for every chunk of the (loaded, un-normed) x: linear_residual's prologue when
+  the activations are quantised."""
+  def chunk(kb, carry):
+    emit(kb, _chunk_t(xs, kb)[...])
+    return carry
+  lax.fori_loop(0, plan.kb, chunk, 0)
 
 
 
@@ -328,7 +347,7 @@ class _Ring:
   x_slots: object     # [R, TP, BK] bf16 (streamed x) or None
   bars: object        # R barriers (1 arrival, 2 with streamed x)
   cta: object         # c
-  fp8: tuple = ()     # fp8 weights: (per projection its scale refs in GMEM, then Fp8Ring.scratch's SMEM refs)
+  fp8: tuple = ()     # fp8 weights: Fp8Ring.refs (the scale refs in GMEM, Fp8Ring.scratch's SMEM refs)
 
   def tile(self, m):
     """Flat tile index of the CTA's m-th tile."""
@@ -459,7 +478,7 @@ def _kernel(*refs, plan):
 
   def scope(slots, bars, xs, x_bar, nw_smem, nw_bar, o_bf, o_f32, res_bar, *fp8_smem):
     r = _Ring(plan, tuple(ws), x_gmems[0] if plan.stream_x else None, slots, xs if plan.stream_x else None,
-              bars, lax.axis_index("n"), (tuple(scales), *fp8_smem) if plan.fp8 else ())
+              bars, lax.axis_index("n"), plan.fp8.refs(tuple(scales), *fp8_smem) if plan.fp8 else ())
     for j in range(plan.ring):                                        # 1. producer-independent loads
       _issue(r, 0, j, j)
     if plan.fp8:                                                      # ... and the scale rows of the CTA's tiles
@@ -469,10 +488,13 @@ def _kernel(*refs, plan):
       plgpu.griddepcontrol_launch_dependents()
     if not plan.stream_x:
       _load_x(x_gmems, nw_gmems, xs, nw_smem, x_bar, nw_bar, plan)    # 2.
+      emit = plan.fp8.emit_x(r) if plan.fp8 else None                 # fp8 activations: x quantised here
       if plan.norm:                                                   # 3.
-        _normalize(xs, nw_smem, x_bar, nw_bar, plan)
+        _normalize(xs, nw_smem, x_bar, nw_bar, plan, emit)
       else:
         _wait_x(x_bar, plan)
+        if emit is not None:
+          _emit_x(xs, plan, emit)
       plgpu.commit_smem()                                             # generic -> async proxy (wgmma)
 
     def tile_step(m, base):                                           # 4. + 5., base: the tile's first load
@@ -543,12 +565,17 @@ def _check(xs, weights, projs, cfg, w_dtype=jnp.bfloat16):
   return rows, max(8, -(-rows // 8) * 8), tuple(n_rows)
 
 
-def _ring_and_stream(tp, k, norm, cfg, w_bytes=2, extra=0):
+def _ring_and_stream(tp, k, norm, cfg, w_bytes=2, extra=0, resident=False):
   """(R ring slots, streamed x?) for the CTA's SMEM share; a clear error when not even 2 slots fit.
-  w_bytes: bytes per weight element (2 bf16, 1 fp8); extra: SMEM the fp8 step needs besides the ring."""
+  w_bytes: bytes per weight element (2 bf16, 1 fp8); extra: SMEM the fp8 step needs besides the ring;
+  resident: x must be resident (fp8 activations: quantised once, in the prologue)."""
   stream = cfg.stream_x
   if stream and norm:
     raise ValueError("stream_x=True: the norm needs all of x resident; only linear_residual streams x")
+  if stream and resident:
+    raise ValueError("stream_x=True: fp8 activations are quantised once, in the prologue: x must be resident")
+  if resident:
+    stream = False
   if stream is None:
     stream = not norm and _fixed_smem(tp, k, norm, False, cfg, extra) + 4 * cfg.tile_bytes > cfg.cta_smem
   fixed, slot = _fixed_smem(tp, k, norm, stream, cfg, extra), _slot_bytes(tp, stream, cfg, w_bytes)
@@ -571,8 +598,9 @@ def _call(xs, norm_ws, residual, weights, projs, eps, cfg, fp8=None, scales=()):
                      "norm_linear takes block_k <= 256")
   n_tiles = sum(pl.cdiv(n, cfg.block_n) for n in n_rows)
   tiles_per_cta = pl.cdiv(n_tiles, min(n_tiles, cfg.sms * cfg.ctas_per_sm))
-  extra = fp8.smem_bytes(cfg, tiles_per_cta, max(p.n_weights for p in projs)) if fp8 else 0
-  ring, stream = _ring_and_stream(tp, k, norm_ws is not None, cfg, 1 if fp8 else 2, extra)
+  extra = fp8.smem_bytes(cfg, tiles_per_cta, max(p.n_weights for p in projs), tp, k) if fp8 else 0
+  ring, stream = _ring_and_stream(tp, k, norm_ws is not None, cfg, 1 if fp8 else 2, extra,
+                                  resident=bool(fp8 and fp8.fp8_activations))
   plan = _Plan(rows, tp, tuple(x.shape[1] for x in xs), n_rows, tuple(projs), float(eps),
                norm_ws is not None, residual is not None, stream, ring, cfg, fp8)
   pad = lambda a: jnp.pad(a, ((0, rows - t), (0, 0))) if rows != t else a

@@ -232,6 +232,15 @@ def test_chooser_falls_back_where_the_kernel_does_not_take_the_call():
                 S((1, 6, 2560), F32))
     assert not none(lambda o, w, r: calls.linear_residual(o, w, r), S((1, 6, 4096), BF), S((2560, 4096), BF),
                     S((1, 6, 2560), BF))
+    # fp8_linear_scale="e4m3" (x quantised in the prologue, so kept resident): o_proj at T = 17 falls back
+    e4m3 = KernelCalls(interpret=True, fused_linear=True, fp8_linear_scale="e4m3")
+    assert not none(lambda x: norm_linear(e4m3, x, q8), S((1, 3, 256), BF))
+    q8o = quantize(jnp.ones((64, 4096), BF))
+    assert not none(lambda o, r: e4m3.linear_residual(o, q8o, r), S((1, 6, 4096), BF), S((1, 6, 64), BF))
+    assert not none(lambda o, r: calls.linear_residual(o, q8o, r), S((1, 17, 4096), BF), S((1, 17, 64), BF))
+    assert none(lambda o, r: e4m3.linear_residual(o, q8o, r), S((1, 17, 4096), BF), S((1, 17, 64), BF))
+    with pytest.raises(ValueError, match="fp8_linear_scale"):
+        KernelCalls(fp8_linear_scale="e5m2")
     with pytest.raises(ValueError, match="fused_linear=True"):
         ShardedKernelCalls(interpret=True, mesh=jax.make_mesh((1,), ("tp",)), fused_linear=True)
     # the defaults: fp8 weights through the fp8 kernel (fused_linear_fp8), bf16 weights through XLA (fused_linear)

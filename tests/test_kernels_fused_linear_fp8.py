@@ -5,10 +5,13 @@ quant.Fp8Weight), batch invariance, and the CUDA lowering at Ling-3.0-flash shap
 
 Oracles: scale_on="partial" computes xn @ (f32(W8) s)^T, so its f32 output is held to 1e-5 of the model's
 `project` in f32 (weights dequantised to f32); scale_on="weight" rounds W8 s to bf16 first (quant.dense), so its
-f32 output is held to 1e-5 of the einsum on the bf16-dequantised weight. bf16 outputs: <= 1e-2 of the model's bf16
-path. Weights: block magnitudes spread over 100x (a wrong block's scale is a large error). Shapes: K = 192 with
-BK = 64 (3 steps; the second 128-wide scale column is half a block) and N = 192 (the second scale row half a
-block), so partial scale blocks on both axes are exercised.
+f32 output is held to 1e-5 of the einsum on the bf16-dequantised weight; scale_on="e4m3" quantises xn
+(quant.quantize_activations), so its f32 output is held to 1e-5 of `project` in f32 on
+quant.dequantize_activations of that (the model's functions composed). bf16 outputs: <= 1e-2 of the model's bf16
+path (on those activations for "e4m3"). Weights: block magnitudes spread over 100x (a wrong block's scale is a
+large error). Shapes: K = 192 with BK = 64 (3 steps; the second 128-wide scale column is half a block) and N = 192
+(the second scale row half a block), so partial scale blocks on both axes are exercised ("e4m3": BK = 128, so
+K = 256 .. 512, N = 192).
 """
 import jax
 import jax.numpy as jnp
@@ -126,6 +129,74 @@ def test_errors():
     KernelCalls(fp8_linear_scale="tensor")
 
 
+def quantised(h, dtype=F32):
+  """The activations an e4m3 x e4m3 wgmma sees: the model's dynamic quantisation of h, dequantised."""
+  return quant.dequantize_activations(*quant.quantize_activations(h), dtype)
+
+
+CFG_E4M3 = LinearConfig(block_n=64, block_k=128, ring_bytes=4 * 64 * 128, interpret=True)  # 4 fp8 slots
+
+
+def test_norm_linear_e4m3_matches_model_on_quantised_activations():
+  """scale_on="e4m3" at T = 6, K = 512 (4 groups of 128 = 4 steps: the step-pair loop and its tail), N = 192
+  (3 tiles, a half scale block) as an f32 output and a swiglu (4 slots = 2 nw: pipelined, two partials per
+  weight); row 5 of x is zero (all-zero groups: s_x = 0, x8 = 0); row 2 bitwise equal to the T = 1 call. (The
+  sigmoid epilogue is the other scale_on's, tested above.)"""
+  k = jax.random.split(jax.random.key(11), 5)
+  t, d = 6, 512
+  x = (3 * jax.random.normal(k[0], (t, d), F32)).astype(BF).at[5].set(0)
+  nw = (1 + 0.2 * jax.random.normal(k[1], (d,), F32)).astype(BF)
+  weights = (fp8_weight(k[2], 192, d), (fp8_weight(k[3], 64, d), fp8_weight(k[4], 64, d)))
+  projs = (PROJS[0], PROJS[2])
+  outs = norm_linear_fp8(x, nw, weights, projs=projs, eps=EPS, config=CFG_E4M3, scale_on="e4m3")
+  hv = Normed(x, nw, EPS).value()
+  gated = project(quantised(hv, BF), Projection(weights[1], "swiglu", 0.5))
+  assert outs[1].shape == gated.shape and outs[1].dtype == BF and rel_err(outs[1], gated) <= 1e-2
+  exact = project(quantised(hv), Projection(weights[0]))                # f32: x8 s_x @ (f32(W8) s)^T
+  assert outs[0].dtype == F32 and rel_err(outs[0], exact) <= 1e-5
+  assert rel_err(outs[0], project(hv.astype(F32), Projection(weights[0]))) > 1e-3    # the quantisation is visible
+  assert not np.asarray(outs[0][5]).any()
+  one = norm_linear_fp8(x[2:3], nw, weights, projs=projs, eps=EPS, config=CFG_E4M3, scale_on="e4m3")
+  for a, b in zip(outs, one):
+    np.testing.assert_array_equal(np.asarray(a[2:3], F32), np.asarray(b, F32))
+
+
+def test_norm_linear_e4m3_one_step_at_a_time():
+  """A swiglu with a ring of 2 slots (K = 256: R = KB = 2 < 2 nw): each step waits for its own wgmma."""
+  k = jax.random.split(jax.random.key(13), 3)
+  x = (3 * jax.random.normal(k[0], (2, 256), F32)).astype(BF)
+  nw = jnp.ones((256,), BF)
+  w = (fp8_weight(k[1], 64, 256), fp8_weight(k[2], 64, 256))
+  (out,) = norm_linear_fp8(x, nw, (w,), projs=(PROJS[2],), eps=EPS, config=CFG_E4M3, scale_on="e4m3")
+  ref = project(quantised(Normed(x, nw, EPS).value(), BF), Projection(w, "swiglu", 0.5))
+  assert out.shape == ref.shape and rel_err(out, ref) <= 1e-2
+
+
+def test_linear_residual_e4m3():
+  """residual + bf16(o8 s_x @ W^T): x quantised in the prologue without a norm (K = 384: 3 steps, the pair loop
+  and an odd last step; two CTAs), against the model's `linear` on the quantised activations."""
+  k = jax.random.split(jax.random.key(12), 3)
+  o = jax.random.normal(k[0], (6, 384), F32).astype(BF)
+  w = fp8_weight(k[1], 128, 384)
+  res = (4 * jax.random.normal(k[2], (6, 128), F32)).astype(BF)
+  cfg = LinearConfig(sms=2, interpret=True)
+  out = linear_residual_fp8(o, w, res, config=cfg, scale_on="e4m3")
+  ref = linear(quantised(o, BF), w, residual=res)
+  assert out.shape == ref.shape and out.dtype == BF and rel_err(out, ref) <= 1e-2
+  exact = res.astype(F32) + (quantised(o) @ quant.dequantize(w, F32).T).astype(BF).astype(F32)
+  assert rel_err(out, exact) <= 4e-3
+
+
+def test_e4m3_errors():
+  x, w = jnp.zeros((2, 256), BF), fp8_weight(jax.random.key(0), 64, 256)
+  with pytest.raises(ValueError, match="block_k=64"):
+    norm_linear_fp8(x, jnp.ones((256,), BF), (w,), projs=(Proj(),), eps=EPS, config=CFG, scale_on="e4m3")
+  with pytest.raises(ValueError, match="resident"):
+    linear_residual_fp8(x, w, jnp.zeros((2, 64), BF), config=LinearConfig(stream_x=True, interpret=True),
+                        scale_on="e4m3")
+  assert KernelCalls(interpret=True, fused_linear=True, fp8_linear_scale="e4m3").fp8_linear_scale == "e4m3"
+
+
 LING = dict(  # name -> (weight shapes, projs) at D = 2560
     kda=([(20480, 2560), (32, 2560)], (Proj(), Proj())),
     mla=([(6144, 2560), (576, 2560), (32, 2560)], (Proj(), Proj(), Proj("sigmoid"))),
@@ -135,10 +206,10 @@ LING = dict(  # name -> (weight shapes, projs) at D = 2560
 pair = lambda n, k: (S((n, k), F8), S((-(-n // 128), -(-k // 128)), F32))
 
 
-@pytest.mark.parametrize("t,scale_on", [(6, "partial"), (17, "weight")])
+@pytest.mark.parametrize("t,scale_on", [(6, "partial"), (17, "weight"), (6, "e4m3")])
 def test_lowers_for_cuda_at_ling_shapes(t, scale_on):
   """Each fused projection group of a Ling layer (T = 6) and o_proj + residual (4096 -> 2560; x streamed at
-  T = 17)."""
+  T = 17); "e4m3" (x resident: quantised in the prologue) with its pipelined K loop."""
   for name, (shapes, projs) in LING.items() if t == 6 else ():
     def f(x, nw, *ws, projs=projs):
       it = iter(zip(ws[::2], ws[1::2]))
