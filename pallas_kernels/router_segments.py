@@ -51,6 +51,9 @@ from pallas_kernels import router as _router
 MAX_TOKENS = 32
 # The RMSNorm's rows, [T', pow2(D)] f32, are in registers at once (one sum per row): 128 per thread at 4 warps.
 NORM_ELEMENTS = 32 * 512
+# The "scatter" tables' prefix over the experts is a product with the [E, E] strictly upper ones up to here (an
+# [E, E] bf16 operand), a cumsum past it.
+MAX_PREFIX_EXPERTS = 64
 
 
 class RoutedSegments(NamedTuple):
@@ -129,13 +132,15 @@ def _tables(ids, w, valid, *, t, g, eg, top_k, ap, has_shared):
   return order, (st, ln, ex), tok, w_rows
 
 
-def _rms_scale(x_ref, *, t, tp, d, eps):
+def _rms_scale(x_ref, *, t, tp, d, eps, src=None):
   """r [T', 1] f32 = rsqrt(mean(x^2) + eps) of x's rows, as ling_jax.layers.norms.rms_norm computes it: fp32
   squares, ONE sum over the whole row (loaded at once, zero columns past D: the same sum as over D), the mean
-  as XLA's x * (1/D) (its simplifier's form of x / D)."""
+  as XLA's x * (1/D) (its simplifier's form of x / D). src [T'] (optional): row r is x's row src[r]."""
   dp = _pow2(d)
   live = (lax.broadcasted_iota(jnp.int32, (tp, dp), 0) < t) & (lax.broadcasted_iota(jnp.int32, (tp, dp), 1) < d)
-  xf = plt.load(x_ref.at[pl.ds(0, tp), pl.ds(0, dp)], mask=live, other=0.0).astype(jnp.float32)
+  at = (pl.ds(0, tp), pl.ds(0, dp)) if src is None else (
+      jnp.broadcast_to(src[:, None], (tp, dp)), lax.broadcasted_iota(jnp.int32, (tp, dp), 1))
+  xf = plt.load(x_ref.at[at], mask=live, other=0.0).astype(jnp.float32)
   mean_sq = jnp.sum(xf * xf, axis=1, keepdims=True) * (np.float32(1) / np.float32(d))
   return lax.rsqrt(mean_sq + eps)
 
@@ -198,6 +203,126 @@ def _segments_kernel(*refs, t, tp, d, g, eg, topk_group, top_k, ap, scale, norm,
     plt.store(seg_ref.at[pl.ds(k, 1), pl.ds(0, sl)], v[None, :], mask=s_ok)
 
 
+def _store_tables(cols, valid, order_ref, seg_ref, tok_ref, wrow_ref, *, t, e, top_k, has_shared):
+  """_tables' values from the pairs' columns [(expert [T'], weight [T'])], each stored where it goes (variant
+  "scatter"). On the [T', E] grid of (token, expert) cells: taken (0/1), before[t, e] = #{t' < t: taken[t', e]}
+  and cnt[e] (every row) as ONE pair of [T', T'] x [T', E] products (strictly lower / all ones; 0/1 operands,
+  fp32 sums of integers: exact), start[e] (the cells of experts below e) and slot(e) (the picked experts below
+  e) as a product with the strictly upper [E, E] ones (E <= MAX_PREFIX_EXPERTS, else one cumsum); then each
+  pair's row start[e] + before[t, e] addresses ONE scatter store of its order / tok / w_rows entries (the rows
+  are a permutation: no two lanes write one address) and each picked expert's slot one of its seg column."""
+  tp, p = valid.shape[0], t * top_k
+  n_rows, n_slots = (p + t, p + 1) if has_shared else (p, p)
+  tok2, expert = lax.broadcasted_iota(jnp.int32, (tp, e), 0), lax.broadcasted_iota(jnp.int32, (tp, e), 1)
+  hot = [(expert == idx[:, None]) & valid[:, None] for idx, _ in cols]  # [T', E] pair column k
+  taken = functools.reduce(lambda a, b: a | b, hot)                     # distinct experts per token
+  counts = lambda a, b: plt.dot(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)).astype(jnp.int32)
+  tt = lax.broadcasted_iota(jnp.int32, (tp, tp), 0), lax.broadcasted_iota(jnp.int32, (tp, tp), 1)
+  before = counts(tt[1] < tt[0], taken)                                 # #{t' < t: taken[t', e]}
+  cnt = counts(jnp.ones((tp, tp), jnp.bool_), taken)                    # [T', E]: cnt[e] in every row
+  used = cnt > 0
+  if e <= MAX_PREFIX_EXPERTS:
+    ee = lax.broadcasted_iota(jnp.int32, (e, e), 0), lax.broadcasted_iota(jnp.int32, (e, e), 1)
+    start, slot = counts(cnt, ee[0] < ee[1]), counts(used, ee[0] < ee[1])  # sums over the experts below e
+  else:
+    excl = lambda v: jnp.cumsum(v, axis=1) - v
+    start, slot = excl(cnt), excl(used.astype(jnp.int32))
+  n_active = jnp.max(jnp.sum(used.astype(jnp.int32), axis=1))  # (one axis at a time: see _tables)
+  e_max = jnp.max(jnp.max(jnp.where(used, expert, -1), axis=1))
+  pair = functools.reduce(lambda a, b: a + b, [jnp.where(h, k, 0) for k, h in enumerate(hot)])  # column of (t, e)
+  w_pair = functools.reduce(lambda a, b: a + b, [jnp.where(h, wk[:, None], 0.0) for h, (_, wk) in zip(hot, cols)])
+  # A masked lane's address is one past the end: the interpreter's masked scatter writes the old value back at
+  # every masked lane's address (a lane of another pair's row would be overwritten) but drops out-of-bounds
+  # ones; on the GPU a masked lane touches nothing.
+  row = jnp.where(taken, start + before, n_rows)                       # [T', E] sorted row of pair (t, e)
+  plt.store(order_ref.at[row], tok2 * top_k + pair, mask=taken)
+  plt.store(tok_ref.at[row], tok2, mask=taken)
+  plt.store(wrow_ref.at[row], w_pair, mask=taken)
+  if has_shared:  # rows P + t: the shared expert's, token t at weight 1
+    r = lax.broadcasted_iota(jnp.int32, (tp,), 0)
+    shared_row = jnp.where(valid, p + r, n_rows)
+    plt.store(tok_ref.at[shared_row], r, mask=valid)
+    plt.store(wrow_ref.at[shared_row], jnp.ones((tp,), jnp.float32), mask=valid)
+  # seg[:, slot(e)] = (start, cnt, e) of each picked expert: rows 0, 1, 2 of the grid (every row holds the
+  # counts) store the three, one scatter store
+  picked = used & (tok2 < 3)
+  at_slot = jnp.where(picked, slot, n_slots)
+  plt.store(seg_ref.at[jnp.minimum(tok2, 2), at_slot], jnp.where(tok2 == 0, start, jnp.where(tok2 == 1, cnt, expert)),
+            mask=picked)
+  sl = _pow2(n_slots)
+  k3, s = lax.broadcasted_iota(jnp.int32, (4, sl), 0), lax.broadcasted_iota(jnp.int32, (4, sl), 1)
+  empty = jnp.where(k3 == 0, p, jnp.where(k3 == 1, 0, e_max))          # the empty slots: (P, 0, e_max)
+  if has_shared:  # slot P: the shared expert (P, T, 0)
+    empty = jnp.where(s == p, jnp.where(k3 == 0, p, jnp.where(k3 == 1, t, 0)), empty)
+  rest = (k3 < 3) & (s >= n_active) & (s < n_slots)
+  plt.store(seg_ref.at[jnp.minimum(k3, 2), jnp.where(rest, s, n_slots)], empty, mask=rest)
+
+
+def _scatter_kernel(*refs, t, tp, d, g, eg, topk_group, top_k, ap, scale, norm, has_shared, rows_per_seq,
+                    block_k, from_x, rms_eps):
+  """_segments_kernel's refs and outputs, bit for bit, with fewer dependent steps (RouterConfig.segments =
+  "scatter"): the K tiles' loads all issued before the first product (ONE memory round trip; the gate's tile is
+  loaded transposed, [BK, E] by its index, so no tile waits on a register transpose of the one before), the
+  routing borrow applied to the rows the scores are computed from (a row's routing is a function of its scores
+  alone, so routing row src[r] in row r IS the borrow; no one-hot over the rows), the pairs' columns straight
+  from the selection (topk_columns) and the tables stored where they go (_store_tables)."""
+  with_norm = rms_eps is not None
+  n_in = (3 if from_x else 2) + (1 if with_norm else 0) + (1 if rows_per_seq else 0)
+  ins, outs = refs[:n_in], refs[n_in:]
+  ids_ref, w_ref, order_ref, seg_ref, tok_ref, wrow_ref = outs[:6]
+  live_ref = ins[-1] if rows_per_seq else None
+  b_ref = ins[n_in - 1 - (1 if rows_per_seq else 0)]
+  row = lax.broadcasted_iota(jnp.int32, (tp,), 0)
+  valid = row < t
+  src = None if live_ref is None else _router.source_rows(live_ref, t=t, tp=tp, rows_per_seq=rows_per_seq)
+  if from_x:
+    x_ref, g_ref = ins[:2]
+    e, bk, nk = g * eg, block_k, d // block_k
+    live_cols = jnp.broadcast_to(valid[:, None], (tp, bk))
+    cols = lax.broadcasted_iota(jnp.int32, (tp, bk), 1)
+
+    def x_tiles(rows):  # x's K tiles [T', BK] of its rows `rows` [T'] (None: its own), rows >= T read as 0
+      at = (lambda kb: (pl.ds(0, tp), pl.ds(kb * bk, bk))) if rows is None else (
+          lambda kb: (jnp.broadcast_to(rows[:, None], (tp, bk)), kb * bk + cols))
+      return [plt.load(x_ref.at[at(kb)], mask=live_cols, other=0.0) for kb in range(nk)]
+
+    k_of, e_of = lax.broadcasted_iota(jnp.int32, (bk, e), 0), lax.broadcasted_iota(jnp.int32, (bk, e), 1)
+    gate = [plt.load(g_ref.at[e_of, kb * bk + k_of]) for kb in range(nk)]       # [BK, E]: gate_w's tile, transposed
+    xs = x_tiles(src)
+    if with_norm:  # the post-attention RMSNorm: xn of x's own rows stored, the router reads its source rows'
+      nw_ref, xn_ref = ins[2], outs[6]
+      own = xs if src is None else x_tiles(None)
+      w_tiles = [nw_ref[pl.ds(kb * bk, bk)] for kb in range(nk)]
+      # rms_norm's roundings: normed in x's dtype, then weight * normed in xn's dtype
+      normed = lambda xb, r, wb: wb.astype(xn_ref.dtype)[None, :] * (
+          (xb.astype(jnp.float32) * r).astype(x_ref.dtype).astype(xn_ref.dtype))
+      r_own = _rms_scale(x_ref, t=t, tp=tp, d=d, eps=rms_eps)
+      xn = [normed(xb, r_own, wb) for xb, wb in zip(own, w_tiles)]
+      for kb, xnb in enumerate(xn):
+        plt.store(xn_ref.at[pl.ds(0, tp), pl.ds(kb * bk, bk)], xnb, mask=live_cols)
+      if src is not None:
+        r_src = _rms_scale(x_ref, t=t, tp=tp, d=d, eps=rms_eps, src=src)
+        xn = [normed(xb, r_src, wb) for xb, wb in zip(xs, w_tiles)]
+      xs = xn
+    logits = jnp.zeros((tp, e), jnp.float32)
+    for xb, gb in zip(xs, gate):  # router.gate_logits' sum: acc + one product per tile, in tile order
+      prec = lax.Precision.HIGHEST if xb.dtype == jnp.float32 else None
+      logits = logits + plt.dot(xb, gb, precision=prec)
+    s = _router.sigmoid(logits).reshape(tp, g, eg)                      # [T', G, EG]
+  else:
+    shape = (tp, g, eg)
+    rows = jnp.broadcast_to(jnp.where(valid, row if src is None else src, 0)[:, None, None], shape)
+    s = plt.load(ins[0].at[rows, lax.broadcasted_iota(jnp.int32, shape, 1), lax.broadcasted_iota(jnp.int32, shape, 2)],
+                 mask=jnp.broadcast_to(valid[:, None, None], shape), other=0.0)
+  ids, w, cols = _router.topk_columns(s, b_ref[...], g=g, eg=eg, topk_group=topk_group, top_k=top_k, ap=ap,
+                                      scale=scale, norm=norm)
+  out_mask = valid[:, None] & (lax.broadcasted_iota(jnp.int32, (tp, ap), 1) < top_k)
+  plt.store(ids_ref.at[pl.ds(0, tp), pl.ds(0, ap)], ids, mask=out_mask)
+  plt.store(w_ref.at[pl.ds(0, tp), pl.ds(0, ap)], w, mask=out_mask)
+  _store_tables(cols, valid, order_ref, seg_ref, tok_ref, wrow_ref, t=t, e=g * eg, top_k=top_k,
+                has_shared=has_shared)
+
+
 def takes_norm(t, d, e, config=None) -> bool:
   """Whether route_segments computes the input's RMSNorm in its program for x [T, D] and E experts: where the
   gate is one score tile (E == block_e: the matvec is in this program; the router_scores launch of wider gates
@@ -247,7 +372,7 @@ def route_segments(x, gate_w, expert_bias, live_rows=None, norm_weight=None, *, 
     head = (_router.router_scores(x, gate_w, cfg).reshape(t, n_group, eg),)
   n_rows, n_slots = (p + t, p + 1) if has_shared else (p, p)
   kern = functools.partial(
-      _segments_kernel, t=t, tp=tp, d=d, g=n_group, eg=eg, topk_group=topk_group, top_k=top_k,
+      _scatter_kernel if cfg.segments == "scatter" else _segments_kernel, t=t, tp=tp, d=d, g=n_group, eg=eg, topk_group=topk_group, top_k=top_k,
       ap=_pow2(top_k), scale=float(routed_scaling_factor), norm=norm_topk_prob, has_shared=has_shared,
       rows_per_seq=rows_per_seq if live_rows is not None else 0, block_k=cfg.block_k, from_x=from_x,
       rms_eps=float(eps) if with_norm else None)
