@@ -203,52 +203,54 @@ def _segments_kernel(*refs, t, tp, d, g, eg, topk_group, top_k, ap, scale, norm,
     plt.store(seg_ref.at[pl.ds(k, 1), pl.ds(0, sl)], v[None, :], mask=s_ok)
 
 
+def _first_rows(x, rows):
+  """x [T', ...] -> its first `rows` rows (a power of 2 dividing T'): a masked sum over the row blocks (one
+  nonzero term: exact, but for a -0 turning +0)."""
+  if rows == x.shape[0]:
+    return x
+  blocks = x.reshape(x.shape[0] // rows, rows, *x.shape[1:])
+  first = lax.broadcasted_iota(jnp.int32, blocks.shape, 0) == 0
+  return jnp.sum(jnp.where(first, blocks, jnp.zeros((), x.dtype)), axis=0)
+
+
 def _store_tables(cols, valid, order_ref, seg_ref, tok_ref, wrow_ref, *, t, e, top_k, has_shared):
-  """_tables' values from the pairs' columns [(expert [T'], weight [T'])], each stored where it goes (variant
-  "scatter"). On the [T', E] grid of (token, expert) cells: taken (0/1), before[t, e] = #{t' < t: taken[t', e]}
-  and cnt[e] (every row) as ONE pair of [T', T'] x [T', E] products (strictly lower / all ones; 0/1 operands,
-  fp32 sums of integers: exact), start[e] (the cells of experts below e) and slot(e) (the picked experts below
-  e) as a product with the strictly upper [E, E] ones (E <= MAX_PREFIX_EXPERTS, else one cumsum); then each
-  pair's row start[e] + before[t, e] addresses ONE scatter store of its order / tok / w_rows entries (the rows
-  are a permutation: no two lanes write one address) and each picked expert's slot one of its seg column."""
-  tp, p = valid.shape[0], t * top_k
+  """_tables' values from the pairs' columns [(expert [TQ], weight [TQ])], each stored where it goes (variant
+  "scatter"). On the [TQ, E] grid of (token, expert) cells: before[t, e] = #{t' < t: taken[t', e]} (a cumsum
+  over the tokens), cnt[e] (a sum over them), start[e] / slot(e) (the pairs / the picked experts below e: a
+  cumsum over the experts); then each pair's row start[e] + before[t, e] addresses ONE scatter store of its
+  order / tok / w_rows entries (the rows are a permutation: no two lanes write one address) and each picked
+  expert's slot one of its seg column (a [4, E] grid: (start, cnt, e) in its rows 0-2)."""
+  tq, p = valid.shape[0], t * top_k
   n_rows, n_slots = (p + t, p + 1) if has_shared else (p, p)
-  tok2, expert = lax.broadcasted_iota(jnp.int32, (tp, e), 0), lax.broadcasted_iota(jnp.int32, (tp, e), 1)
-  hot = [(expert == idx[:, None]) & valid[:, None] for idx, _ in cols]  # [T', E] pair column k
-  taken = functools.reduce(lambda a, b: a | b, hot)                     # distinct experts per token
-  counts = lambda a, b: plt.dot(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)).astype(jnp.int32)
-  tt = lax.broadcasted_iota(jnp.int32, (tp, tp), 0), lax.broadcasted_iota(jnp.int32, (tp, tp), 1)
-  before = counts(tt[1] < tt[0], taken)                                 # #{t' < t: taken[t', e]}
-  cnt = counts(jnp.ones((tp, tp), jnp.bool_), taken)                    # [T', E]: cnt[e] in every row
-  used = cnt > 0
-  if e <= MAX_PREFIX_EXPERTS:
-    ee = lax.broadcasted_iota(jnp.int32, (e, e), 0), lax.broadcasted_iota(jnp.int32, (e, e), 1)
-    start, slot = counts(cnt, ee[0] < ee[1]), counts(used, ee[0] < ee[1])  # sums over the experts below e
-  else:
-    excl = lambda v: jnp.cumsum(v, axis=1) - v
-    start, slot = excl(cnt), excl(used.astype(jnp.int32))
-  n_active = jnp.max(jnp.sum(used.astype(jnp.int32), axis=1))  # (one axis at a time: see _tables)
-  e_max = jnp.max(jnp.max(jnp.where(used, expert, -1), axis=1))
+  tok2, expert = lax.broadcasted_iota(jnp.int32, (tq, e), 0), lax.broadcasted_iota(jnp.int32, (tq, e), 1)
+  hot = [(expert == idx[:, None]) & valid[:, None] for idx, _ in cols]  # [TQ, E] pair column k
+  taken = functools.reduce(lambda a, b: a | b, hot).astype(jnp.int32)  # 0/1: distinct experts per token
+  before = jnp.cumsum(taken, axis=0) - taken                            # #{t' < t: taken[t', e]}
+  cnt = jnp.sum(taken, axis=0)                                          # [E]
+  used = (cnt > 0).astype(jnp.int32)
+  start, slot = jnp.cumsum(cnt) - cnt, jnp.cumsum(used) - used          # over the experts below e
+  n_active = jnp.sum(used)
+  e1 = lax.broadcasted_iota(jnp.int32, (e,), 0)
+  e_max = jnp.max(jnp.where(used > 0, e1, -1))
   pair = functools.reduce(lambda a, b: a + b, [jnp.where(h, k, 0) for k, h in enumerate(hot)])  # column of (t, e)
   w_pair = functools.reduce(lambda a, b: a + b, [jnp.where(h, wk[:, None], 0.0) for h, (_, wk) in zip(hot, cols)])
   # A masked lane's address is one past the end: the interpreter's masked scatter writes the old value back at
   # every masked lane's address (a lane of another pair's row would be overwritten) but drops out-of-bounds
   # ones; on the GPU a masked lane touches nothing.
-  row = jnp.where(taken, start + before, n_rows)                       # [T', E] sorted row of pair (t, e)
-  plt.store(order_ref.at[row], tok2 * top_k + pair, mask=taken)
-  plt.store(tok_ref.at[row], tok2, mask=taken)
-  plt.store(wrow_ref.at[row], w_pair, mask=taken)
+  row = jnp.where(taken > 0, start[None, :] + before, n_rows)           # [TQ, E] sorted row of pair (t, e)
+  plt.store(order_ref.at[row], tok2 * top_k + pair, mask=taken > 0)
+  plt.store(tok_ref.at[row], tok2, mask=taken > 0)
+  plt.store(wrow_ref.at[row], w_pair, mask=taken > 0)
   if has_shared:  # rows P + t: the shared expert's, token t at weight 1
-    r = lax.broadcasted_iota(jnp.int32, (tp,), 0)
+    r = lax.broadcasted_iota(jnp.int32, (tq,), 0)
     shared_row = jnp.where(valid, p + r, n_rows)
     plt.store(tok_ref.at[shared_row], r, mask=valid)
-    plt.store(wrow_ref.at[shared_row], jnp.ones((tp,), jnp.float32), mask=valid)
-  # seg[:, slot(e)] = (start, cnt, e) of each picked expert: rows 0, 1, 2 of the grid (every row holds the
-  # counts) store the three, one scatter store
-  picked = used & (tok2 < 3)
-  at_slot = jnp.where(picked, slot, n_slots)
-  plt.store(seg_ref.at[jnp.minimum(tok2, 2), at_slot], jnp.where(tok2 == 0, start, jnp.where(tok2 == 1, cnt, expert)),
-            mask=picked)
+    plt.store(wrow_ref.at[shared_row], jnp.ones((tq,), jnp.float32), mask=valid)
+  k4 = lax.broadcasted_iota(jnp.int32, (4, e), 0)
+  picked = (used[None, :] > 0) & (k4 < 3)
+  at_slot = jnp.where(picked, slot[None, :], n_slots)
+  plt.store(seg_ref.at[jnp.minimum(k4, 2), at_slot],                   # seg[:, slot(e)] = (start, cnt, e)
+            jnp.where(k4 == 0, start[None, :], jnp.where(k4 == 1, cnt[None, :], e1[None, :])), mask=picked)
   sl = _pow2(n_slots)
   k3, s = lax.broadcasted_iota(jnp.int32, (4, sl), 0), lax.broadcasted_iota(jnp.int32, (4, sl), 1)
   empty = jnp.where(k3 == 0, p, jnp.where(k3 == 1, 0, e_max))          # the empty slots: (P, 0, e_max)
@@ -275,6 +277,8 @@ def _scatter_kernel(*refs, t, tp, d, g, eg, topk_group, top_k, ap, scale, norm, 
   row = lax.broadcasted_iota(jnp.int32, (tp,), 0)
   valid = row < t
   src = None if live_ref is None else _router.source_rows(live_ref, t=t, tp=tp, rows_per_seq=rows_per_seq)
+  tq = 1 << (t - 1).bit_length()                                        # the rows past the product: T's power of 2
+  valid_q = lax.broadcasted_iota(jnp.int32, (tq,), 0) < t
   if from_x:
     x_ref, g_ref = ins[:2]
     e, bk, nk = g * eg, block_k, d // block_k
@@ -308,18 +312,19 @@ def _scatter_kernel(*refs, t, tp, d, g, eg, topk_group, top_k, ap, scale, norm, 
     for xb, gb in zip(xs, gate):  # router.gate_logits' sum: acc + one product per tile, in tile order
       prec = lax.Precision.HIGHEST if xb.dtype == jnp.float32 else None
       logits = logits + plt.dot(xb, gb, precision=prec)
-    s = _router.sigmoid(logits).reshape(tp, g, eg)                      # [T', G, EG]
+    s = _router.sigmoid(_first_rows(logits, tq)).reshape(tq, g, eg)     # [TQ, G, EG]
   else:
-    shape = (tp, g, eg)
-    rows = jnp.broadcast_to(jnp.where(valid, row if src is None else src, 0)[:, None, None], shape)
+    shape = (tq, g, eg)
+    src = _router.source_rows(live_ref, t=t, tp=tq, rows_per_seq=rows_per_seq)   # (without live_ref: the row)
+    rows = jnp.broadcast_to(src[:, None, None], shape)
     s = plt.load(ins[0].at[rows, lax.broadcasted_iota(jnp.int32, shape, 1), lax.broadcasted_iota(jnp.int32, shape, 2)],
-                 mask=jnp.broadcast_to(valid[:, None, None], shape), other=0.0)
+                 mask=jnp.broadcast_to(valid_q[:, None, None], shape), other=0.0)
   ids, w, cols = _router.topk_columns(s, b_ref[...], g=g, eg=eg, topk_group=topk_group, top_k=top_k, ap=ap,
                                       scale=scale, norm=norm)
-  out_mask = valid[:, None] & (lax.broadcasted_iota(jnp.int32, (tp, ap), 1) < top_k)
-  plt.store(ids_ref.at[pl.ds(0, tp), pl.ds(0, ap)], ids, mask=out_mask)
-  plt.store(w_ref.at[pl.ds(0, tp), pl.ds(0, ap)], w, mask=out_mask)
-  _store_tables(cols, valid, order_ref, seg_ref, tok_ref, wrow_ref, t=t, e=g * eg, top_k=top_k,
+  out_mask = valid_q[:, None] & (lax.broadcasted_iota(jnp.int32, (tq, ap), 1) < top_k)
+  plt.store(ids_ref.at[pl.ds(0, tq), pl.ds(0, ap)], ids, mask=out_mask)
+  plt.store(w_ref.at[pl.ds(0, tq), pl.ds(0, ap)], w, mask=out_mask)
+  _store_tables(cols, valid_q, order_ref, seg_ref, tok_ref, wrow_ref, t=t, e=g * eg, top_k=top_k,
                 has_shared=has_shared)
 
 
