@@ -57,9 +57,13 @@ class RouterConfig:
     num_warps, num_stages: Triton launch parameters of the score kernel.
     topk_warps: num_warps of the per-token top-k kernel.
     slots_warps: num_warps of route_slots' one-program top-k + slot-table kernel.
-    segments: router_segments' program: "scatter" (its tables stored where they go, the K tiles' loads
-      issued at once) or "onehot" (the program of before: per pair column [rows, T'] one-hot sums, the K loop
-      pipelined); the same outputs bit for bit (bench/kernels_moe_router_tables.py times the two).
+    segments: router_segments' program: "onehot" (per pair column [rows, T'] one-hot sums, the K loop
+      pipelined) or "scatter" (the K tiles' loads issued at once, the selection as argmaxes, the tables
+      stored where they go: router_segments._scatter_kernel); the same outputs bit for bit.
+      bench/kernels_moe_router_tables.py times the two.
+    segments_warps: num_warps of the "scatter" program where it computes the scores (E == block_e) without
+      the RMSNorm (with it: num_warps, whose layout its row sums' order follows; from router_scores' scores:
+      slots_warps).
     interpret: run in the Pallas interpreter (CPU tests).
   """
   block_e: int = 16
@@ -68,7 +72,8 @@ class RouterConfig:
   num_stages: int = 4
   topk_warps: int = 2
   slots_warps: int = 4
-  segments: str = "scatter"
+  segments: str = "onehot"
+  segments_warps: int = 1
   interpret: bool = False
 
   def __post_init__(self):
@@ -78,8 +83,8 @@ class RouterConfig:
         raise ValueError(f"{name}={v} must be a power of 2 >= 16")
     if self.num_stages < 1:
       raise ValueError(f"num_stages={self.num_stages} must be >= 1")
-    if self.segments not in ("scatter", "onehot"):
-      raise ValueError(f"segments={self.segments!r}: 'scatter' or 'onehot'")
+    if self.segments not in ("onehot", "scatter"):
+      raise ValueError(f"segments={self.segments!r}: 'onehot' or 'scatter'")
 
   def check(self, d, e, n_group, topk_group, top_k, t=None, itemsize=2):
     """The tiles divide the dims, the groups fit the top-k kernels and (given T tokens of `itemsize` bytes) the
@@ -226,10 +231,10 @@ def source_rows(live_ref, *, t, tp, rows_per_seq):
   return jnp.where(r < t, src, 0)  # padding rows: any in-bounds row (masked)
 
 
-def _select(s, b, *, g, eg, topk_group, top_k):
-  """The grouped top-k of _topk_kernel on all rows at once: s [T', G, EG] -> (flat expert ids [T', G, EG], picks:
-  top_k (expert [T'] int32, one-hot [T', G, EG] bool) in pick order). Same ops in the same order as
-  _topk_kernel, row by row."""
+def topk_rows(s, b, valid, *, g, eg, topk_group, top_k, ap, scale, norm):
+  """_topk_kernel's selection on all rows at once: s [T', G, EG] -> (taken [T', G, EG] bool (rows
+  past `valid` none), ids [T', AP] int32, w [T', AP] f32 normalised and scaled). Same ops in the same
+  order as _topk_kernel, row by row."""
   tp = s.shape[0]
   sb = s + b[None]
   col = lax.broadcasted_iota(jnp.int32, (tp, g, eg), 2)
@@ -247,28 +252,14 @@ def _select(s, b, *, g, eg, topk_group, top_k):
     keep = keep | (gid == gi[:, None])
   masked = jnp.where(keep[:, :, None], sb, -jnp.inf)
   taken = jnp.zeros((tp, g, eg), jnp.bool_)
-  picks = []
-  for _ in range(top_k):
+  slot = lax.broadcasted_iota(jnp.int32, (tp, ap), 1)
+  ids = jnp.zeros((tp, ap), jnp.int32)
+  w = jnp.zeros((tp, ap), jnp.float32)
+  for k in range(top_k):
     m = jnp.max(jnp.max(jnp.where(taken, -jnp.inf, masked), axis=2), axis=1)
     hit = jnp.where(~taken & (masked == m[:, None, None]), flat, g * eg)
     idx = jnp.min(jnp.min(hit, axis=2), axis=1)                         # [T']
     pick = flat == idx[:, None, None]
-    taken = taken | pick
-    picks.append((idx, pick))
-  return flat, picks
-
-
-def topk_rows(s, b, valid, *, g, eg, topk_group, top_k, ap, scale, norm):
-  """_topk_kernel's selection on all rows at once: s [T', G, EG] -> (taken [T', G, EG] bool (rows
-  past `valid` none), ids [T', AP] int32, w [T', AP] f32 normalised and scaled). Same ops in the same
-  order as _topk_kernel, row by row."""
-  tp = s.shape[0]
-  _, picks = _select(s, b, g=g, eg=eg, topk_group=topk_group, top_k=top_k)
-  slot = lax.broadcasted_iota(jnp.int32, (tp, ap), 1)
-  ids = jnp.zeros((tp, ap), jnp.int32)
-  w = jnp.zeros((tp, ap), jnp.float32)
-  taken = jnp.zeros((tp, g, eg), jnp.bool_)
-  for k, (idx, pick) in enumerate(picks):
     taken = taken | pick
     wk = jnp.sum(jnp.sum(jnp.where(pick, s, 0.0), axis=2), axis=1)
     ids = jnp.where(slot == k, idx[:, None], ids)
@@ -279,7 +270,7 @@ def topk_rows(s, b, valid, *, g, eg, topk_group, top_k, ap, scale, norm):
   return taken, ids, w_norm * scale
 
 
-def topk_columns(s, b, *, g, eg, topk_group, top_k, ap, scale, norm):
+def topk_columns(s, b, *, g, eg, topk_group, top_k, ap, scale, norm, weights_along_groups=False):
   """topk_rows' selection and weights with half its dependent reductions, plus the pairs as columns: s [T', G, EG]
   -> (ids [T', AP] int32, w [T', AP] f32 normalised and scaled, cols: top_k (expert [T'] int32, weight [T'] f32
   = w[:, k]) in pick order). The same values as topk_rows bit for bit: each "max, then the lowest index holding
@@ -312,7 +303,10 @@ def topk_columns(s, b, *, g, eg, topk_group, top_k, ap, scale, norm):
     idx = jnp.argmax(jnp.where(taken, -jnp.inf, masked), axis=1).astype(jnp.int32)   # [T']
     pick = flat == idx[:, None]
     taken = taken | pick
-    wk = jnp.sum(jnp.where(pick, s_flat, 0.0), axis=1)
+    if weights_along_groups:
+      wk = jnp.sum(jnp.sum(jnp.where(pick.reshape(tp, g, eg), s, 0.0), axis=2), axis=1)
+    else:
+      wk = jnp.sum(jnp.where(pick, s_flat, 0.0), axis=1)
     ids = jnp.where(slot == k, idx[:, None], ids)
     w = jnp.where(slot == k, wk[:, None], w)
     picks.append(idx)

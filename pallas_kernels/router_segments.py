@@ -51,9 +51,6 @@ from pallas_kernels import router as _router
 MAX_TOKENS = 32
 # The RMSNorm's rows, [T', pow2(D)] f32, are in registers at once (one sum per row): 128 per thread at 4 warps.
 NORM_ELEMENTS = 32 * 512
-# The "scatter" tables' prefix over the experts is a product with the [E, E] strictly upper ones up to here (an
-# [E, E] bf16 operand), a cumsum past it.
-MAX_PREFIX_EXPERTS = 64
 
 
 class RoutedSegments(NamedTuple):
@@ -320,12 +317,21 @@ def _scatter_kernel(*refs, t, tp, d, g, eg, topk_group, top_k, ap, scale, norm, 
     s = plt.load(ins[0].at[rows, lax.broadcasted_iota(jnp.int32, shape, 1), lax.broadcasted_iota(jnp.int32, shape, 2)],
                  mask=jnp.broadcast_to(valid_q[:, None, None], shape), other=0.0)
   ids, w, cols = _router.topk_columns(s, b_ref[...], g=g, eg=eg, topk_group=topk_group, top_k=top_k, ap=ap,
-                                      scale=scale, norm=norm)
+                                      scale=scale, norm=norm, weights_along_groups=not from_x)
   out_mask = valid_q[:, None] & (lax.broadcasted_iota(jnp.int32, (tq, ap), 1) < top_k)
   plt.store(ids_ref.at[pl.ds(0, tq), pl.ds(0, ap)], ids, mask=out_mask)
   plt.store(w_ref.at[pl.ds(0, tq), pl.ds(0, ap)], w, mask=out_mask)
   _store_tables(cols, valid_q, order_ref, seg_ref, tok_ref, wrow_ref, t=t, e=g * eg, top_k=top_k,
                 has_shared=has_shared)
+
+
+def _launch(cfg, from_x, with_norm):
+  """The program's Triton launch parameters (see RouterConfig)."""
+  if cfg.segments == "onehot":  # the score kernel's where the scores are computed here (its pipelined K loop)
+    return (plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages) if from_x
+            else plt.CompilerParams(num_warps=cfg.slots_warps, num_stages=1))
+  warps = (cfg.num_warps if with_norm else cfg.segments_warps) if from_x else cfg.slots_warps
+  return plt.CompilerParams(num_warps=warps, num_stages=1)                # (no loop to pipeline)
 
 
 def takes_norm(t, d, e, config=None) -> bool:
@@ -389,8 +395,7 @@ def route_segments(x, gate_w, expert_bias, live_rows=None, norm_weight=None, *, 
                  jax.ShapeDtypeStruct((p,), i32), jax.ShapeDtypeStruct((3, n_slots), i32),
                  jax.ShapeDtypeStruct((n_rows,), i32), jax.ShapeDtypeStruct((n_rows,), jnp.float32))
                 + ((jax.ShapeDtypeStruct((t, d), xn_dtype),) if with_norm else ()),
-      compiler_params=(plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages) if from_x  # the scores'
-                       else plt.CompilerParams(num_warps=cfg.slots_warps, num_stages=1)),
+      compiler_params=_launch(cfg, from_x, with_norm),
       interpret=cfg.interpret, name="router_segments",
   )(*head, expert_bias.astype(jnp.float32).reshape(n_group, eg), *live)
   return RoutedSegments(*out)
