@@ -61,9 +61,9 @@ class RouterConfig:
       pipelined) or "scatter" (the K tiles' loads issued at once, the selection as argmaxes, the tables
       stored where they go: router_segments._scatter_kernel); the same outputs bit for bit.
       bench/kernels_moe_router_tables.py times the two.
-    segments_warps: num_warps of the "scatter" program where it computes the scores (E == block_e) without
-      the RMSNorm (with it: num_warps, whose layout its row sums' order follows; from router_scores' scores:
-      slots_warps).
+    segments_warps: num_warps of the "scatter" program per 16 of its rows past the product (T's power of 2)
+      where it computes the scores (E == block_e) without the RMSNorm (with it: num_warps, whose layout its row
+      sums' order follows; from router_scores' scores: slots_warps).
     interpret: run in the Pallas interpreter (CPU tests).
   """
   block_e: int = 16

@@ -21,8 +21,8 @@ One program for all T tokens:
                                           router_scores runs first and this program reads its scores)
   s = sigmoid(logits);  ids, w [T', AP] = the grouped top-k of s + bias, row by row (router.topk_rows)
   rows past a sequence's live count take its last live row's (ids, w) (router.source_rows)
-then the tables in moe._align's layout, by counting (no sort, no scatter; every cell a one-hot sum with one
-nonzero term, so every value is exact):
+then the tables in moe._align's layout, by counting (no sort; "onehot": every cell a one-hot sum with one
+nonzero term, so every value is exact; "scatter": the same counts, each stored at its row):
   taken[t, e] = 1 if token t picked e      cnt[e] = sum_t taken[t, e]      start[e] = sum_{e' < e} cnt[e']
   row(t, a) = start[e] + #{t' < t: taken[t', e]}   (e = ids[t, a]: the rank of key e * P + t*A + a in a sort)
   slot(e) = #{e' < e: cnt[e'] > 0}
@@ -32,6 +32,36 @@ nonzero term, so every value is exact):
 Bytes (one launch, the v2 demo at T = 6 bf16): reads gate_w E D 2 (10 KB), x T D 2 (3.8 KB; with the norm twice,
 the whole rows for the sum and then the K tiles, the second from L1/L2), expert_bias, live_rows, norm_weight D 2;
 writes ids, w (T A 4 each), order, seg, tok, w_rows (< 1 KB) and with the norm xn T D (3.8 KB).
+
+Two programs compute that, bit for bit the same (RouterConfig.segments; bench/kernels_moe_router_tables.py):
+"onehot" (_segments_kernel) as written above, and "scatter" (_scatter_kernel), for the latency. A ~15 KB job is
+latency-bound: what counts is the chain of dependent steps, and on the GPU every reduction over an axis that
+spans warps and every layout conversion is a shared-memory round trip behind a barrier (~50-100 cycles).
+"onehot" at the v2 demo, T = 6 (SASS of the Triton 3.8 sm_90 compile; 4 warps, all doing one 16 x 16 tile):
+  the K loop, pipelined 4 deep: 5 steps, each waiting on its tile's copy (2 global round trips in the chain),
+  the top-k: 2 x 2 group rounds + 3 group-top-2 reductions + 4 x 2 pick rounds = 15 reductions in a chain, half
+  over G, which spans warps (shared memory + 2 barriers each),
+  the tables: per pair column (4): its expert and weight out of [T', AP] (a reduction across warps), the
+  one-hot gathers at its expert (2-axis reductions), the [RL, T'] and [SL, T'] one-hots of order, w_rows and
+  seg's 3 rows (5 reductions over T', each behind a layout conversion of a [T'] vector); the borrow (live
+  rows) two [T', T', AP] one-hot sums more:
+  162 barriers, 581 shuffles, 2432 instructions (each warp); ~7.5 us in an in-order latency model of that SASS
+  (measured: 7.3 us a call; 9.5 us modeled with live rows).
+"scatter":
+  every K tile's loads issued before the first product (the gate's tile loaded transposed by its index, [BK, E],
+  so no tile waits on a register transpose of the one before): ONE memory round trip; the same per-tile
+  products added in the same order;
+  the borrow applied to the rows the scores come from (x's rows gathered in those loads: a row's routing is a
+  function of its scores alone, so routing row src[r] in row r is the borrow);
+  past the product, the first TQ = T's power of 2 rows only (1 at decode, 8 at T = 6; 16 are the product's
+  minimum);
+  the selection's "max, then the lowest index holding it" pairs as one argmax each (router.topk_columns):
+  2 + 2 + 4 = 8 reductions in the chain, none across warps (the program's warps hold TQ / 16 of the rows);
+  the tables by counting on the [TQ, E] grid of (token, expert) cells: before = a cumsum over the tokens, cnt
+  a sum over them, start / slot a cumsum over the experts (_store_tables), then each pair's row start[e] +
+  before[t, e] addresses ONE scatter store of its order / tok / w_rows entries (the rows are a permutation),
+  seg's columns one scatter store at slot(e):
+  5 barriers, 1008 instructions; ~2.0 us modeled (1.7 at decode).
 """
 from __future__ import annotations
 
@@ -260,11 +290,11 @@ def _store_tables(cols, valid, order_ref, seg_ref, tok_ref, wrow_ref, *, t, e, t
 def _scatter_kernel(*refs, t, tp, d, g, eg, topk_group, top_k, ap, scale, norm, has_shared, rows_per_seq,
                     block_k, from_x, rms_eps):
   """_segments_kernel's refs and outputs, bit for bit, with fewer dependent steps (RouterConfig.segments =
-  "scatter"): the K tiles' loads all issued before the first product (ONE memory round trip; the gate's tile is
-  loaded transposed, [BK, E] by its index, so no tile waits on a register transpose of the one before), the
-  routing borrow applied to the rows the scores are computed from (a row's routing is a function of its scores
-  alone, so routing row src[r] in row r IS the borrow; no one-hot over the rows), the pairs' columns straight
-  from the selection (topk_columns) and the tables stored where they go (_store_tables)."""
+  "scatter", the module docstring): the K tiles' loads all issued before the first product, the routing borrow
+  applied to the rows the scores are computed from, the rows past the product cut to TQ = T's power of 2, the
+  selection as argmaxes with the pairs as columns (router.topk_columns: the weights' normalising sum added in
+  topk_rows' order on the GPU too, see there) and the tables stored where they go (_store_tables). With the
+  norm: x's own rows normed and stored as xn, their source rows' (the borrow) normed for the product."""
   with_norm = rms_eps is not None
   n_in = (3 if from_x else 2) + (1 if with_norm else 0) + (1 if rows_per_seq else 0)
   ins, outs = refs[:n_in], refs[n_in:]
@@ -287,8 +317,10 @@ def _scatter_kernel(*refs, t, tp, d, g, eg, topk_group, top_k, ap, scale, norm, 
           lambda kb: (jnp.broadcast_to(rows[:, None], (tp, bk)), kb * bk + cols))
       return [plt.load(x_ref.at[at(kb)], mask=live_cols, other=0.0) for kb in range(nk)]
 
+    # [BK, E]: gate_w's tile, transposed by its index (a [E, BK] tile's transpose for the product is a layout
+    # conversion in registers behind a barrier, which the next tile's load would wait on)
     k_of, e_of = lax.broadcasted_iota(jnp.int32, (bk, e), 0), lax.broadcasted_iota(jnp.int32, (bk, e), 1)
-    gate = [plt.load(g_ref.at[e_of, kb * bk + k_of]) for kb in range(nk)]       # [BK, E]: gate_w's tile, transposed
+    gate = [plt.load(g_ref.at[e_of, kb * bk + k_of]) for kb in range(nk)]
     xs = x_tiles(src)
     if with_norm:  # the post-attention RMSNorm: xn of x's own rows stored, the router reads its source rows'
       nw_ref, xn_ref = ins[2], outs[6]
@@ -325,12 +357,17 @@ def _scatter_kernel(*refs, t, tp, d, g, eg, topk_group, top_k, ap, scale, norm, 
                 has_shared=has_shared)
 
 
-def _launch(cfg, from_x, with_norm):
+def _launch(cfg, t, from_x, with_norm):
   """The program's Triton launch parameters (see RouterConfig)."""
   if cfg.segments == "onehot":  # the score kernel's where the scores are computed here (its pipelined K loop)
     return (plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages) if from_x
             else plt.CompilerParams(num_warps=cfg.slots_warps, num_stages=1))
-  warps = (cfg.num_warps if with_norm else cfg.segments_warps) if from_x else cfg.slots_warps
+  if not from_x:
+    warps = cfg.slots_warps
+  elif with_norm:
+    warps = cfg.num_warps
+  else:  # segments_warps per 16 of the rows past the product
+    warps = cfg.segments_warps * max(1, (1 << (t - 1).bit_length()) // 16)
   return plt.CompilerParams(num_warps=warps, num_stages=1)                # (no loop to pipeline)
 
 
@@ -395,7 +432,7 @@ def route_segments(x, gate_w, expert_bias, live_rows=None, norm_weight=None, *, 
                  jax.ShapeDtypeStruct((p,), i32), jax.ShapeDtypeStruct((3, n_slots), i32),
                  jax.ShapeDtypeStruct((n_rows,), i32), jax.ShapeDtypeStruct((n_rows,), jnp.float32))
                 + ((jax.ShapeDtypeStruct((t, d), xn_dtype),) if with_norm else ()),
-      compiler_params=_launch(cfg, from_x, with_norm),
+      compiler_params=_launch(cfg, t, from_x, with_norm),
       interpret=cfg.interpret, name="router_segments",
   )(*head, expert_bias.astype(jnp.float32).reshape(n_group, eg), *live)
   return RoutedSegments(*out)
