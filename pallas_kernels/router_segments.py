@@ -45,8 +45,8 @@ spans warps and every layout conversion is a shared-memory round trip behind a b
   one-hot gathers at its expert (2-axis reductions), the [RL, T'] and [SL, T'] one-hots of order, w_rows and
   seg's 3 rows (5 reductions over T', each behind a layout conversion of a [T'] vector); the borrow (live
   rows) two [T', T', AP] one-hot sums more:
-  162 barriers, 581 shuffles, 2432 instructions (each warp); ~7.5 us in an in-order latency model of that SASS
-  (measured: 7.3 us a call; 9.5 us modeled with live rows).
+  162 barriers, 581 shuffles, 2432 instructions (each warp); ~6.7 us in an in-order latency model of that SASS
+  (bench/sass_model.py; measured: 7.3 us a call; 8.7 us modeled with live rows).
 "scatter":
   every K tile's loads issued before the first product (the gate's tile loaded transposed by its index, [BK, E],
   so no tile waits on a register transpose of the one before): ONE memory round trip; the same per-tile
