@@ -364,7 +364,7 @@ def programs(a, cfg, mesh, rules, kernels, fused: tuple[bool, bool] = (False, Tr
     calls = (kernel_calls(kernels, kda_impl=a.kda_impl, fused_linear=fused[0], fused_linear_fp8=fused[1],
                           p2p_allreduce=a.p2p_allreduce,
                           moe_router_tables=a.moe_router_tables, moe_router_norm=a.moe_router_norm,
-                          mla_live_prefix=a.mla_live_prefix)
+                          moe_router_scatter=a.moe_router_scatter, mla_live_prefix=a.mla_live_prefix)
              if kernels != "reference" else None)
     opts = kernel_calls_for(RuntimeOptions(kernels=calls), mesh, rules)
     nextn = [int(k) for k in a.steps.split(",")]
@@ -478,6 +478,8 @@ def main():
                     "XLA (the default before 2026-12-02)")
     ap.add_argument("--moe-router-norm", action="store_true", help="KernelCalls.moe_router_norm=True: the MoE "
                     "layer's input RMSNorm in router_segments' program (with moe_router_tables; off by default)")
+    ap.add_argument("--moe-router-scatter", action="store_true", help="KernelCalls.moe_router_scatter=True: "
+                    "router_segments' 'scatter' program (with moe_router_tables; off by default)")
     ap.add_argument("--mla-live-prefix", action="store_true", help="KernelCalls.mla_live_prefix=True: decode/verify "
                     "MLA attention over the live prefix only (pallas_kernels/mla_attention.py; off by default)")
     ap.add_argument("--p2p-allreduce", action="store_true", help="KernelCalls.p2p_allreduce=True (--tp >= 2): each "
@@ -558,7 +560,7 @@ def run_all(a, cfg, tp, mesh, rules):
     extra.update(kernels=a.kernels, fused_linear=fused, fused_linear_fp8=a.fused_linear_fp8,
                  p2p_allreduce=a.p2p_allreduce,
                  moe_router_tables=a.moe_router_tables, moe_router_norm=a.moe_router_norm,
-                 mla_live_prefix=a.mla_live_prefix, tree=tree_of(a.tree),
+                 moe_router_scatter=a.moe_router_scatter, mla_live_prefix=a.mla_live_prefix, tree=tree_of(a.tree),
                  multi_step=a.multi_step, reps=a.reps)
     prefix = "step" + ("-" + os.path.basename(os.path.normpath(a.model)) if a.model else "") + f"-kda{a.kda_impl}"
     prefix += (f"-{a.quantization}" if a.quantization else "") + ("-fl" if fused else "")
@@ -566,6 +568,7 @@ def run_all(a, cfg, tp, mesh, rules):
     prefix += "-p2p" if a.p2p_allreduce else ""
     prefix += "" if a.moe_router_tables else "-nomrt"
     prefix += "-rnorm" if a.moe_router_norm else ""
+    prefix += "-rscat" if a.moe_router_scatter else ""
     prefix += "-live" if a.mla_live_prefix else ""
     kept = None
     os.makedirs(a.out, exist_ok=True)

@@ -129,6 +129,14 @@ class KernelCalls:
       call, as much as the two kernels it removes (bench/results/step-ling-demo-kdaverify-rnorm-ms8-rn-*.json,
       gate-h200-2026-12-02-router-norm.json). The router's own latency (7-9 us for a 16 x 320 matvec, its
       top-k and tables) is what to cut next.
+    moe_router_scatter: with moe_router_tables serving the call, router_segments runs its "scatter" program
+      (RouterConfig.segments; router_segments._scatter_kernel: every K tile loaded at once, the selection's
+      max-then-lowest-index pairs as one argmax each, the tables' prefix counts as cumsums and the tables
+      stored where they go, the rows past the product cut to T's power of 2) instead of its per pair column
+      one-hot sums: the same outputs bit for bit (tests/test_kernels_router_segments.py, _norm.py: in the
+      interpreter; bench/kernels_moe_router_tables.py checks and times the two on the GPU). Off until timed
+      there: the offline sm_90 compile of the v2 demo's call (Triton 3.8, an in-order latency model of its SASS)
+      gives ~2.0 / 1.7 us at T = 6 / 1 against the old program's 6.7 / 6.3 (measured: 7.3 a call; bench/KERNEL_NOTES.md).
     moe_n_tokens: the Mosaic MoE's token columns N (16, 32 or a multiple of 64; a call with more tokens uses
       64, and Triton above that). Every weight tile is multiplied with an [N, BK] x tile, so N = 64 at T = 1 streams
       as many activation bytes through SMEM as the up kernel's weight rows (and the down kernel's h' tiles
@@ -188,6 +196,7 @@ class KernelCalls:
     moe_slots: bool = False
     moe_router_tables: bool = True
     moe_router_norm: bool = False
+    moe_router_scatter: bool = False
     moe_n_tokens: int = 64
     moe_tiles: _moe_mosaic.MosaicMoeConfig | None = None
     fused_linear: bool = False
@@ -266,7 +275,8 @@ class KernelCalls:
         fit = lambda n, cap: max(b for b in (16, 32, 64, 128, 256) if b <= cap and n % b == 0) if n % 16 == 0 else 0
         if not fit(d, 256) or not fit(e, 16):
             return None
-        base = _router.RouterConfig(block_e=fit(e, 16), block_k=fit(d, 256), interpret=self.interpret)
+        base = _router.RouterConfig(block_e=fit(e, 16), block_k=fit(d, 256), interpret=self.interpret,
+                                    segments="scatter" if self.moe_router_scatter else "onehot")
         try:
             base.check(d, e, cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok)
         except ValueError:

@@ -57,6 +57,13 @@ class RouterConfig:
     num_warps, num_stages: Triton launch parameters of the score kernel.
     topk_warps: num_warps of the per-token top-k kernel.
     slots_warps: num_warps of route_slots' one-program top-k + slot-table kernel.
+    segments: router_segments' program: "onehot" (per pair column [rows, T'] one-hot sums, the K loop
+      pipelined) or "scatter" (the K tiles' loads issued at once, the selection as argmaxes, the tables
+      stored where they go: router_segments._scatter_kernel); the same outputs bit for bit.
+      bench/kernels_moe_router_tables.py times the two.
+    segments_warps: num_warps of the "scatter" program per 16 of its rows past the product (T's power of 2)
+      where it computes the scores (E == block_e) without the RMSNorm (with it: num_warps, whose layout its row
+      sums' order follows; from router_scores' scores: slots_warps).
     interpret: run in the Pallas interpreter (CPU tests).
   """
   block_e: int = 16
@@ -65,6 +72,8 @@ class RouterConfig:
   num_stages: int = 4
   topk_warps: int = 2
   slots_warps: int = 4
+  segments: str = "onehot"
+  segments_warps: int = 1
   interpret: bool = False
 
   def __post_init__(self):
@@ -74,6 +83,8 @@ class RouterConfig:
         raise ValueError(f"{name}={v} must be a power of 2 >= 16")
     if self.num_stages < 1:
       raise ValueError(f"num_stages={self.num_stages} must be >= 1")
+    if self.segments not in ("onehot", "scatter"):
+      raise ValueError(f"segments={self.segments!r}: 'onehot' or 'scatter'")
 
   def check(self, d, e, n_group, topk_group, top_k, t=None, itemsize=2):
     """The tiles divide the dims, the groups fit the top-k kernels and (given T tokens of `itemsize` bytes) the
@@ -257,6 +268,52 @@ def topk_rows(s, b, valid, *, g, eg, topk_group, top_k, ap, scale, norm):
   den = (jnp.sum(w, axis=1) + 1e-20) if norm else jnp.ones((tp,), jnp.float32)
   w_norm = w / den[:, None] if norm else w
   return taken, ids, w_norm * scale
+
+
+def topk_columns(s, b, *, g, eg, topk_group, top_k, ap, scale, norm, weights_along_groups=False):
+  """topk_rows' selection and weights with half its dependent reductions, plus the pairs as columns: s [T', G, EG]
+  -> (ids [T', AP] int32, w [T', AP] f32 normalised and scaled, cols: top_k (expert [T'] int32, weight [T'] f32
+  = w[:, k]) in pick order). The same values as topk_rows bit for bit: each "max, then the lowest index holding
+  it" pair of reductions is one argmax (the lowest index among the maxima: the same tie rule; the maxima are
+  finite, every kept group holding finite scores and top_k <= the kept experts), each pick's weight a one-hot
+  sum (exact), and the normalising sum the same jnp.sum over the same [T', AP] columns. (The picks run on the
+  [T', E] view of the scores: the columns of w then lie along its expert axis, whose two lowest bits the GPU
+  program adds first, as topk_rows' programs on the v2 demo do.)"""
+  tp, e = s.shape[0], g * eg
+  sb = s + b[None]
+  col = lax.broadcasted_iota(jnp.int32, (tp, g, eg), 2)
+  i1 = jnp.argmax(sb, axis=2).astype(jnp.int32)                          # [T', G]
+  m1 = jnp.max(sb, axis=2)
+  m2 = jnp.max(jnp.where(col == i1[:, :, None], -jnp.inf, sb), axis=2)
+  gscore = m1 + m2
+  gid = lax.broadcasted_iota(jnp.int32, (tp, g), 1)
+  keep = jnp.zeros((tp, g), jnp.bool_)
+  for _ in range(topk_group):
+    gi = jnp.argmax(jnp.where(keep, -jnp.inf, gscore), axis=1).astype(jnp.int32)
+    keep = keep | (gid == gi[:, None])
+  masked = jnp.where(keep[:, :, None], sb, -jnp.inf).reshape(tp, e)    # [T', E]
+  s_flat = s.reshape(tp, e)
+  flat = lax.broadcasted_iota(jnp.int32, (tp, e), 1)
+  taken = jnp.zeros((tp, e), jnp.bool_)
+  slot = lax.broadcasted_iota(jnp.int32, (tp, ap), 1)
+  ids = jnp.zeros((tp, ap), jnp.int32)
+  w = jnp.zeros((tp, ap), jnp.float32)
+  picks = []
+  for k in range(top_k):
+    idx = jnp.argmax(jnp.where(taken, -jnp.inf, masked), axis=1).astype(jnp.int32)   # [T']
+    pick = flat == idx[:, None]
+    taken = taken | pick
+    if weights_along_groups:
+      wk = jnp.sum(jnp.sum(jnp.where(pick.reshape(tp, g, eg), s, 0.0), axis=2), axis=1)
+    else:
+      wk = jnp.sum(jnp.where(pick, s_flat, 0.0), axis=1)
+    ids = jnp.where(slot == k, idx[:, None], ids)
+    w = jnp.where(slot == k, wk[:, None], w)
+    picks.append(idx)
+  den = (jnp.sum(w, axis=1) + 1e-20) if norm else jnp.ones((tp,), jnp.float32)
+  w = (w / den[:, None] if norm else w) * scale
+  cols = [(idx, jnp.sum(jnp.where(slot == k, w, 0.0), axis=1)) for k, idx in enumerate(picks)]
+  return ids, w, cols
 
 
 def _topk_slots_kernel(s_ref, b_ref, *rest, t, g, eg, topk_group, top_k, ap, scale, norm,

@@ -21,8 +21,8 @@ One program for all T tokens:
                                           router_scores runs first and this program reads its scores)
   s = sigmoid(logits);  ids, w [T', AP] = the grouped top-k of s + bias, row by row (router.topk_rows)
   rows past a sequence's live count take its last live row's (ids, w) (router.source_rows)
-then the tables in moe._align's layout, by counting (no sort, no scatter; every cell a one-hot sum with one
-nonzero term, so every value is exact):
+then the tables in moe._align's layout, by counting (no sort; "onehot": every cell a one-hot sum with one
+nonzero term, so every value is exact; "scatter": the same counts, each stored at its row):
   taken[t, e] = 1 if token t picked e      cnt[e] = sum_t taken[t, e]      start[e] = sum_{e' < e} cnt[e']
   row(t, a) = start[e] + #{t' < t: taken[t', e]}   (e = ids[t, a]: the rank of key e * P + t*A + a in a sort)
   slot(e) = #{e' < e: cnt[e'] > 0}
@@ -32,6 +32,36 @@ nonzero term, so every value is exact):
 Bytes (one launch, the v2 demo at T = 6 bf16): reads gate_w E D 2 (10 KB), x T D 2 (3.8 KB; with the norm twice,
 the whole rows for the sum and then the K tiles, the second from L1/L2), expert_bias, live_rows, norm_weight D 2;
 writes ids, w (T A 4 each), order, seg, tok, w_rows (< 1 KB) and with the norm xn T D (3.8 KB).
+
+Two programs compute that, bit for bit the same (RouterConfig.segments; bench/kernels_moe_router_tables.py):
+"onehot" (_segments_kernel) as written above, and "scatter" (_scatter_kernel), for the latency. A ~15 KB job is
+latency-bound: what counts is the chain of dependent steps, and on the GPU every reduction over an axis that
+spans warps and every layout conversion is a shared-memory round trip behind a barrier (~50-100 cycles).
+"onehot" at the v2 demo, T = 6 (SASS of the Triton 3.8 sm_90 compile; 4 warps, all doing one 16 x 16 tile):
+  the K loop, pipelined 4 deep: 5 steps, each waiting on its tile's copy (2 global round trips in the chain),
+  the top-k: 2 x 2 group rounds + 3 group-top-2 reductions + 4 x 2 pick rounds = 15 reductions in a chain, half
+  over G, which spans warps (shared memory + 2 barriers each),
+  the tables: per pair column (4): its expert and weight out of [T', AP] (a reduction across warps), the
+  one-hot gathers at its expert (2-axis reductions), the [RL, T'] and [SL, T'] one-hots of order, w_rows and
+  seg's 3 rows (5 reductions over T', each behind a layout conversion of a [T'] vector); the borrow (live
+  rows) two [T', T', AP] one-hot sums more:
+  162 barriers, 581 shuffles, 2432 instructions (each warp); ~6.7 us in an in-order latency model of that SASS
+  (bench/sass_model.py; measured: 7.3 us a call; 8.7 us modeled with live rows).
+"scatter":
+  every K tile's loads issued before the first product (the gate's tile loaded transposed by its index, [BK, E],
+  so no tile waits on a register transpose of the one before): ONE memory round trip; the same per-tile
+  products added in the same order;
+  the borrow applied to the rows the scores come from (x's rows gathered in those loads: a row's routing is a
+  function of its scores alone, so routing row src[r] in row r is the borrow);
+  past the product, the first TQ = T's power of 2 rows only (1 at decode, 8 at T = 6; 16 are the product's
+  minimum);
+  the selection's "max, then the lowest index holding it" pairs as one argmax each (router.topk_columns):
+  2 + 2 + 4 = 8 reductions in the chain, none across warps (the program's warps hold TQ / 16 of the rows);
+  the tables by counting on the [TQ, E] grid of (token, expert) cells: before = a cumsum over the tokens, cnt
+  a sum over them, start / slot a cumsum over the experts (_store_tables), then each pair's row start[e] +
+  before[t, e] addresses ONE scatter store of its order / tok / w_rows entries (the rows are a permutation),
+  seg's columns one scatter store at slot(e):
+  5 barriers, 1008 instructions; ~2.0 us modeled (1.7 at decode).
 """
 from __future__ import annotations
 
@@ -129,13 +159,15 @@ def _tables(ids, w, valid, *, t, g, eg, top_k, ap, has_shared):
   return order, (st, ln, ex), tok, w_rows
 
 
-def _rms_scale(x_ref, *, t, tp, d, eps):
+def _rms_scale(x_ref, *, t, tp, d, eps, src=None):
   """r [T', 1] f32 = rsqrt(mean(x^2) + eps) of x's rows, as ling_jax.layers.norms.rms_norm computes it: fp32
   squares, ONE sum over the whole row (loaded at once, zero columns past D: the same sum as over D), the mean
-  as XLA's x * (1/D) (its simplifier's form of x / D)."""
+  as XLA's x * (1/D) (its simplifier's form of x / D). src [T'] (optional): row r is x's row src[r]."""
   dp = _pow2(d)
   live = (lax.broadcasted_iota(jnp.int32, (tp, dp), 0) < t) & (lax.broadcasted_iota(jnp.int32, (tp, dp), 1) < d)
-  xf = plt.load(x_ref.at[pl.ds(0, tp), pl.ds(0, dp)], mask=live, other=0.0).astype(jnp.float32)
+  at = (pl.ds(0, tp), pl.ds(0, dp)) if src is None else (
+      jnp.broadcast_to(src[:, None], (tp, dp)), lax.broadcasted_iota(jnp.int32, (tp, dp), 1))
+  xf = plt.load(x_ref.at[at], mask=live, other=0.0).astype(jnp.float32)
   mean_sq = jnp.sum(xf * xf, axis=1, keepdims=True) * (np.float32(1) / np.float32(d))
   return lax.rsqrt(mean_sq + eps)
 
@@ -198,6 +230,147 @@ def _segments_kernel(*refs, t, tp, d, g, eg, topk_group, top_k, ap, scale, norm,
     plt.store(seg_ref.at[pl.ds(k, 1), pl.ds(0, sl)], v[None, :], mask=s_ok)
 
 
+def _first_rows(x, rows):
+  """x [T', ...] -> its first `rows` rows (a power of 2 dividing T'): a masked sum over the row blocks (one
+  nonzero term: exact, but for a -0 turning +0)."""
+  if rows == x.shape[0]:
+    return x
+  blocks = x.reshape(x.shape[0] // rows, rows, *x.shape[1:])
+  first = lax.broadcasted_iota(jnp.int32, blocks.shape, 0) == 0
+  return jnp.sum(jnp.where(first, blocks, jnp.zeros((), x.dtype)), axis=0)
+
+
+def _store_tables(cols, valid, order_ref, seg_ref, tok_ref, wrow_ref, *, t, e, top_k, has_shared):
+  """_tables' values from the pairs' columns [(expert [TQ], weight [TQ])], each stored where it goes (variant
+  "scatter"). On the [TQ, E] grid of (token, expert) cells: before[t, e] = #{t' < t: taken[t', e]} (a cumsum
+  over the tokens), cnt[e] (a sum over them), start[e] / slot(e) (the pairs / the picked experts below e: a
+  cumsum over the experts); then each pair's row start[e] + before[t, e] addresses ONE scatter store of its
+  order / tok / w_rows entries (the rows are a permutation: no two lanes write one address) and each picked
+  expert's slot one of its seg column (a [4, E] grid: (start, cnt, e) in its rows 0-2)."""
+  tq, p = valid.shape[0], t * top_k
+  n_rows, n_slots = (p + t, p + 1) if has_shared else (p, p)
+  tok2, expert = lax.broadcasted_iota(jnp.int32, (tq, e), 0), lax.broadcasted_iota(jnp.int32, (tq, e), 1)
+  hot = [(expert == idx[:, None]) & valid[:, None] for idx, _ in cols]  # [TQ, E] pair column k
+  taken = functools.reduce(lambda a, b: a | b, hot).astype(jnp.int32)  # 0/1: distinct experts per token
+  before = jnp.cumsum(taken, axis=0) - taken                            # #{t' < t: taken[t', e]}
+  cnt = jnp.sum(taken, axis=0)                                          # [E]
+  used = (cnt > 0).astype(jnp.int32)
+  start, slot = jnp.cumsum(cnt) - cnt, jnp.cumsum(used) - used          # over the experts below e
+  n_active = jnp.sum(used)
+  e1 = lax.broadcasted_iota(jnp.int32, (e,), 0)
+  e_max = jnp.max(jnp.where(used > 0, e1, -1))
+  pair = functools.reduce(lambda a, b: a + b, [jnp.where(h, k, 0) for k, h in enumerate(hot)])  # column of (t, e)
+  w_pair = functools.reduce(lambda a, b: a + b, [jnp.where(h, wk[:, None], 0.0) for h, (_, wk) in zip(hot, cols)])
+  # A masked lane's address is one past the end: the interpreter's masked scatter writes the old value back at
+  # every masked lane's address (a lane of another pair's row would be overwritten) but drops out-of-bounds
+  # ones; on the GPU a masked lane touches nothing.
+  row = jnp.where(taken > 0, start[None, :] + before, n_rows)           # [TQ, E] sorted row of pair (t, e)
+  plt.store(order_ref.at[row], tok2 * top_k + pair, mask=taken > 0)
+  plt.store(tok_ref.at[row], tok2, mask=taken > 0)
+  plt.store(wrow_ref.at[row], w_pair, mask=taken > 0)
+  if has_shared:  # rows P + t: the shared expert's, token t at weight 1
+    r = lax.broadcasted_iota(jnp.int32, (tq,), 0)
+    shared_row = jnp.where(valid, p + r, n_rows)
+    plt.store(tok_ref.at[shared_row], r, mask=valid)
+    plt.store(wrow_ref.at[shared_row], jnp.ones((tq,), jnp.float32), mask=valid)
+  k4 = lax.broadcasted_iota(jnp.int32, (4, e), 0)
+  picked = (used[None, :] > 0) & (k4 < 3)
+  at_slot = jnp.where(picked, slot[None, :], n_slots)
+  plt.store(seg_ref.at[jnp.minimum(k4, 2), at_slot],                   # seg[:, slot(e)] = (start, cnt, e)
+            jnp.where(k4 == 0, start[None, :], jnp.where(k4 == 1, cnt[None, :], e1[None, :])), mask=picked)
+  sl = _pow2(n_slots)
+  k3, s = lax.broadcasted_iota(jnp.int32, (4, sl), 0), lax.broadcasted_iota(jnp.int32, (4, sl), 1)
+  empty = jnp.where(k3 == 0, p, jnp.where(k3 == 1, 0, e_max))          # the empty slots: (P, 0, e_max)
+  if has_shared:  # slot P: the shared expert (P, T, 0)
+    empty = jnp.where(s == p, jnp.where(k3 == 0, p, jnp.where(k3 == 1, t, 0)), empty)
+  rest = (k3 < 3) & (s >= n_active) & (s < n_slots)
+  plt.store(seg_ref.at[jnp.minimum(k3, 2), jnp.where(rest, s, n_slots)], empty, mask=rest)
+
+
+def _scatter_kernel(*refs, t, tp, d, g, eg, topk_group, top_k, ap, scale, norm, has_shared, rows_per_seq,
+                    block_k, from_x, rms_eps):
+  """_segments_kernel's refs and outputs, bit for bit, with fewer dependent steps (RouterConfig.segments =
+  "scatter", the module docstring): the K tiles' loads all issued before the first product, the routing borrow
+  applied to the rows the scores are computed from, the rows past the product cut to TQ = T's power of 2, the
+  selection as argmaxes with the pairs as columns (router.topk_columns: the weights' normalising sum added in
+  topk_rows' order on the GPU too, see there) and the tables stored where they go (_store_tables). With the
+  norm: x's own rows normed and stored as xn, their source rows' (the borrow) normed for the product."""
+  with_norm = rms_eps is not None
+  n_in = (3 if from_x else 2) + (1 if with_norm else 0) + (1 if rows_per_seq else 0)
+  ins, outs = refs[:n_in], refs[n_in:]
+  ids_ref, w_ref, order_ref, seg_ref, tok_ref, wrow_ref = outs[:6]
+  live_ref = ins[-1] if rows_per_seq else None
+  b_ref = ins[n_in - 1 - (1 if rows_per_seq else 0)]
+  row = lax.broadcasted_iota(jnp.int32, (tp,), 0)
+  valid = row < t
+  src = None if live_ref is None else _router.source_rows(live_ref, t=t, tp=tp, rows_per_seq=rows_per_seq)
+  tq = 1 << (t - 1).bit_length()                                        # the rows past the product: T's power of 2
+  valid_q = lax.broadcasted_iota(jnp.int32, (tq,), 0) < t
+  if from_x:
+    x_ref, g_ref = ins[:2]
+    e, bk, nk = g * eg, block_k, d // block_k
+    live_cols = jnp.broadcast_to(valid[:, None], (tp, bk))
+    cols = lax.broadcasted_iota(jnp.int32, (tp, bk), 1)
+
+    def x_tiles(rows):  # x's K tiles [T', BK] of its rows `rows` [T'] (None: its own), rows >= T read as 0
+      at = (lambda kb: (pl.ds(0, tp), pl.ds(kb * bk, bk))) if rows is None else (
+          lambda kb: (jnp.broadcast_to(rows[:, None], (tp, bk)), kb * bk + cols))
+      return [plt.load(x_ref.at[at(kb)], mask=live_cols, other=0.0) for kb in range(nk)]
+
+    # [BK, E]: gate_w's tile, transposed by its index (a [E, BK] tile's transpose for the product is a layout
+    # conversion in registers behind a barrier, which the next tile's load would wait on)
+    k_of, e_of = lax.broadcasted_iota(jnp.int32, (bk, e), 0), lax.broadcasted_iota(jnp.int32, (bk, e), 1)
+    gate = [plt.load(g_ref.at[e_of, kb * bk + k_of]) for kb in range(nk)]
+    xs = x_tiles(src)
+    if with_norm:  # the post-attention RMSNorm: xn of x's own rows stored, the router reads its source rows'
+      nw_ref, xn_ref = ins[2], outs[6]
+      own = xs if src is None else x_tiles(None)
+      w_tiles = [nw_ref[pl.ds(kb * bk, bk)] for kb in range(nk)]
+      # rms_norm's roundings: normed in x's dtype, then weight * normed in xn's dtype
+      normed = lambda xb, r, wb: wb.astype(xn_ref.dtype)[None, :] * (
+          (xb.astype(jnp.float32) * r).astype(x_ref.dtype).astype(xn_ref.dtype))
+      r_own = _rms_scale(x_ref, t=t, tp=tp, d=d, eps=rms_eps)
+      xn = [normed(xb, r_own, wb) for xb, wb in zip(own, w_tiles)]
+      for kb, xnb in enumerate(xn):
+        plt.store(xn_ref.at[pl.ds(0, tp), pl.ds(kb * bk, bk)], xnb, mask=live_cols)
+      if src is not None:
+        r_src = _rms_scale(x_ref, t=t, tp=tp, d=d, eps=rms_eps, src=src)
+        xn = [normed(xb, r_src, wb) for xb, wb in zip(xs, w_tiles)]
+      xs = xn
+    logits = jnp.zeros((tp, e), jnp.float32)
+    for xb, gb in zip(xs, gate):  # router.gate_logits' sum: acc + one product per tile, in tile order
+      prec = lax.Precision.HIGHEST if xb.dtype == jnp.float32 else None
+      logits = logits + plt.dot(xb, gb, precision=prec)
+    s = _router.sigmoid(_first_rows(logits, tq)).reshape(tq, g, eg)     # [TQ, G, EG]
+  else:
+    shape = (tq, g, eg)
+    src = _router.source_rows(live_ref, t=t, tp=tq, rows_per_seq=rows_per_seq)   # (without live_ref: the row)
+    rows = jnp.broadcast_to(src[:, None, None], shape)
+    s = plt.load(ins[0].at[rows, lax.broadcasted_iota(jnp.int32, shape, 1), lax.broadcasted_iota(jnp.int32, shape, 2)],
+                 mask=jnp.broadcast_to(valid_q[:, None, None], shape), other=0.0)
+  ids, w, cols = _router.topk_columns(s, b_ref[...], g=g, eg=eg, topk_group=topk_group, top_k=top_k, ap=ap,
+                                      scale=scale, norm=norm, weights_along_groups=not from_x)
+  out_mask = valid_q[:, None] & (lax.broadcasted_iota(jnp.int32, (tq, ap), 1) < top_k)
+  plt.store(ids_ref.at[pl.ds(0, tq), pl.ds(0, ap)], ids, mask=out_mask)
+  plt.store(w_ref.at[pl.ds(0, tq), pl.ds(0, ap)], w, mask=out_mask)
+  _store_tables(cols, valid_q, order_ref, seg_ref, tok_ref, wrow_ref, t=t, e=g * eg, top_k=top_k,
+                has_shared=has_shared)
+
+
+def _launch(cfg, t, from_x, with_norm):
+  """The program's Triton launch parameters (see RouterConfig)."""
+  if cfg.segments == "onehot":  # the score kernel's where the scores are computed here (its pipelined K loop)
+    return (plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages) if from_x
+            else plt.CompilerParams(num_warps=cfg.slots_warps, num_stages=1))
+  if not from_x:
+    warps = cfg.slots_warps
+  elif with_norm:
+    warps = cfg.num_warps
+  else:  # segments_warps per 16 of the rows past the product
+    warps = cfg.segments_warps * max(1, (1 << (t - 1).bit_length()) // 16)
+  return plt.CompilerParams(num_warps=warps, num_stages=1)                # (no loop to pipeline)
+
+
 def takes_norm(t, d, e, config=None) -> bool:
   """Whether route_segments computes the input's RMSNorm in its program for x [T, D] and E experts: where the
   gate is one score tile (E == block_e: the matvec is in this program; the router_scores launch of wider gates
@@ -247,7 +420,7 @@ def route_segments(x, gate_w, expert_bias, live_rows=None, norm_weight=None, *, 
     head = (_router.router_scores(x, gate_w, cfg).reshape(t, n_group, eg),)
   n_rows, n_slots = (p + t, p + 1) if has_shared else (p, p)
   kern = functools.partial(
-      _segments_kernel, t=t, tp=tp, d=d, g=n_group, eg=eg, topk_group=topk_group, top_k=top_k,
+      _scatter_kernel if cfg.segments == "scatter" else _segments_kernel, t=t, tp=tp, d=d, g=n_group, eg=eg, topk_group=topk_group, top_k=top_k,
       ap=_pow2(top_k), scale=float(routed_scaling_factor), norm=norm_topk_prob, has_shared=has_shared,
       rows_per_seq=rows_per_seq if live_rows is not None else 0, block_k=cfg.block_k, from_x=from_x,
       rms_eps=float(eps) if with_norm else None)
@@ -259,8 +432,7 @@ def route_segments(x, gate_w, expert_bias, live_rows=None, norm_weight=None, *, 
                  jax.ShapeDtypeStruct((p,), i32), jax.ShapeDtypeStruct((3, n_slots), i32),
                  jax.ShapeDtypeStruct((n_rows,), i32), jax.ShapeDtypeStruct((n_rows,), jnp.float32))
                 + ((jax.ShapeDtypeStruct((t, d), xn_dtype),) if with_norm else ()),
-      compiler_params=(plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages) if from_x  # the scores'
-                       else plt.CompilerParams(num_warps=cfg.slots_warps, num_stages=1)),
+      compiler_params=_launch(cfg, t, from_x, with_norm),
       interpret=cfg.interpret, name="router_segments",
   )(*head, expert_bias.astype(jnp.float32).reshape(n_group, eg), *live)
   return RoutedSegments(*out)

@@ -24,7 +24,7 @@ from ling_jax.state import init_state
 from ling_jax.weights import init_params
 from pallas_kernels import router_segments as RS
 from tests.cuda_lowering import S, lower_cuda
-from tests.test_kernels_router_segments import BF, DEMO, RC, demo_moe_params, flat_eqns, inputs, route_kw
+from tests.test_kernels_router_segments import BF, DEMO, RC, SCATTER, demo_moe_params, flat_eqns, inputs, route_kw
 
 EPS = 1e-6
 DEMO_DIR = Path(__file__).resolve().parents[1] / "models" / "ling-demo"
@@ -57,7 +57,8 @@ def test_route_segments_norm_equals_rms_norm_then_router(dtype, w_dtype, t, live
   """xn equals the model's rms_norm (bf16 x: bitwise, with a bf16 weight (xn bf16) and an fp32 one (xn fp32: the
   bf16-rounded normed rows times w in fp32); fp32 x: within 3 ulps, the one sum's order is not XLA's, whose CPU
   reduction of [6, 320] is a tree over 32-column windows), and ids, weights and the tables equal the chain
-  without the norm fed those rows bitwise (bf16 x: rms_norm's; fp32 x: the kernel's own xn)."""
+  without the norm fed those rows bitwise (bf16 x: rms_norm's; fp32 x: the kernel's own xn); the "scatter"
+  program's seven outputs equal these bitwise."""
   x, gate_w, bias, w = residual_rows(t, t, dtype, w_dtype)
   live_rows = None if live is None else jnp.asarray(live, jnp.int32)
   kw = dict(**route_kw(DEMO), has_shared=True, rows_per_seq=0 if live is None else t // len(live), config=RC)
@@ -72,6 +73,9 @@ def test_route_segments_norm_equals_rms_norm_then_router(dtype, w_dtype, t, live
   assert chain.xn is None
   for name, got, want in zip(RS.RoutedSegments._fields, out[:6], chain[:6]):
     np.testing.assert_array_equal(got, want, err_msg=name)
+  scatter = RS.route_segments(x, gate_w, bias, live_rows, w, eps=EPS, **{**kw, "config": SCATTER})
+  for name, got, want in zip(RS.RoutedSegments._fields, scatter, out):  # the "scatter" program: the same bits
+    np.testing.assert_array_equal(bits(got), bits(want), err_msg=name)
 
 
 def test_route_segments_norm_is_refused_where_the_matvec_is_not_in_the_program():
@@ -130,12 +134,12 @@ def demo_pass(kernels, t):
   return layer, (demo_moe_params(cfg), S((cfg.hidden_size,), BF), S((1, t, cfg.hidden_size), BF))
 
 
-@pytest.mark.parametrize("t", [6, 32])
-def test_demo_pass_lowers_for_cuda_with_no_xla_norm(t):
+@pytest.mark.parametrize("t,scatter", [(6, False), (32, False), (6, True)])
+def test_demo_pass_lowers_for_cuda_with_no_xla_norm(t, scatter):
   """Lowered for CUDA (the Triton lowering of the norm variant): router_segments -> up -> down, the up kernel
   and the shared expert read the router's xn output, and no rsqrt or row reduce of the norm is left outside the
   kernels; with moe_router_norm=False the norm's XLA ops are back (rsqrt; the reduce of the sum of squares)."""
-  layer, args = demo_pass(KernelCalls(moe_router_tables=True, moe_router_norm=True), t)
+  layer, args = demo_pass(KernelCalls(moe_router_tables=True, moe_router_norm=True, moe_router_scatter=scatter), t)
   text = lower_cuda(layer, *args)
   names = re.findall(r'name = "(\w+)"', text)
   assert [n for n in names if n.startswith(("router", "moe"))] == ["router_segments", "moe_up_swiglu", "moe_down"]

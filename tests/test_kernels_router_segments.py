@@ -105,18 +105,22 @@ CASES = [  # (cfg, t, live, has_shared, dtype, kernels): one launch where E == b
     (WIDE, 5, None, False, jnp.float32, ["router_scores", "router_segments"]),
 ]
 RC = R.RouterConfig(block_e=16, block_k=64, interpret=True)
+SCATTER = dataclasses.replace(RC, segments="scatter")
+# the "scatter" program on the same cases, and at T = 6 (its rows past the product cut from T' = 16 to 8)
+PROGRAM_CASES = [(*c, RC) for c in CASES] + [(*c, SCATTER) for c in CASES] + [
+    (DEMO, 6, (2, 3), False, BF, ["router_segments"], SCATTER)]
 
 
-@pytest.mark.parametrize("cfg,t,live,has_shared,dtype,kernels", CASES)
-def test_route_segments_matches_model_routing_and_align(cfg, t, live, has_shared, dtype, kernels):
+@pytest.mark.parametrize("cfg,t,live,has_shared,dtype,kernels,rc", PROGRAM_CASES)
+def test_route_segments_matches_model_routing_and_align(cfg, t, live, has_shared, dtype, kernels, rc):
   """ids equal the model's route (borrowed past each sequence's live rows), weights equal the Pallas router's
   of before bitwise (within 1e-6 of the model's: fp32 sum order of the logits); order / seg / tok / w_rows equal
-  the XLA alignment of before, fed those ids."""
+  the XLA alignment of before, fed those ids. Both programs (RouterConfig.segments)."""
   x, gate_w, bias = inputs(t, t, cfg.hidden_size, cfg.num_experts, dtype)
   live_rows = None if live is None else jnp.asarray(live, jnp.int32)
   rps = 0 if live is None else t // len(live)
   seg_route = lambda x, g, b, lr: RS.route_segments(x, g, b, lr, **route_kw(cfg), has_shared=has_shared,
-                                                    rows_per_seq=rps, config=RC)
+                                                    rows_per_seq=rps, config=rc)
   assert pallas_names(seg_route, x, gate_w, bias, live_rows) == kernels
   out = seg_route(x, gate_w, bias, live_rows)
   ids, w = route(router_logits(x, gate_w, fp32_weight=False), bias, cfg)
@@ -170,22 +174,24 @@ def layer_params(seed, cfg, dtype=BF):
 
 TABLES = KernelCalls(interpret=True, moe_router_tables=True)
 BEFORE = KernelCalls(interpret=True, moe_router_tables=False)
+TABLES_SCATTER = KernelCalls(interpret=True, moe_router_tables=True, moe_router_scatter=True)
 
 
-@pytest.mark.parametrize("dtype,t,live,tol", [(BF, 6, (4,), 1e-2), (jnp.float32, 3, None, 1e-5)])
-def test_moe_layer_through_router_tables_matches_model(dtype, t, live, tol):
+@pytest.mark.parametrize("dtype,t,live,tol,tables", [(BF, 6, (4,), 1e-2, TABLES), (jnp.float32, 3, None, 1e-5, TABLES),
+                                                     (BF, 6, (4,), 1e-2, TABLES_SCATTER)])
+def test_moe_layer_through_router_tables_matches_model(dtype, t, live, tol, tables):
   """moe_layer at the v2 demo's dims (shared width 192 != I 64: the shared expert through the model's XLA) through
   router_segments -> up -> down, vs the model's jnp moe_layer (bf16 <= 1e-2, fp32 <= 1e-5), bitwise equal to the
-  chain of before, the same expert load."""
+  chain of before, the same expert load. Both router_segments programs (KernelCalls.moe_router_scatter)."""
   cfg = DEMO
   p = layer_params(0, cfg, dtype)
   x = jax.random.normal(jax.random.key(1), (1, t, cfg.hidden_size), jnp.float32).astype(dtype)
   live_rows = None if live is None else jnp.asarray(live, jnp.int32)
   kw = dict(routed_limit=0.5, shared_limit=0.7, router_fp32=False, live_rows=live_rows, return_load=True)
   layer = lambda kernels: lambda p, x: moe_layer(p, x, cfg, kernels=kernels, **kw)
-  assert pallas_names(layer(TABLES), p, x) == ["router_segments", "moe_up_swiglu", "moe_down"]
+  assert pallas_names(layer(tables), p, x) == ["router_segments", "moe_up_swiglu", "moe_down"]
   assert pallas_names(layer(BEFORE), p, x) == ["router_scores", "router_topk", "moe_up_swiglu", "moe_down"]
-  y, load = layer(TABLES)(p, x)
+  y, load = layer(tables)(p, x)
   ref, ref_load = layer(None)(p, x)
   old, old_load = layer(BEFORE)(p, x)
   assert y.shape == x.shape and y.dtype == dtype
@@ -222,12 +228,12 @@ OUTSIDE = {"stablehlo.dot_general": 3, "stablehlo.convert": 11, "stablehlo.negat
            "stablehlo.maximum": 1, "stablehlo.slice": 1, "stablehlo.reduce": 1}
 
 
-@pytest.mark.parametrize("t", [1, 6, 17])
-def test_demo_moe_pass_has_no_alignment_glue(t):
+@pytest.mark.parametrize("t,scatter", [(1, False), (6, False), (17, False), (1, True), (6, True), (17, True)])
+def test_demo_moe_pass_has_no_alignment_glue(t, scatter):
   """In the jaxpr of the pass, no primitive between the router and the up kernel (before: the XLA alignment),
   and no gather / scatter / sort anywhere; lowered for CUDA: router, up, down, and only the shared expert's and
-  the combine's ops outside them."""
-  layer, args = demo_layer_pass(KernelCalls(moe_router_tables=True), t)
+  the combine's ops outside them. Both router_segments programs."""
+  layer, args = demo_layer_pass(KernelCalls(moe_router_tables=True, moe_router_scatter=scatter), t)
   eqns = flat_eqns(jax.make_jaxpr(layer)(*args).jaxpr)
   assert glue_per_pass(eqns) == [[]]
   assert not {"gather", "scatter", "scatter-add", "sort"} & {e[0] for e in eqns}
@@ -241,6 +247,18 @@ def test_demo_moe_pass_has_no_alignment_glue(t):
   outside = {k: v for k, v in ops.items() if k not in ("stablehlo.custom_call", "stablehlo.reshape",
                                                         "stablehlo.constant", "stablehlo.broadcast_in_dim")}
   assert outside == OUTSIDE, outside
+
+
+@pytest.mark.parametrize("segments", ["onehot", "scatter"])
+def test_route_segments_lowers_for_cuda_from_scores_and_with_live_rows(segments):
+  """The programs' CUDA lowering where the demo's passes do not reach: E = 64 (router_scores first, the
+  program reads its scores) with live rows, and the demo's one-launch program with live rows at T = 6."""
+  rc = R.RouterConfig(block_e=16, block_k=64, segments=segments)
+  for cfg, t, kernels in ((WIDE, 6, ["router_scores", "router_segments"]), (DEMO, 6, ["router_segments"])):
+    d, e = cfg.hidden_size, cfg.num_experts
+    f = lambda x, g, b, lr: RS.route_segments(x, g, b, lr, **route_kw(cfg), has_shared=True, rows_per_seq=3, config=rc)
+    text = lower_cuda(f, S((t, d), BF), S((e, d), BF), S((e,), jnp.float32), S((2,), jnp.int32))
+    assert [n for n in re.findall(r'name = "(\w+)"', text) if n.startswith("router")] == kernels
 
 
 @pytest.mark.parametrize("mode,passes", [("plain", 7), ("nextn", 12)])
