@@ -76,6 +76,32 @@ def test_leading_axes_quantise_each_matrix_alone():
     assert quant.dense(w, jnp.bfloat16) is w                # dense weights pass through untouched
 
 
+def test_activations_quantise_per_row_and_128_column_group():
+    """quantize_activations: a Python loop over each row's 128-column groups (ragged last group, an all-zero
+    group) as the oracle; fake_quantize_activations is the dequantised round trip in x's dtype."""
+    x = np.array(jax.random.normal(jax.random.key(2), (3, 300), jnp.float32))
+    x[0, :128] *= 100.0                                     # groups with very different ranges
+    x[1, 128:256] = 0.0                                     # an all-zero group
+    x = x.astype(ml_dtypes.bfloat16)
+    q = quant.quantize_activations(jnp.asarray(x))
+    assert q.x8.dtype == jnp.float8_e4m3fn and q.x8.shape == (3, 300) and q.scale.shape == (3, 3)
+    for t in range(3):
+        for g in range(3):
+            grp = x[t, g * 128:(g + 1) * 128].astype(np.float32)
+            want_s = np.abs(grp).max() / np.float32(448.0)
+            np.testing.assert_allclose(np.asarray(q.scale[t, g]), want_s, rtol=2.5e-7)
+            got8 = np.asarray(q.x8[t, g * 128:(g + 1) * 128], np.float32)
+            want8 = (grp / want_s).astype(E4M3).astype(np.float32) if want_s > 0 else np.zeros_like(grp)
+            assert np.mean(got8 != want8) < 2e-2 and np.all(np.abs(got8 - want8) <= np.abs(want8) * 2.0**-3)
+    assert np.all(np.asarray(q.x8, np.float32)[1, 128:256] == 0) and float(q.scale[1, 1]) == 0.0
+    fq = quant.fake_quantize_activations(jnp.asarray(x))
+    assert fq.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(fq), np.asarray(quant.dequantize_activations(q, jnp.bfloat16)))
+    xf, fqf = x.astype(np.float32), np.asarray(fq, np.float32)
+    scale = np.repeat(np.asarray(q.scale), 128, axis=1)[:, :300]
+    assert np.all(np.abs(fqf - xf) <= np.maximum(np.abs(xf) * 2.0**-4, scale * 2.0**-9) * 1.01)
+
+
 def test_policy_follows_deepseek_skip_list():
     spec = param_spec(get_preset("test-tiny"))
     picked = {n for n, e in spec.items() if quant.fp8_policy(n, e.shape)}
