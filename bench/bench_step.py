@@ -53,7 +53,7 @@ from compile.stages import Program, slice_config
 from ling_jax.aliased_step import AliasedStep
 from ling_jax.config import get_preset
 from ling_jax.draft_vocab import with_draft_vocab
-from ling_jax.kernel_calls import kernel_calls
+from ling_jax.kernel_calls import MOE_FP8_SCHEMES, kernel_calls
 from ling_jax.model import RuntimeOptions
 from ling_jax.sampling import SamplingOptions, TokenHistory
 from ling_jax import quant
@@ -364,7 +364,9 @@ def programs(a, cfg, mesh, rules, kernels, fused: tuple[bool, bool] = (False, Tr
     calls = (kernel_calls(kernels, kda_impl=a.kda_impl, fused_linear=fused[0], fused_linear_fp8=fused[1],
                           p2p_allreduce=a.p2p_allreduce,
                           moe_router_tables=a.moe_router_tables, moe_router_norm=a.moe_router_norm,
-                          moe_router_scatter=a.moe_router_scatter, mla_live_prefix=a.mla_live_prefix)
+                          moe_router_scatter=a.moe_router_scatter,
+                          mla_live_prefix=a.mla_live_prefix, moe_fp8_scheme=a.moe_fp8_scheme,
+                          moe_n_tokens=a.moe_n_tokens)
              if kernels != "reference" else None)
     opts = kernel_calls_for(RuntimeOptions(kernels=calls), mesh, rules)
     nextn = [int(k) for k in a.steps.split(",")]
@@ -485,6 +487,11 @@ def main():
     ap.add_argument("--p2p-allreduce", action="store_true", help="KernelCalls.p2p_allreduce=True (--tp >= 2): each "
                     "MoE layer's all-reduce + residual add + next RMSNorm as one peer-to-peer Mosaic kernel instead "
                     "of psum (shapes the kernel rejects stay on psum)")
+    ap.add_argument("--moe-fp8-scheme", default="weight", choices=MOE_FP8_SCHEMES, help="KernelCalls.moe_fp8_scheme: "
+                    "what the fp8 MoE kernel's steps do with their e4m3 tiles (w8a8: fp8 activations too; wants "
+                    "--moe-n-tokens 16)")
+    ap.add_argument("--moe-n-tokens", type=int, default=64, help="KernelCalls.moe_n_tokens: the Mosaic MoE's token "
+                    "columns (16, 32 or a multiple of 64)")
     ap.add_argument("--baseline-fused-linear", action="store_true", help="also time the steps with fused_linear "
                     "and fused_linear_fp8 both flipped (the fused projections against XLA's; same kernels otherwise) in "
                     "the same run, as the baseline")
@@ -560,7 +567,9 @@ def run_all(a, cfg, tp, mesh, rules):
     extra.update(kernels=a.kernels, fused_linear=fused, fused_linear_fp8=a.fused_linear_fp8,
                  p2p_allreduce=a.p2p_allreduce,
                  moe_router_tables=a.moe_router_tables, moe_router_norm=a.moe_router_norm,
-                 moe_router_scatter=a.moe_router_scatter, mla_live_prefix=a.mla_live_prefix, tree=tree_of(a.tree),
+                 moe_router_scatter=a.moe_router_scatter,
+                 mla_live_prefix=a.mla_live_prefix, moe_fp8_scheme=a.moe_fp8_scheme, moe_n_tokens=a.moe_n_tokens,
+                 tree=tree_of(a.tree),
                  multi_step=a.multi_step, reps=a.reps)
     prefix = "step" + ("-" + os.path.basename(os.path.normpath(a.model)) if a.model else "") + f"-kda{a.kda_impl}"
     prefix += (f"-{a.quantization}" if a.quantization else "") + ("-fl" if fused else "")
@@ -570,6 +579,8 @@ def run_all(a, cfg, tp, mesh, rules):
     prefix += "-rnorm" if a.moe_router_norm else ""
     prefix += "-rscat" if a.moe_router_scatter else ""
     prefix += "-live" if a.mla_live_prefix else ""
+    prefix += "" if a.moe_fp8_scheme == "weight" else f"-moe{a.moe_fp8_scheme}"
+    prefix += "" if a.moe_n_tokens == 64 else f"-n{a.moe_n_tokens}"
     kept = None
     os.makedirs(a.out, exist_ok=True)
     write(a.out, prefix + a.tag, rows, extra, device)  # the plan and ceiling survive a crash of the first step

@@ -62,7 +62,7 @@ QUICK = dict(cases="kda,mla,dense", configs="e4m3 1cta,e4m3 2cta")
 
 def quantised(h):
   """The activations the e4m3 kernel multiplies: the model's dynamic quantisation, dequantised (bf16)."""
-  return quant.dequantize_activations(*quant.quantize_activations(h), BF)
+  return quant.dequantize_activations(quant.quantize_activations(h), BF)
 
 
 def model_fn(projs, activations=lambda h: h):

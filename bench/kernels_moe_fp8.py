@@ -3,12 +3,19 @@ bf16 Mosaic kernel (moe_mosaic.moe) on the same weights dequantised, from the sa
 
   python3 -m bench.kernels_moe_fp8 --out $OUT        (GPU; writes kernels-moe-fp8-<device>-<date>.json)
 
-First a check on the GPU: each fp8 variant against the model's own MoE math on the dequantised weights
-(ling_jax.layers.moe.routed_experts + dense_mlp), rel err <= 1e-2, and token 0 bit-identical alone and in the
-batch; a failed check exits non-zero before anything is timed. Then per T in (1, 6, 17): 16 input sets, each
-routed to other experts of 3 GB of fp8 expert weights (cold: > 60 MB L2), timed by bench_kernels.timeit (chained
-calls) and kernels_moe_mosaic.loop_time (one compiled loop). fp8 bytes = (distinct experts + shared) x 3 x I x D
-(+ their scales); fraction = bytes / 4.3 TB/s / time. The bf16 row reads twice the bytes.
+VARIANTS: what each pipeline step does with its e4m3 tile (MosaicMoeConfig's fp8 fields): dequantise in SMEM or
+registers (the model's dequantised weight), the scale on the fp32 partial, the integer convert ("bits"), and
+w8a8 (fp8_activations: x quantised per token and 128 columns by ling_jax.quant.quantize_activations inside the
+timed call, e4m3 x e4m3 wgmma). First a check on the GPU at each T: each variant against its reference, rel err
+<= 1e-2, and token 0 bit-identical alone and in the batch; a variant that fails the check exits non-zero before
+anything is timed, one that does not compile is reported and dropped. References: the model's own MoE math on the
+dequantised weights (ling_jax.layers.moe.routed_experts + dense_mlp); for w8a8 the model's MoE with its activations
+through quant.fake_quantize_activations (moe_experts(fp8_activations=True), f32 activations and matmuls, so that
+it is the same quantised math), whose distance to the bf16 model is printed too (what w8a8 costs).
+Timing: T = 6 for every variant, then T = 1 and 17 for the TOP fastest at T = 6; per T 16 input sets, each routed
+to other experts of 3 GB of fp8 expert weights (cold: > 60 MB L2), timed by bench_kernels.timeit (chained calls,
+profiler span) and kernels_moe_mosaic.loop_time (one compiled loop). fp8 bytes = (distinct experts + shared) x 3 x
+I x D (+ their scales); fraction = bytes / 4.3 TB/s / loop time. The bf16 row reads twice the bytes.
 """
 from __future__ import annotations
 
@@ -23,7 +30,7 @@ import numpy as np
 from bench import bench_kernels as bk
 from bench.kernels_moe_mosaic import loop_time
 from ling_jax import quant
-from ling_jax.layers.moe import dense_mlp, routed_experts
+from ling_jax.layers.moe import dense_mlp, moe_experts, routed_experts
 from pallas_kernels import moe_mosaic as mm
 from pallas_kernels.moe_mosaic_fp8 import moe_fp8
 
@@ -31,8 +38,29 @@ BF, F32 = jnp.bfloat16, jnp.float32
 D, E, I, A = 2560, 512, 768, 8
 LIMIT, SHARED_LIMIT = 4.0, 5.0
 PEAK = 4.3e12
-VARIANTS = [("fp8 smem", mm.MosaicMoeConfig(fp8_operand="smem")),
-            ("fp8 registers", mm.MosaicMoeConfig(fp8_operand="registers"))]
+C = mm.MosaicMoeConfig
+REG = dict(fp8_operand="registers")
+W8A8 = dict(fp8_activations=True, block_i=128)
+small_n = lambda t: 16 if t <= 16 else 32   # w8a8's four [128, N] fp32 accumulators want few token columns
+# (name, config for T tokens)
+VARIANTS = [("fp8 smem", lambda t: C(fp8_operand="smem")),
+            ("fp8 registers", lambda t: C(**REG)),
+            ("fp8 registers bits", lambda t: C(**REG, fp8_convert="bits")),
+            ("fp8 partial registers", lambda t: C(**REG, fp8_scale_on="partial")),
+            ("fp8 partial-bits registers", lambda t: C(**REG, fp8_scale_on="partial", fp8_convert="bits")),
+            ("fp8 partial-bits registers n16", lambda t: C(**REG, fp8_scale_on="partial", fp8_convert="bits",
+                                                           n_tokens=small_n(t))),
+            ("w8a8", lambda t: C(**W8A8, n_tokens=small_n(t))),
+            ("w8a8 deep ks6", lambda t: C(**W8A8, n_tokens=small_n(t), up_stages=5, split_k=6, down_stages=8))]
+TOP = 3   # variants timed at T = 1 and 17 too
+
+
+def kernel_fn(cfg):
+  """The timed call: x bf16 [T, D] -> [T, D] bf16 (w8a8: the activation quantisation included)."""
+  def f(x, i_, w, wg, wu, wd, sh):
+    xin = tuple(quant.quantize_activations(x)) if cfg.fp8_activations else x
+    return moe_fp8(xin, i_, w, wg, wu, wd, shared=sh, limit=LIMIT, shared_limit=SHARED_LIMIT, config=cfg)
+  return f
 
 
 def reference(x, ids, w, wg, wu, wd, sh):
@@ -40,6 +68,14 @@ def reference(x, ids, w, wg, wu, wd, sh):
   y = routed_experts(x, ids, w, wg, wu, wd, LIMIT)
   mlp = {"gate_proj": sh[0], "up_proj": sh[1], "down_proj": sh[2]}
   return (y + dense_mlp(mlp, x, SHARED_LIMIT).astype(F32)).astype(x.dtype)
+
+
+def reference_w8a8(x, ids, w, wg, wu, wd, sh):
+  """The model's MoE with fp8 activations (the same quantised x and h as the kernel), f32 activations and matmuls."""
+  with jax.default_matmul_precision("highest"):
+    y = moe_experts(x.astype(F32), ids, w, wg, wu, wd, limit=LIMIT, shared=sh, shared_limit=SHARED_LIMIT,
+                    fp8_activations=True)
+  return y.astype(x.dtype)
 
 
 def weights(key):
@@ -59,37 +95,44 @@ def input_sets(key, t, n):
   return out
 
 
-def check(fp8, sh, sets, variants):
-  """Each variant vs the dequantised reference on the GPU: exits on a mismatch; a variant that does not
-  compile is reported and dropped (the others still run). Returns the variants that passed."""
+def check(fp8, sh, sets, variants, t):
+  """Each variant vs its reference on the GPU: exits on a mismatch; a variant that does not compile is reported
+  and dropped (the others still run). Returns the variants that passed."""
   x, ids, w = sets[0]
-  ref = reference(x, ids, w, *fp8, sh)
+  refs = {}
   passed = []
-  for name, cfg in variants:
-    f = lambda x, i_, w: moe_fp8(x, i_, w, *fp8, shared=sh, limit=LIMIT, shared_limit=SHARED_LIMIT, config=cfg)
+  for name, make_cfg in variants:
+    cfg = make_cfg(t)
+    kind = "w8a8" if cfg.fp8_activations else "dequantised"
+    if kind not in refs:
+      refs[kind] = (reference_w8a8 if cfg.fp8_activations else reference)(x, ids, w, *fp8, sh)
+    f = jax.jit(kernel_fn(cfg))
     try:
-      out, alone = f(x, ids, w), f(x[:1], ids[:1], w[:1])
+      out, alone = f(x, ids, w, *fp8, sh), f(x[:1], ids[:1], w[:1], *fp8, sh)
     except Exception as ex:  # noqa: BLE001  (report the compiler's message, keep the run)
-      print(f"FAILED to run {name} T={x.shape[0]}: {type(ex).__name__}: {str(ex)[:1500]}", flush=True)
+      print(f"FAILED to run {name} T={t}: {type(ex).__name__}: {str(ex)[:1500]}", flush=True)
       continue
-    err = bk.rel(out, ref)
+    err = bk.rel(out, refs[kind])
     inv = np.array_equal(np.asarray(out[:1], np.float32), np.asarray(alone, np.float32))
-    print(f"check T={x.shape[0]} {name}: rel err {err:.2e}, batch invariant {inv}", flush=True)
+    extra = ""
+    if kind == "w8a8":
+      refs.setdefault("dequantised", reference(x, ids, w, *fp8, sh))
+      extra = f", vs the bf16 model {bk.rel(out, refs['dequantised']):.2e}"
+    print(f"check T={t} {name}: rel err {err:.2e} vs its reference{extra}, batch invariant {inv}", flush=True)
     if not err <= 1e-2 or not inv:
-      raise SystemExit(f"CHECK FAILED: {name} T={x.shape[0]} rel err {err:.3e} (<= 1e-2), batch invariant {inv}")
-    passed.append((name, cfg))
+      raise SystemExit(f"CHECK FAILED: {name} T={t} rel err {err:.3e} (<= 1e-2), batch invariant {inv}")
+    passed.append((name, make_cfg))
   return passed
 
 
-def bench(rows, key, nsets=16):
+def bench(rows, key, variants, nsets=16):
   fp8, sh = weights(key)
   deq = lambda ws: tuple(quant.dequantize(q, BF) for q in ws)
   bf16, sh_bf16 = deq(fp8), deq(sh)
   chain = lambda prev, s: (prev,) + s[1:]
-  variants = VARIANTS
   for t in (6, 1, 17):
     sets = input_sets(key, t, nsets)
-    variants = check(fp8, sh, sets, variants)
+    variants = check(fp8, sh, sets, variants, t)
     distinct = float(np.mean([len(np.unique(np.asarray(s[1]))) for s in sets]))
     scale_bytes = 4 * sum(int(np.prod(q.scale_inv.shape[1:])) for q in fp8)
     fp8_bytes = (distinct + 1) * (3 * I * D + scale_bytes) + 2 * t * D * 2
@@ -98,32 +141,39 @@ def bench(rows, key, nsets=16):
                                                      shared_limit=SHARED_LIMIT)
     t_bf16 = loop_time(bf16_f, sets, (*bf16, sh_bf16))
     runs = [("bf16 mosaic (dequantised weights)", bf16_f, (*bf16, sh_bf16), bf16_bytes)]
-    runs += [(name, lambda x, i_, w, wg, wu, wd, sh, cfg=cfg: moe_fp8(
-        x, i_, w, wg, wu, wd, shared=sh, limit=LIMIT, shared_limit=SHARED_LIMIT, config=cfg), (*fp8, sh), fp8_bytes)
-             for name, cfg in variants]
+    runs += [(name, kernel_fn(make_cfg(t)), (*fp8, sh), fp8_bytes) for name, make_cfg in variants]
+    loop_us = {}
     for name, f, consts, nbytes in runs:
       tl = t_bf16 if name.startswith("bf16") else loop_time(f, sets, consts)
       tc = bk.timeit(f, sets, consts, chain=chain)
+      loop_us[name] = tl
       rows.append(dict(name=f"moe T={t} {name}", time_us=tc, loop_time_us=tl, bytes=nbytes,
                        fraction_of_4p3=nbytes / PEAK / (tl * 1e-6), bf16_loop_time_us=t_bf16,
                        speedup_vs_bf16=t_bf16 / tl, distinct_experts=distinct, nsets=nsets))
       print(rows[-1], flush=True)
+    if t == 6:  # T = 1 and 17 for the fastest few only (the bench's time)
+      variants = sorted(variants, key=lambda v: loop_us[v[0]])[:TOP]
+      print(f"T = 1, 17: {[v[0] for v in variants]}", flush=True)
 
 
 def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--out", default=os.environ.get("OUT") or "bench/results")
+  ap.add_argument("--variants", default="", help="comma-separated VARIANTS names to run (default: all)")
   args = ap.parse_args()
   if jax.default_backend() != "gpu":
     raise SystemExit("bench.kernels_moe_fp8 times the Mosaic GPU kernel: run it on a GPU")
+  variants = [v for v in VARIANTS if not args.variants or v[0] in args.variants.split(",")]
   ceiling = bk.hbm_ceiling()
   rows = [dict(name="hbm ceiling (start of run)", bw_bytes_per_s=ceiling.bytes_per_s)]
-  bench(rows, jax.random.key(0))
-  path = bk.write_result(args.out, "kernels-moe-fp8", rows, ceiling)
-  print(f"\nwrote {path}\n{'name':46s} {'us':>8s} {'loop_us':>8s} {'MB':>7s} {'frac4.3':>7s} {'vs bf16':>7s}")
-  for r in rows[1:]:
-    print(f"{r['name']:46s} {r['time_us']:8.1f} {r['loop_time_us']:8.1f} {r['bytes'] / 1e6:7.1f} "
-          f"{r['fraction_of_4p3']:7.2f} {r['speedup_vs_bf16']:7.2f}")
+  try:
+    bench(rows, jax.random.key(0), variants)
+  finally:  # what was measured before a failed check (at T = 1 or 17) is kept
+    path = bk.write_result(args.out, "kernels-moe-fp8", rows, ceiling)
+    print(f"\nwrote {path}\n{'name':52s} {'us':>8s} {'loop_us':>8s} {'MB':>7s} {'frac4.3':>7s} {'vs bf16':>7s}")
+    for r in rows[1:]:
+      print(f"{r['name']:52s} {r['time_us']:8.1f} {r['loop_time_us']:8.1f} {r['bytes'] / 1e6:7.1f} "
+            f"{r['fraction_of_4p3']:7.2f} {r['speedup_vs_bf16']:7.2f}")
 
 
 if __name__ == "__main__":

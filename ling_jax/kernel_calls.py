@@ -68,6 +68,7 @@ from pallas_kernels import router_segments as _router_segments
 
 CHOICES = ("auto", "pallas", "reference", "interpret")
 MOE_IMPLS = ("auto", "mosaic", "triton")
+MOE_FP8_SCHEMES = ("weight", "partial", "partial-bits", "w8a8")
 KDA_IMPLS = ("chain", "verify")
 
 
@@ -176,6 +177,14 @@ class KernelCalls:
       HBM on every step (XLA keeps no dequantised copy: 63 us a KDA layer at Ling size), so the fp8 kernel is the
       default. Full Ling-3.0-flash in fp8 on one H200 (bench/results/step-kdaverify-fp8-fl-h200x1-2026-12-02.json,
       same run): plain 8800 -> 6555 us, NEXTN5 16220 -> 14154 us. One device only, as fused_linear.
+    moe_fp8_scheme: what each pipeline step of the fp8-weight Mosaic MoE (moe_mosaic_fp8) does with its e4m3
+      tile (moe_mosaic.MosaicMoeConfig's fp8 fields over moe_tiles): "weight" (dequantise bf16(f32(w8) * s), bf16
+      wgmma: the model's dequantised weight), "partial" (convert only, s times each step's fp32 partial: the exact
+      block product), "partial-bits" (the same with the convert in integer ops, no PTX cvt) or "w8a8" (x
+      quantised per token and 128 columns by quant.quantize_activations, e4m3 x e4m3 wgmma, h quantised the same
+      way in the up kernel: the model's MoE with fp8 activations, moe_experts(fp8_activations=True), not the bf16
+      model's; block_i 128; wants moe_n_tokens 16 or 32: four [128, N] fp32 accumulators per thread group).
+      "weight" by default: the others have not run on the GPU yet (bench/kernels_moe_fp8.py is the A/B).
     fp8_linear_scale: where the fp8 kernel applies the block scale: "partial" (on each K step's fp32 partial: the
       exact block product, one wgmma wait per step) or "weight" (on the weight before its bf16 rounding: the model's
       quant.dense weight, one wgmma group in flight); H200 2026-12-02: both 0.28-0.33 of the ceiling (KDA 44 us,
@@ -203,6 +212,7 @@ class KernelCalls:
     fused_linear_fp8: bool = True
     p2p_allreduce: bool = False
     fp8_linear_scale: str = "partial"
+    moe_fp8_scheme: str = "weight"
 
     def __post_init__(self):
         if self.p2p_allreduce and self.interpret:
@@ -214,6 +224,11 @@ class KernelCalls:
             raise ValueError("moe_tiles with interpret: the interpreter runs its own test tiles (interpret=True)")
         if self.moe_n_tokens not in (16, 32) and (self.moe_n_tokens <= 0 or self.moe_n_tokens % 64):
             raise ValueError(f"moe_n_tokens={self.moe_n_tokens} must be 16, 32 or a multiple of 64")
+        if self.moe_fp8_scheme not in MOE_FP8_SCHEMES:
+            raise ValueError(f"moe_fp8_scheme={self.moe_fp8_scheme!r} not in {MOE_FP8_SCHEMES}")
+        if self.moe_fp8_scheme == "w8a8" and self.moe_tiles is not None and self.moe_tiles.block_i != 128:
+            raise ValueError(f"moe_fp8_scheme='w8a8' quantises h per 128 rows of I in one CTA: moe_tiles.block_i="
+                             f"{self.moe_tiles.block_i} must be 128")
         if self.moe_impl not in MOE_IMPLS:
             raise ValueError(f"moe_impl={self.moe_impl!r} not in {MOE_IMPLS}")
         if self.kda_impl not in KDA_IMPLS:
@@ -360,13 +375,28 @@ class KernelCalls:
 
     def _fp8_mosaic(self, x, experts, shared) -> bool:
         """Whether the fp8-weight Mosaic kernel serves this call: every weight block fp8, the bf16 Mosaic kernel's
-        tiles fit (moe_kernel), and the shared expert rides as slot P (its width equals I)."""
+        tiles fit (moe_kernel) and so do moe_fp8_scheme's (w8a8: block_i 128), and the shared expert rides as slot
+        P (its width equals I)."""
         weights = list(experts) + list(shared or ())
         if self.interpret or not all(isinstance(w, Fp8Weight) for w in weights):
             return False
         if shared is not None and shared[0].shape[0] != experts[0].shape[1]:
             return False
+        _, i, d = experts[0].shape
+        try:
+            self._fp8_moe_config(x.shape[0], experts[0]).check(x.shape[0], d, i)
+        except ValueError:
+            return False
         return self.moe_kernel(x, experts[0]) == "mosaic"
+
+    def _fp8_moe_config(self, t: int, w_gate):
+        """The fp8 Mosaic MoE's config: the Mosaic tiles (moe_tiles, moe_n_tokens) with moe_fp8_scheme's fields."""
+        cfg = self._mosaic_moe_config(t, w_gate)
+        fields = dict(weight={}, partial=dict(fp8_scale_on="partial"),
+                      **{"partial-bits": dict(fp8_scale_on="partial", fp8_convert="bits"),
+                         "w8a8": dict(fp8_activations=True, block_i=128, fp8_operand="smem", fp8_scale_on="weight",
+                                      fp8_convert="cvt")})
+        return dataclasses.replace(cfg, **fields[self.moe_fp8_scheme])
 
     def moe(self, x, ids, weights, w_gate, w_up, w_down, *, limit: float, shared, shared_limit: float):
         """fp8 weights (quant.Fp8Weight): the fp8 Mosaic kernel where it applies, else the bf16 kernels on the
@@ -384,8 +414,10 @@ class KernelCalls:
     def _moe_kernels(self, x, ids, weights, w_gate, w_up, w_down, *, limit: float, shared, shared_limit: float):
         """The kernel call itself (the shared expert, if any, of width I)."""
         if self._fp8_mosaic(x, (w_gate, w_up, w_down), shared):
-            out = _moe_mosaic_fp8.moe_fp8(x, ids, weights, w_gate, w_up, w_down, limit=limit, shared=shared,
-                                          shared_limit=shared_limit)
+            cfg = self._fp8_moe_config(x.shape[0], w_gate)
+            xq = tuple(quant.quantize_activations(x)) if cfg.fp8_activations else x
+            out = _moe_mosaic_fp8.moe_fp8(xq, ids, weights, w_gate, w_up, w_down, limit=limit, shared=shared,
+                                          shared_limit=shared_limit, config=cfg)
             return out.astype(jnp.float32)
         w_gate, w_up, w_down = (dense(w, x.dtype) for w in (w_gate, w_up, w_down))
         shared = None if shared is None else tuple(dense(w, x.dtype) for w in shared)

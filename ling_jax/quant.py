@@ -36,7 +36,8 @@ BLOCK = 128
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0  # jnp.finfo(float8_e4m3fn).max
 QUANTIZATIONS = ("fp8",)
-ACTIVATION_SCHEMES = ("dynamic",)  # activations stay bf16 here; "static" would ship input scales we do not use
+ACTIVATION_SCHEMES = ("dynamic",)  # activations stay bf16 here (but for the MoE's opt-in w8a8 kernel, which
+# quantises them dynamically: quantize_activations); "static" would ship input scales we do not use
 SCALE_SUFFIX = "_scale_inv"
 NOT_QUANTISED = ("lm_head.weight", ".mlp.gate.weight", ".eh_proj.weight", "word_embeddings.weight")
 
@@ -59,63 +60,78 @@ def scale_shape(shape: tuple[int, ...], block: int = BLOCK) -> tuple[int, ...]:
 
 
 def _blocks(w, block):
-    """[..., N, K] -> zero-padded [..., nN, B, nK, B] (zeros never raise a block's amax)."""
+    """[..., N, K] -> zero-padded [..., nN, bn, nK, bk] for block = (bn, bk) (zeros never raise a block's amax)."""
     *lead, n, k = w.shape
-    nn, nk = scale_shape(w.shape, block)[-2:]
-    pad = [(0, 0)] * len(lead) + [(0, nn * block - n), (0, nk * block - k)]
-    return jnp.pad(w, pad).reshape(*lead, nn, block, nk, block)
+    bn, bk = block
+    nn, nk = -(-n // bn), -(-k // bk)
+    pad = [(0, 0)] * len(lead) + [(0, nn * bn - n), (0, nk * bk - k)]
+    return jnp.pad(w, pad).reshape(*lead, nn, bn, nk, bk)
 
 
 def _expand(scale, shape, block):
     """scale [..., nN, nK] -> [..., N, K]: each block's scale repeated over its elements (ragged edges cropped)."""
     n, k = shape[-2:]
-    s = jnp.repeat(jnp.repeat(scale, block, axis=-2), block, axis=-1)
+    s = jnp.repeat(jnp.repeat(scale, block[0], axis=-2), block[1], axis=-1)
     return s[..., :n, :k]
+
+
+def _quantize(w, block):
+    """w [..., N, K] -> (w8, scale [..., ceil(N / bn), ceil(K / bk)]) for blocks block = (bn, bk)."""
+    wf = w.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(_blocks(wf, block)), axis=(-3, -1))  # [..., nN, nK]
+    scale = amax / FP8_MAX
+    safe = jnp.where(scale > 0, scale, 1.0)  # all-zero block: W / 1 = 0 (not 0 / 0)
+    return (wf / _expand(safe, w.shape, block)).astype(FP8), scale
 
 
 @jax.jit
 def quantize(w) -> Fp8Weight:
     """w [..., N, K] (bf16 / f32) -> Fp8Weight, one scale per 128 x 128 block of the last two axes."""
-    wf = w.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(_blocks(wf, BLOCK)), axis=(-3, -1))  # [..., nN, nK]
-    scale = amax / FP8_MAX
-    safe = jnp.where(scale > 0, scale, 1.0)  # all-zero block: W / 1 = 0 (not 0 / 0)
-    w8 = (wf / _expand(safe, w.shape, BLOCK)).astype(FP8)
-    return Fp8Weight(w8, scale)
+    return Fp8Weight(*_quantize(w, (BLOCK, BLOCK)))
 
 
 def dequantize(q: Fp8Weight, dtype=jnp.bfloat16) -> jax.Array:
     """W = f32(W8) * repeat(scale_inv), rounded once to dtype."""
-    s = _expand(q.scale_inv.astype(jnp.float32), q.w8.shape, BLOCK)
+    s = _expand(q.scale_inv.astype(jnp.float32), q.w8.shape, (BLOCK, BLOCK))
     return (q.w8.astype(jnp.float32) * s).astype(dtype)
+
+
+# ---- activations: dynamic per-token block fp8 (the checkpoint's activation_scheme "dynamic") --------------------
+#
+# What SGLang / DeepGEMM run for DeepSeek-style block-fp8 checkpoints (w8a8): each row (token) of an activation
+# [..., K] is cut into 128-column groups g, and each group takes its own scale when the GEMM runs:
+#     s[g] = amax |x[g B:(g+1) B]| / 448        x8 = round_e4m3(x / s)        x ~ x8 * s
+# (ragged last group as the weights'; an all-zero group gets s = 0 and x8 = 0). The bf16 model does not do this:
+# it is the numerics of the MoE kernel's fp8_activations form (pallas_kernels/moe_mosaic.py), and the model's jnp
+# MoE with its activations through fake_quantize_activations is that kernel's reference.
+
+
+class Fp8Activations(NamedTuple):
+    """Activations quantised per row and 128-column group: x8 [..., T, K] float8_e4m3fn, scale [..., T, nK] f32."""
+
+    x8: jax.Array
+    scale: jax.Array
+
+
+@jax.jit
+def quantize_activations(x) -> Fp8Activations:
+    """x [..., T, K] (bf16 / f32) -> Fp8Activations: quantize's math on 1 x 128 blocks (a scale per row and group)."""
+    return Fp8Activations(*_quantize(x, (1, BLOCK)))
+
+
+def dequantize_activations(q: Fp8Activations, dtype=jnp.bfloat16) -> jax.Array:
+    """x = f32(x8) * repeat(scale) over each group, rounded once to dtype."""
+    return (q.x8.astype(jnp.float32) * _expand(q.scale.astype(jnp.float32), q.x8.shape, (1, BLOCK))).astype(dtype)
+
+
+def fake_quantize_activations(x):
+    """x through the dynamic activation fp8 and back, in x's dtype: what an e4m3 x e4m3 GEMM sees of x."""
+    return dequantize_activations(quantize_activations(x), x.dtype)
 
 
 def dense(w, dtype):
     """A weight as the dense array its einsum takes: dequantised to `dtype` when fp8, else unchanged."""
     return dequantize(w, dtype) if isinstance(w, Fp8Weight) else w
-
-
-def quantize_activations(x) -> tuple[jax.Array, jax.Array]:
-    """Dynamic activation quantisation (the checkpoint's activation_scheme "dynamic", DeepSeek-V3's act_quant):
-    per row, per 128-column group g of the last axis,
-        s_x[..., g] = amax |x[..., g]| / 448          x8 = e4m3(x / s_x)          x ~ x8 * s_x
-    x [..., K] (bf16 / f32) -> (x8 [..., K] float8_e4m3fn, s_x [..., ceil(K / 128)] f32). An all-zero group gets
-    s_x = 0 and x8 = 0 (as `quantize`). What an e4m3 x e4m3 wgmma reads: both of its operands are fp8 on Hopper."""
-    xf = x.astype(jnp.float32)
-    *lead, k = x.shape
-    groups = -(-k // BLOCK)
-    g = jnp.pad(xf, [(0, 0)] * len(lead) + [(0, groups * BLOCK - k)]).reshape(*lead, groups, BLOCK)
-    scale = jnp.max(jnp.abs(g), axis=-1) / FP8_MAX
-    safe = jnp.where(scale > 0, scale, 1.0)
-    x8 = (g / safe[..., None]).astype(FP8).reshape(*lead, groups * BLOCK)[..., :k]
-    return x8, scale
-
-
-def dequantize_activations(x8, scale, dtype=jnp.float32) -> jax.Array:
-    """x8 * s_x per 128-column group (f32 product, one rounding to dtype): the activations an e4m3 wgmma sees."""
-    k = x8.shape[-1]
-    s = jnp.repeat(scale, BLOCK, axis=-1)[..., :k]
-    return (x8.astype(jnp.float32) * s).astype(dtype)
 
 
 def take(w, ids):
@@ -248,5 +264,6 @@ def stored_fp8(spec: dict, where: dict, qcfg: Fp8Config | None, model_dir: str) 
 
 
 __all__ = ["Fp8Weight", "Fp8Config", "quantize", "dequantize", "dense", "take", "quantize_numpy", "abstract",
-           "random_fp8", "nbytes", "fp8_policy", "quantize_activations", "dequantize_activations",
+           "Fp8Activations", "quantize_activations", "dequantize_activations", "fake_quantize_activations",
+           "random_fp8", "nbytes", "fp8_policy",
            "can_be_fp8", "quantization_config", "read_quantization_config", "stored_fp8", "scale_shape", "BLOCK"]

@@ -11,16 +11,27 @@ Math: moe_mosaic's with W = bf16(f32(W8) * s) per 128 x 128 block (the model's d
 reference is the model's routed_experts + dense_mlp on dequantised weights; only summation order differs).
 
 Plan: the same two launches and pipelines as the bf16 kernel (moe_mosaic.run_kernels); TMA streams the fp8
-tiles (half the bytes), and each pipeline step dequantises its [BI, BK] (up) or [BD, BKD] (down) tile in
-registers, bf16(f32(w8) * s), before a bf16 wgmma with fp32 accumulation. A tile lies inside one scale block
-(tiles divide 128), so it takes one scalar scale, read from a per-CTA scale row in SMEM that one TMA copy loads
-before the pipeline. The rows come from two small XLA gathers over the aligned slots (the scale tables).
-
-Why not e4m3 wgmma with per-block scale promotion: Hopper's fp8 wgmma takes fp8 for BOTH operands, so the
-tokens x and h' would have to be quantised too (an activation error the bf16 model does not make), and at
-these token counts the MMAs are tiny (N = 64 columns) while the bytes are what cost: dequantising 8 KB of fp8
-per step in registers hides under the TMA stream, and the result matches the dequantised reference.
-Batch invariance as in moe_mosaic (a column only sees its own experts, in ascending order, fixed I split).
+tiles (half the bytes). A tile lies inside one scale block (tiles divide 128), so it takes one scalar scale, read
+from a per-CTA scale row in SMEM that one TMA copy loads before the pipeline. The rows come from two small XLA
+gathers over the aligned slots (the scale tables). What a pipeline step does with its [BI, BK] (up) or [BD, BKD]
+(down) e4m3 tile is the config's choice (MosaicMoeConfig):
+  fp8_scale_on="weight" (default): dequantise in registers, bf16(f32(w8) * s), then a bf16 wgmma with fp32
+    accumulation (the model's dequantised weight: the reference is the model's routed_experts + dense_mlp on
+    dequantised weights; only summation order differs);
+  fp8_scale_on="partial": convert only (exact), bf16 wgmma into a fresh fp32 partial, acc += s * partial (the
+    exact block product);
+  fp8_convert="cvt" | "bits": the conversion by PTX cvt (e4m3 -> f16 -> f32 -> bf16 here: 4 conversions per 2
+    elements at 16 per clock per SM: ~0.5 of the HBM ceiling; measured 0.41-0.46) or by
+    integer ops (see moe_mosaic._e4m3_bits_as_bf16);
+  fp8_activations=True (w8a8): no per-element work on the weights: x arrives quantised per token and 128-column
+    group (ling_jax.quant.quantize_activations: x = (x8, scale)), the e4m3 x e4m3 wgmma reads both TMA'd tiles,
+    each step's fp32 partial is promoted with s_w * s_x[token] (DeepGEMM's scheme, which also bounds the fp8
+    MMA's accumulation to one 128-deep K block), and the up kernel's epilogue quantises h the same way (per
+    token and 128 rows of I, its scale times the routing weight), storing it token-major [S, N, I] for the
+    down GEMM (an e4m3 wgmma takes K-major operands only). Reference: the model's MoE with its activations
+    through quant.fake_quantize_activations (moe_experts(fp8_activations=True)).
+Batch invariance as in moe_mosaic (a column only sees its own experts, in ascending order, fixed I split); the
+activation scales are per token, so w8a8 keeps it.
 """
 from __future__ import annotations
 
@@ -83,13 +94,13 @@ def scale_tables(meta, p, gate_s, up_s, down_s, shared_s, *, cfg, d, i):
 def moe_fp8(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, limit=0.0, shared=None,
             shared_limit=0.0, config=None):
   """Mosaic GPU MoE on block-fp8 weights: the signature of moe_mosaic.moe with (w8, scale_inv) pairs for
-  every weight (shared: three pairs). x bf16 [T, D] -> [T, D] bf16."""
+  every weight (shared: three pairs). x bf16 [T, D] -> [T, D] bf16; with config.fp8_activations x is the pair
+  (x8 [T, D] float8_e4m3fn, scale [T, ceil(D/128)] f32) of ling_jax.quant.quantize_activations."""
   cfg = config or MosaicMoeConfig()
   (wg8, gs), (wu8, us), (wd8, ds) = w_gate, w_up, w_down
-  t, d = x.shape
-  e, i, _ = wg8.shape
-  if x.dtype != jnp.bfloat16:
-    raise ValueError(f"x {x.dtype}: the fp8-weight kernel takes bf16 activations")
+  e, i, d = wg8.shape
+  x, x_scales = _activations(x, cfg, d)
+  t = x.shape[0]
   for name, (w8, sc), shape in (("w_gate", w_gate, (e, i, d)), ("w_up", w_up, (e, i, d)),
                                 ("w_down", w_down, (e, d, i))):
     want = shape[:1] + tuple(-(-n // SCALE_BLOCK) for n in shape[1:])
@@ -106,4 +117,22 @@ def moe_fp8(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, limit=0.0, share
   tables = scale_tables(meta, t * topk_ids.shape[1], gs, us, ds, shared_s, cfg=cfg, d=d, i=i)
   shared8 = None if shared is None else tuple(w for w, _ in shared)
   return run_kernels(x, meta, wc, wg8, wu8, wd8, shared8, limit=limit, shared_limit=shared_limit, cfg=cfg,
-                     scales=tables)
+                     scales=tables, x_scales=x_scales)
+
+
+def _activations(x, cfg: MosaicMoeConfig, d: int):
+  """The kernel's x and x_scales: bf16 x and None, or (fp8_activations) the checked (x8, scale) pair."""
+  if not cfg.fp8_activations:
+    if not hasattr(x, "dtype") or x.dtype != jnp.bfloat16:
+      raise ValueError(f"x {getattr(x, 'dtype', type(x).__name__)}: the fp8-weight kernel takes bf16 activations "
+                       "(or, with fp8_activations=True, the (x8, scale) pair of quant.quantize_activations)")
+    return x, None
+  if hasattr(x, "dtype") or len(x) != 2:
+    raise ValueError("fp8_activations=True: x must be the (x8 e4m3 [T, D], scale f32 [T, D/128]) pair of "
+                     "ling_jax.quant.quantize_activations")
+  x8, scale = x
+  want = (x8.shape[0], -(-d // SCALE_BLOCK))
+  if x8.dtype not in FP8_DTYPES or x8.ndim != 2 or x8.shape[1] != d or scale.shape != want:
+    raise ValueError(f"x: expected float8_e4m3fn [T, {d}] with scales {want}, got {x8.dtype} {x8.shape} with "
+                     f"scales {scale.shape}")
+  return x8, scale

@@ -31,12 +31,13 @@ def route(x, gate_w, expert_bias, *, n_group, topk_group, top_k, routed_scaling_
   return model_moe.route(model_moe.router_logits(x, gate_w, fp32_weight=False), expert_bias, cfg)
 
 
-@functools.partial(jax.jit, static_argnames=("limit", "shared_limit"))
-def moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, limit=0.0, shared=None, shared_limit=0.0):
+@functools.partial(jax.jit, static_argnames=("limit", "shared_limit", "fp8_activations"))
+def moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, limit=0.0, shared=None, shared_limit=0.0,
+        fp8_activations=False):
   """The MoE kernels' contract (-> [T, D] in x.dtype) through the model's moe_experts, rounded once as
-  moe_layer rounds it."""
+  moe_layer rounds it (fp8_activations: its w8a8 form, the fp8 kernel's fp8_activations reference)."""
   y = model_moe.moe_experts(x, topk_ids, topk_weights, w_gate, w_up, w_down, limit=limit, shared=shared,
-                            shared_limit=shared_limit)
+                            shared_limit=shared_limit, fp8_activations=fp8_activations)
   return y.astype(x.dtype)
 
 

@@ -131,7 +131,7 @@ def test_errors():
 
 def quantised(h, dtype=F32):
   """The activations an e4m3 x e4m3 wgmma sees: the model's dynamic quantisation of h, dequantised."""
-  return quant.dequantize_activations(*quant.quantize_activations(h), dtype)
+  return quant.dequantize_activations(quant.quantize_activations(h), dtype)
 
 
 CFG_E4M3 = LinearConfig(block_n=64, block_k=128, ring_bytes=4 * 64 * 128, interpret=True)  # 4 fp8 slots

@@ -62,32 +62,6 @@ def test_quantize_matches_blockwise_oracle_on_ragged_shape():
     assert np.abs(np.asarray(q.w8, np.float32)).max() == 448.0
 
 
-def test_activation_quantisation_per_row_and_128_group():
-    """quantize_activations (dynamic, per token per 128 columns) against a numpy loop over rows and groups."""
-    x = np.array(jax.random.normal(jax.random.key(1), (3, 300), jnp.float32))
-    x[0, :128] *= 50.0                                      # groups of one row with very different ranges
-    x[2, 256:] = 0.0                                        # an all-zero (ragged) group
-    x = x.astype(ml_dtypes.bfloat16)
-    x8, s = quant.quantize_activations(jnp.asarray(x))
-    assert x8.dtype == jnp.float8_e4m3fn and x8.shape == (3, 300) and s.shape == (3, 3) and s.dtype == jnp.float32
-    xf = x.astype(np.float32)
-    for r in range(3):
-        for g in range(3):
-            blk = xf[r, g * 128:(g + 1) * 128]
-            want_s = np.abs(blk).max() / np.float32(448.0)
-            np.testing.assert_allclose(float(s[r, g]), want_s, rtol=2.5e-7)
-            got = np.asarray(x8[r, g * 128:(g + 1) * 128], np.float32)
-            if want_s == 0:
-                assert np.all(got == 0)
-                continue
-            want = (blk / want_s).astype(E4M3).astype(np.float32)
-            assert np.mean(got != want) < 0.02 and np.all(np.abs(got - want) <= np.abs(want) * 2.0**-3 + 2.0**-9)
-    back = np.asarray(quant.dequantize_activations(x8, s))
-    scale = np.repeat(np.asarray(s), 128, 1)[:, :300]
-    assert np.all(np.abs(back - xf) <= np.maximum(np.abs(xf) * 2.0**-4, scale * 2.0**-9) * 1.001)
-    assert np.abs(np.asarray(x8, np.float32)).max() == 448.0
-
-
 def test_leading_axes_quantise_each_matrix_alone():
     w = jax.random.normal(jax.random.key(1), (3, 96, 256), jnp.float32) * jnp.array([1.0, 10.0, 0.01])[:, None, None]
     q = quant.quantize(w)
@@ -100,6 +74,32 @@ def test_leading_axes_quantise_each_matrix_alone():
     np.testing.assert_array_equal(np.asarray(quant.dense(picked, jnp.float32)),
                                   np.asarray(quant.dequantize(q, jnp.float32))[[2, 0]])
     assert quant.dense(w, jnp.bfloat16) is w                # dense weights pass through untouched
+
+
+def test_activations_quantise_per_row_and_128_column_group():
+    """quantize_activations: a Python loop over each row's 128-column groups (ragged last group, an all-zero
+    group) as the oracle; fake_quantize_activations is the dequantised round trip in x's dtype."""
+    x = np.array(jax.random.normal(jax.random.key(2), (3, 300), jnp.float32))
+    x[0, :128] *= 100.0                                     # groups with very different ranges
+    x[1, 128:256] = 0.0                                     # an all-zero group
+    x = x.astype(ml_dtypes.bfloat16)
+    q = quant.quantize_activations(jnp.asarray(x))
+    assert q.x8.dtype == jnp.float8_e4m3fn and q.x8.shape == (3, 300) and q.scale.shape == (3, 3)
+    for t in range(3):
+        for g in range(3):
+            grp = x[t, g * 128:(g + 1) * 128].astype(np.float32)
+            want_s = np.abs(grp).max() / np.float32(448.0)
+            np.testing.assert_allclose(np.asarray(q.scale[t, g]), want_s, rtol=2.5e-7)
+            got8 = np.asarray(q.x8[t, g * 128:(g + 1) * 128], np.float32)
+            want8 = (grp / want_s).astype(E4M3).astype(np.float32) if want_s > 0 else np.zeros_like(grp)
+            assert np.mean(got8 != want8) < 2e-2 and np.all(np.abs(got8 - want8) <= np.abs(want8) * 2.0**-3)
+    assert np.all(np.asarray(q.x8, np.float32)[1, 128:256] == 0) and float(q.scale[1, 1]) == 0.0
+    fq = quant.fake_quantize_activations(jnp.asarray(x))
+    assert fq.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(fq), np.asarray(quant.dequantize_activations(q, jnp.bfloat16)))
+    xf, fqf = x.astype(np.float32), np.asarray(fq, np.float32)
+    scale = np.repeat(np.asarray(q.scale), 128, axis=1)[:, :300]
+    assert np.all(np.abs(fqf - xf) <= np.maximum(np.abs(xf) * 2.0**-4, scale * 2.0**-9) * 1.01)
 
 
 def test_policy_follows_deepseek_skip_list():

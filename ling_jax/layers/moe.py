@@ -19,6 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ling_jax import quant
 from ling_jax.layers.linear import Normed, Projection, linear, norm_projections, swiglu
 from ling_jax.layers.norms import add_rms_norm
 from ling_jax.quant import dense, take
@@ -57,43 +58,55 @@ def route(logits, expert_bias, cfg):
     return ids.astype(jnp.int32), w * cfg.routed_scaling_factor
 
 
-def routed_experts(x, ids, weights, w_gate, w_up, w_down, limit: float):
+def routed_experts(x, ids, weights, w_gate, w_up, w_down, limit: float, *, fp8_activations: bool = False):
     """sum_a weights[t, a] * Expert_{ids[t, a]}(x_t), fp32 combine. x [T, D]; w_gate/w_up [E, I, D]; w_down [E, D, I].
 
     Few tokens: gather the A chosen experts per token. Many tokens: every expert over every token, weighted
     by a dense [T, E] combine matrix (no gather of T*A expert copies). fp8 experts: gathered, then dequantised.
+    fp8_activations: each expert GEMM's input (x, and h before the down projection) goes through the dynamic
+    per-token block fp8 of quant.fake_quantize_activations first (w8a8: the MoE kernel's fp8_activations form).
     """
     T = x.shape[0]
     E = w_gate.shape[0]
+    act = quant.fake_quantize_activations if fp8_activations else (lambda a: a)
+    x = act(x)
     if T * ids.shape[1] <= E:
         pick = lambda w: dense(take(w, ids), x.dtype)  # [T, A, ., .]
         g = jnp.einsum("td,tafd->taf", x, pick(w_gate))
         u = jnp.einsum("td,tafd->taf", x, pick(w_up))
-        h = swiglu(g, u, limit)
+        h = act(swiglu(g, u, limit))
         y = jnp.einsum("taf,tadf->tad", h, pick(w_down))  # each expert's output in the activation dtype
         return jnp.einsum("tad,ta->td", y.astype(jnp.float32), weights)
     combine = jnp.zeros((T, E), jnp.float32).at[jnp.arange(T)[:, None], ids].add(weights)
     g = jnp.einsum("td,efd->tef", x, dense(w_gate, x.dtype))
     u = jnp.einsum("td,efd->tef", x, dense(w_up, x.dtype))
-    h = swiglu(g, u, limit)
+    h = act(swiglu(g, u, limit))
     y = jnp.einsum("tef,edf->ted", h, dense(w_down, x.dtype))
     return jnp.einsum("ted,te->td", y.astype(jnp.float32), combine)
 
 
-def moe_experts(x, ids, weights, w_gate, w_up, w_down, *, limit: float, shared=None, shared_limit: float = 0.0):
+def moe_experts(x, ids, weights, w_gate, w_up, w_down, *, limit: float, shared=None, shared_limit: float = 0.0,
+                fp8_activations: bool = False):
     """The routed experts plus the shared expert, as one fp32 sum (rounded once, by the caller): x [T, D], ids and
     weights [T, A], the experts as in `routed_experts`, shared = (gate [Is, D], up [Is, D], down [D, Is]) or None
-    -> [T, D] f32. The MoE kernels' reference (KernelCalls.moe takes the same arguments)."""
-    y = routed_experts(x, ids, weights, w_gate, w_up, w_down, limit)
+    -> [T, D] f32. The MoE kernels' reference (KernelCalls.moe takes the same arguments); fp8_activations: the
+    w8a8 form (see routed_experts), the fp8_activations kernel's reference."""
+    y = routed_experts(x, ids, weights, w_gate, w_up, w_down, limit, fp8_activations=fp8_activations)
     if shared is None:
         return y
-    return y + shared_expert(x, shared, shared_limit)
+    return y + shared_expert(x, shared, shared_limit, fp8_activations=fp8_activations)
 
 
-def shared_expert(x, shared, limit: float):
+def shared_expert(x, shared, limit: float, *, fp8_activations: bool = False):
     """The shared expert (a dense SwiGLU MLP) of x [T, D]: shared = (gate [Is, D], up [Is, D], down [D, Is])
-    -> [T, D] f32 (its output in the activation dtype, widened for the fp32 sum with the routed experts)."""
+    -> [T, D] f32 (its output in the activation dtype, widened for the fp32 sum with the routed experts).
+    fp8_activations: the routed experts' w8a8 form with this one expert at weight 1 (the same dense MLP)."""
     gate, up, down = shared
+    if fp8_activations:
+        one = lambda w: jax.tree.map(lambda a: a[None], w)  # [1, ...]: an expert axis (Fp8Weight: both parts)
+        t = x.shape[0]
+        return routed_experts(x, jnp.zeros((t, 1), jnp.int32), jnp.ones((t, 1), jnp.float32), one(gate), one(up),
+                              one(down), limit, fp8_activations=True)
     return dense_mlp({"gate_proj": gate, "up_proj": up, "down_proj": down}, x, limit).astype(jnp.float32)
 
 
