@@ -8,7 +8,8 @@ DSPARK (static and confidence), `--steps` steps per timed loop after a warm-up l
 loops' greedy tokens equal plain greedy decoding over the same length. tok/s = emitted tokens / loop time; step time
 = loop time / steps. Ling slice: random bf16 weights (layers of Ling-3.0-flash, a random LingDSparkModel-shaped
 draft: hidden 2560, 32 heads of 128, 4 kv heads, intermediate 6144, 5 context layers, markov rank 256); random
-weights give no accept length, so only the step time is measured, and TPOT at accept 4.8 is labelled projected.
+weights give no accept length, so only the step time is measured, with its floor (bytes / the HBM ceiling,
+ling_floors), and TPOT at accept 4.8 is labelled projected.
 """
 
 from __future__ import annotations
@@ -79,10 +80,53 @@ def demo_rows(a):
     return rows, {"model": a.target, "draft": a.draft}
 
 
+def expected_distinct(cfg, tokens: int) -> float:
+    """Distinct routed experts one MoE call of `tokens` rows reads, in expectation under uniform routing (the random
+    weights' router is close to it): E (1 - (1 - A/E)^T)."""
+    E, A = cfg.num_experts, cfg.num_experts_per_tok
+    return E * (1 - (1 - A / E) ** tokens)
+
+
+def ling_floors(cfg, dcfg, nextn_k: int, ctx: int) -> dict:
+    """Bytes each step must move (one device), bench_step's byte model (each dependent pass's weights once, the
+    distinct experts per MoE call, KDA state, MLA cache reads), with uniform-routing expert counts:
+      NEXTN K: bench_step.floor_bytes (K-1 one-row MTP drafts, K+1-row verify and extend);
+      DSPARK G: the target over G+1 verify rows (layers, lm_head, experts, 3 x KDA state, MLA cache) + the draft's
+                weights once (W1 only the G rows gathered; W2, rank x V, once although the Markov decode applies it
+                G times in a chain) + the lm_head once more (the block's logits) + the draft's context K/V reads
+                (Ld x ctx x Hk x Dh x 2 x 2 B)."""
+    from bench.bench_step import byte_model, floor_bytes
+    from compile.mesh import make_mesh
+    from compile.sharding import ShardingRules
+
+    mesh, rules = make_mesh(1), ShardingRules.tensor_parallel()
+    n_moe = sum(1 for i in range(cfg.num_hidden_layers) if cfg.is_moe(i))
+    d = lambda t: expected_distinct(cfg, t)
+    routing = [d(1)] * (nextn_k - 1) + [d(nextn_k + 1)] * n_moe + [d(nextn_k + 1)]
+    nextn = floor_bytes(cfg, mesh, rules, "nextn", nextn_k, routing, ctx)
+    g, per_expert = byte_model(cfg, mesh, rules)
+    G = dcfg.block_size
+    H, Kd = cfg.num_attention_heads, cfg.head_dim
+    kda_state = len(cfg.kda_layers) * H * Kd * Kd * 4
+    mla_read = ctx * cfg.mla_cache_dim * 2
+    target = sum(v for k, v in g.items() if k.startswith("layer"))
+    verify = (target + g["lm_head"] + n_moe * d(G + 1) * per_expert + 3 * kda_state
+              + len(cfg.mla_layers) * mla_read)
+    w1 = dcfg.vocab_size * dcfg.markov_rank * 2
+    draft_weights = 2 * dspark.param_count(dcfg) - w1 + G * dcfg.markov_rank * 2
+    ctx_kv = dcfg.num_hidden_layers * ctx * dcfg.num_key_value_heads * dcfg.head_dim * 2 * 2
+    return {"NEXTN": nextn, "DSPARK": verify + draft_weights + g["lm_head"] + ctx_kv,
+            "dspark_parts": {"verify": verify, "draft_weights": draft_weights, "lm_head_draft": g["lm_head"],
+                             "draft_context_kv": ctx_kv},
+            "routing": "uniform expectation E(1-(1-A/E)^T) per MoE call (random weights)"}
+
+
 def ling_slice_rows(a):
+    from bench.ceiling import Ceiling
     from compile.stages import slice_config
 
     cfg = slice_config(get_preset("ling3-flash"), a.ling_slice)
+    ceiling = Ceiling.measure(jax.devices()[0])
     params = init_params(cfg, 0, jnp.bfloat16)
     D, H = cfg.hidden_size, cfg.num_attention_heads
     dcfg = dspark.DSparkConfig(hidden_size=D, num_hidden_layers=a.draft_layers, num_attention_heads=H,
@@ -93,17 +137,24 @@ def ling_slice_rows(a):
     draft = (dcfg, dspark.init_params(dcfg, 0, jnp.bfloat16))
     kw = dict(max_len=a.ctx + 1024, dtype=jnp.bfloat16, chunked_prefill_size=512)
     prompt = [int(t) for t in np.random.default_rng(1).integers(5, cfg.vocab_size, a.ctx)]
+    floors = ling_floors(cfg, dcfg, a.nextn_steps, a.ctx)
+    bw = ceiling.bytes_per_s
     rows = []
     gens = [("NEXTN", Generator(cfg, params, spec=SpecConfig("NEXTN", a.nextn_steps), **kw)),
             ("DSPARK static", Generator(cfg, params, spec=SpecConfig("DSPARK", a.block_size), draft=draft, **kw))]
     for name, gen in gens:
         t, _, _ = timed_loop(gen, prompt, a.steps, a.reps)
         step_us = 1e6 * t / a.steps
-        rows.append({"name": f"{name} ({cfg.name}, ctx {a.ctx}, K={gen.K})", "time_us": step_us,
+        nbytes = floors[name.split()[0]]
+        floor_us = nbytes / bw * 1e6
+        rows.append({"name": f"{name} ({cfg.name}, ctx {a.ctx}, K={gen.K})", "time_us": step_us, "bytes": nbytes,
+                     "floor_us": floor_us, "fraction_of_floor": floor_us / step_us,
                      "projected_tpot_us_at_accept_4.8": step_us / 4.8, "projected": True})
-        print(f"{rows[-1]['name']:48s} step {step_us:9.1f} us  TPOT at accept 4.8 (projected) "
-              f"{step_us / 4.8:8.1f} us", flush=True)
-    return rows, {"model": cfg.name, "draft_params": dspark.param_count(dcfg), "ctx": a.ctx}
+        print(f"{rows[-1]['name']:48s} step {step_us:9.1f} us  floor {floor_us:8.1f} us "
+              f"({100 * floor_us / step_us:4.1f} %)  TPOT at accept 4.8 (projected) {step_us / 4.8:8.1f} us",
+              flush=True)
+    return rows, {"model": cfg.name, "draft_params": dspark.param_count(dcfg), "ctx": a.ctx,
+                  "hbm_bw_bytes_per_s": bw, **ceiling.summary(), "floors": floors}
 
 
 def main():
