@@ -366,7 +366,7 @@ def programs(a, cfg, mesh, rules, kernels, fused: tuple[bool, bool] = (False, Tr
                           moe_router_tables=a.moe_router_tables, moe_router_norm=a.moe_router_norm,
                           moe_router_scatter=a.moe_router_scatter,
                           mla_live_prefix=a.mla_live_prefix, moe_fp8_scheme=a.moe_fp8_scheme,
-                          moe_n_tokens=a.moe_n_tokens)
+                          moe_n_tokens=a.moe_n_tokens, moe_fp8_n_tokens=a.moe_fp8_n_tokens)
              if kernels != "reference" else None)
     opts = kernel_calls_for(RuntimeOptions(kernels=calls), mesh, rules)
     nextn = [int(k) for k in a.steps.split(",")]
@@ -492,6 +492,8 @@ def main():
                     "--moe-n-tokens 16)")
     ap.add_argument("--moe-n-tokens", type=int, default=64, help="KernelCalls.moe_n_tokens: the Mosaic MoE's token "
                     "columns (16, 32 or a multiple of 64)")
+    ap.add_argument("--moe-fp8-n-tokens", type=int, default=None, help="KernelCalls.moe_fp8_n_tokens: the fp8 "
+                    "Mosaic MoE's token columns (16: 16 / 32 / 64 as T grows; default: --moe-n-tokens)")
     ap.add_argument("--baseline-fused-linear", action="store_true", help="also time the steps with fused_linear "
                     "and fused_linear_fp8 both flipped (the fused projections against XLA's; same kernels otherwise) in "
                     "the same run, as the baseline")
@@ -569,7 +571,7 @@ def run_all(a, cfg, tp, mesh, rules):
                  moe_router_tables=a.moe_router_tables, moe_router_norm=a.moe_router_norm,
                  moe_router_scatter=a.moe_router_scatter,
                  mla_live_prefix=a.mla_live_prefix, moe_fp8_scheme=a.moe_fp8_scheme, moe_n_tokens=a.moe_n_tokens,
-                 tree=tree_of(a.tree),
+                 moe_fp8_n_tokens=a.moe_fp8_n_tokens, tree=tree_of(a.tree),
                  multi_step=a.multi_step, reps=a.reps)
     prefix = "step" + ("-" + os.path.basename(os.path.normpath(a.model)) if a.model else "") + f"-kda{a.kda_impl}"
     prefix += (f"-{a.quantization}" if a.quantization else "") + ("-fl" if fused else "")
@@ -581,6 +583,7 @@ def run_all(a, cfg, tp, mesh, rules):
     prefix += "-live" if a.mla_live_prefix else ""
     prefix += "" if a.moe_fp8_scheme == "weight" else f"-moe{a.moe_fp8_scheme}"
     prefix += "" if a.moe_n_tokens == 64 else f"-n{a.moe_n_tokens}"
+    prefix += "" if a.moe_fp8_n_tokens is None else f"-fp8n{a.moe_fp8_n_tokens}"
     kept = None
     os.makedirs(a.out, exist_ok=True)
     write(a.out, prefix + a.tag, rows, extra, device)  # the plan and ceiling survive a crash of the first step

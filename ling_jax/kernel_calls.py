@@ -185,6 +185,8 @@ class KernelCalls:
       way in the up kernel: the model's MoE with fp8 activations, moe_experts(fp8_activations=True), not the bf16
       model's; block_i 128; wants moe_n_tokens 16 or 32: four [128, N] fp32 accumulators per thread group).
       "weight" by default: the others have not run on the GPU yet (bench/kernels_moe_fp8.py is the A/B).
+    moe_fp8_n_tokens: the fp8 Mosaic MoE's token columns (as moe_n_tokens; None: moe_n_tokens); 16 takes
+      T <= 16 and 32 up to T = 32 (bench/kernels_moe_fp8.py's forms), 64 above that.
     fp8_linear_scale: where the fp8 kernel applies the block scale: "partial" (on each K step's fp32 partial: the
       exact block product, one wgmma wait per step) or "weight" (on the weight before its bf16 rounding: the model's
       quant.dense weight, one wgmma group in flight); H200 2026-12-02: both 0.28-0.33 of the ceiling (KDA 44 us,
@@ -213,6 +215,7 @@ class KernelCalls:
     p2p_allreduce: bool = False
     fp8_linear_scale: str = "partial"
     moe_fp8_scheme: str = "weight"
+    moe_fp8_n_tokens: int | None = None
 
     def __post_init__(self):
         if self.p2p_allreduce and self.interpret:
@@ -224,6 +227,9 @@ class KernelCalls:
             raise ValueError("moe_tiles with interpret: the interpreter runs its own test tiles (interpret=True)")
         if self.moe_n_tokens not in (16, 32) and (self.moe_n_tokens <= 0 or self.moe_n_tokens % 64):
             raise ValueError(f"moe_n_tokens={self.moe_n_tokens} must be 16, 32 or a multiple of 64")
+        if self.moe_fp8_n_tokens is not None and self.moe_fp8_n_tokens not in (16, 32) and (
+                self.moe_fp8_n_tokens <= 0 or self.moe_fp8_n_tokens % 64):
+            raise ValueError(f"moe_fp8_n_tokens={self.moe_fp8_n_tokens} must be 16, 32 or a multiple of 64")
         if self.moe_fp8_scheme not in MOE_FP8_SCHEMES:
             raise ValueError(f"moe_fp8_scheme={self.moe_fp8_scheme!r} not in {MOE_FP8_SCHEMES}")
         if self.moe_fp8_scheme == "w8a8" and self.moe_tiles is not None and self.moe_tiles.block_i != 128:
@@ -257,10 +263,12 @@ class KernelCalls:
             return "triton"
         return "mosaic" if x.dtype in (jnp.bfloat16, jnp.float16) else "triton"
 
-    def _mosaic_moe_config(self, t: int, w_gate):
-        """moe_n_tokens columns where T fits them, else the 64 of before (T > 64 fails its check: Triton); the
-        kernel's default tiles, or (interpret) the largest of 128 / 64 that divide the dims, 2-deep pipelines."""
-        n = self.moe_n_tokens if t <= self.moe_n_tokens else 64
+    def _mosaic_moe_config(self, t: int, w_gate, n_tokens: int | None = None):
+        """n_tokens (None: moe_n_tokens) columns where T fits them (16 that T does not fit: 32 if it fits), else the
+        64 of before (T > 64 fails its check: Triton); the kernel's default tiles, or (interpret) the largest of
+        128 / 64 that divide the dims, 2-deep pipelines."""
+        n_tokens = self.moe_n_tokens if n_tokens is None else n_tokens
+        n = n_tokens if t <= n_tokens else (32 if n_tokens == 16 and t <= 32 else 64)
         if not self.interpret:
             return dataclasses.replace(self.moe_tiles or _moe_mosaic.MosaicMoeConfig(), n_tokens=n)
         _, i, d = w_gate.shape
@@ -390,10 +398,14 @@ class KernelCalls:
         return self.moe_kernel(x, experts[0]) == "mosaic"
 
     def _fp8_moe_config(self, t: int, w_gate):
-        """The fp8 Mosaic MoE's config: the Mosaic tiles (moe_tiles, moe_n_tokens) with moe_fp8_scheme's fields."""
-        cfg = self._mosaic_moe_config(t, w_gate)
-        fields = dict(weight={}, partial=dict(fp8_scale_on="partial"),
-                      **{"partial-bits": dict(fp8_scale_on="partial", fp8_convert="bits"),
+        """The fp8 Mosaic MoE's config: the Mosaic tiles (moe_tiles, moe_fp8_n_tokens or moe_n_tokens) with
+        moe_fp8_scheme's fields."""
+        cfg = self._mosaic_moe_config(t, w_gate, self.moe_fp8_n_tokens)
+        # partial / partial-bits keep the converted tile in registers (fp8_operand="registers": the form the GPU
+        # A/B timed, bench/kernels_moe_fp8.py); the interpreter never runs this config (_fp8_mosaic), so there
+        # is no SMEM form to keep for it.
+        fields = dict(weight={}, partial=dict(fp8_scale_on="partial", fp8_operand="registers"),
+                      **{"partial-bits": dict(fp8_scale_on="partial", fp8_convert="bits", fp8_operand="registers"),
                          "w8a8": dict(fp8_activations=True, block_i=128, fp8_operand="smem", fp8_scale_on="weight",
                                       fp8_convert="cvt")})
         return dataclasses.replace(cfg, **fields[self.moe_fp8_scheme])

@@ -168,10 +168,11 @@ def test_moe_fp8_lowers_for_cuda(t):
   args = (S((t, d), BF), S((t, A), jnp.int32), S((t, A), f32), pair((e, i, d)), pair((e, i, d)), pair((e, d, i)),
           (pair((i, d)), pair((i, d)), pair((d, i))))
   n = 16 if t <= 16 else 32
-  configs = [MosaicMoeConfig(), MosaicMoeConfig(fp8_activations=True, block_i=128, n_tokens=n)]
+  # the default, w8a8 and the GPU's fastest bf16-wgmma form (KernelCalls' partial-bits with moe_fp8_n_tokens=16)
+  configs = [MosaicMoeConfig(), MosaicMoeConfig(fp8_activations=True, block_i=128, n_tokens=n),
+             MosaicMoeConfig(fp8_operand="registers", fp8_scale_on="partial", fp8_convert="bits", n_tokens=n)]
   if t == 6:  # the GPU-only register operand and the other bf16-wgmma forms lower too
     configs += [MosaicMoeConfig(fp8_operand="registers"),
-                MosaicMoeConfig(fp8_operand="registers", fp8_scale_on="partial", fp8_convert="bits", n_tokens=16),
                 MosaicMoeConfig(fp8_scale_on="partial"), MosaicMoeConfig(fp8_convert="bits")]
   for cfg in configs:
     xs = (S((t, d), f8), S((t, d // 128), f32)) if cfg.fp8_activations else args[0]
@@ -189,12 +190,18 @@ def test_kernel_calls_moe_fp8_scheme_selects_the_config_and_lowers():
   with pytest.raises(ValueError, match="block_i=64 must be 128"):
     KernelCalls(moe_fp8_scheme="w8a8", moe_tiles=MosaicMoeConfig())
   assert KernelCalls()._fp8_moe_config(6, None) == MosaicMoeConfig()
-  want = {"weight": {}, "partial": dict(fp8_scale_on="partial"),
-          "partial-bits": dict(fp8_scale_on="partial", fp8_convert="bits"),
+  want = {"weight": {}, "partial": dict(fp8_scale_on="partial", fp8_operand="registers"),
+          "partial-bits": dict(fp8_scale_on="partial", fp8_convert="bits", fp8_operand="registers"),
           "w8a8": dict(fp8_activations=True, block_i=128)}
   for scheme, fields in want.items():
     got = KernelCalls(moe_fp8_scheme=scheme, moe_n_tokens=16)._fp8_moe_config(6, None)
     assert got == MosaicMoeConfig(n_tokens=16, **fields)
+  # moe_fp8_n_tokens: the fp8 kernel's own columns (16 -> 32 -> 64 as T grows), moe_n_tokens left to the bf16 one
+  fp8_cols = KernelCalls(moe_fp8_n_tokens=16)
+  assert [fp8_cols._fp8_moe_config(t, None).n_tokens for t in (1, 6, 16, 17, 32, 33)] == [16, 16, 16, 32, 32, 64]
+  assert fp8_cols._mosaic_moe_config(6, None).n_tokens == 64
+  with pytest.raises(ValueError, match="moe_fp8_n_tokens=48"):
+    KernelCalls(moe_fp8_n_tokens=48)
   d, e, i, t = 2560, 512, 768, 6
   f8, f32 = jnp.float8_e4m3fn, jnp.float32
   pair = lambda shape: quant.Fp8Weight(S(shape, f8), S(quant.scale_shape(shape), f32))
