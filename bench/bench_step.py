@@ -497,6 +497,8 @@ def main():
     ap.add_argument("--baseline-fused-linear", action="store_true", help="also time the steps with fused_linear "
                     "and fused_linear_fp8 both flipped (the fused projections against XLA's; same kernels otherwise) in "
                     "the same run, as the baseline")
+    ap.add_argument("--baseline-moe-fp8", default=None, metavar="SCHEME[:N]", help="also time the steps with "
+                    "moe_fp8_scheme=SCHEME (and moe_fp8_n_tokens=N) in the same run, as the baseline")
     ap.add_argument("--baseline-kernels", default=None, help="also time the steps with these kernels (e.g. "
                     "reference: the XLA-only model) in the same run, as the baseline")
     ap.add_argument("--routing-from", default=None, help="a slice run's step JSON: reuse its mean distinct experts "
@@ -550,6 +552,11 @@ def run_all(a, cfg, tp, mesh, rules):
     if a.baseline_fused_linear:
         flip = (not fl[0], not fl[1])  # the fused projections against XLA's, bf16 and fp8 weights alike
         base = [(m, K, p, dv, a.kernels, flip) for m, K, p, dv in programs(a, cfg, mesh, rules, a.kernels, flip)]
+    if a.baseline_moe_fp8:  # the same kernels with another fp8 MoE form; labelled through the kernels field
+        scheme, _, n = a.baseline_moe_fp8.partition(":")
+        b = argparse.Namespace(**{**vars(a), "moe_fp8_scheme": scheme, "moe_fp8_n_tokens": int(n) if n else None})
+        label = f"{a.kernels}, moe_fp8_scheme={scheme}, moe_fp8_n_tokens={n or None}"
+        base = [(m, K, p, dv, label, fl) for m, K, p, dv in programs(b, cfg, mesh, rules, a.kernels, fl)]
     if base:  # each step's baseline right after it: a run cut short by a timeout keeps whole A/B pairs
         runs = [r for pair in zip(runs, base) for r in pair]
     plan = step_budget.budget(cfg, jnp.bfloat16, a.quantization, {f"{m}{K}": p for m, K, p, *_ in runs},
