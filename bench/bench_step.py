@@ -53,7 +53,7 @@ from compile.stages import Program, slice_config
 from ling_jax.aliased_step import AliasedStep
 from ling_jax.config import get_preset
 from ling_jax.draft_vocab import with_draft_vocab
-from ling_jax.kernel_calls import MOE_FP8_SCHEMES, kernel_calls
+from ling_jax.kernel_calls import MOE_FP8_SCHEMES, KernelCalls, kernel_calls
 from ling_jax.model import RuntimeOptions
 from ling_jax.sampling import SamplingOptions, TokenHistory
 from ling_jax import quant
@@ -487,13 +487,13 @@ def main():
     ap.add_argument("--p2p-allreduce", action="store_true", help="KernelCalls.p2p_allreduce=True (--tp >= 2): each "
                     "MoE layer's all-reduce + residual add + next RMSNorm as one peer-to-peer Mosaic kernel instead "
                     "of psum (shapes the kernel rejects stay on psum)")
-    ap.add_argument("--moe-fp8-scheme", default="weight", choices=MOE_FP8_SCHEMES, help="KernelCalls.moe_fp8_scheme: "
+    ap.add_argument("--moe-fp8-scheme", default=KernelCalls.moe_fp8_scheme, choices=MOE_FP8_SCHEMES, help="KernelCalls.moe_fp8_scheme: "
                     "what the fp8 MoE kernel's steps do with their e4m3 tiles (w8a8: fp8 activations too; wants "
                     "--moe-n-tokens 16)")
     ap.add_argument("--moe-n-tokens", type=int, default=64, help="KernelCalls.moe_n_tokens: the Mosaic MoE's token "
                     "columns (16, 32 or a multiple of 64)")
-    ap.add_argument("--moe-fp8-n-tokens", type=int, default=None, help="KernelCalls.moe_fp8_n_tokens: the fp8 "
-                    "Mosaic MoE's token columns (16: 16 / 32 / 64 as T grows; default: --moe-n-tokens)")
+    ap.add_argument("--moe-fp8-n-tokens", type=int, default=KernelCalls.moe_fp8_n_tokens, help="KernelCalls.moe_fp8_n_tokens: the fp8 "
+                    "Mosaic MoE's token columns (16: 16 / 32 / 64 as T grows; 0: --moe-n-tokens)")
     ap.add_argument("--baseline-fused-linear", action="store_true", help="also time the steps with fused_linear "
                     "and fused_linear_fp8 both flipped (the fused projections against XLA's; same kernels otherwise) in "
                     "the same run, as the baseline")
@@ -520,6 +520,7 @@ def main():
     ap.add_argument("--no-init-compile", action="store_true", help="--dry-run: skip compiling the init programs "
                     "on CPU (their temporaries)")
     a = ap.parse_args()
+    a.moe_fp8_n_tokens = a.moe_fp8_n_tokens or None  # 0: the bf16 kernel's --moe-n-tokens
     if a.model and a.layers:
         ap.error("--layers slices a preset; --model loads a whole checkpoint")
     if a.spec_parts and a.quantization:
@@ -588,9 +589,9 @@ def run_all(a, cfg, tp, mesh, rules):
     prefix += "-rnorm" if a.moe_router_norm else ""
     prefix += "-rscat" if a.moe_router_scatter else ""
     prefix += "-live" if a.mla_live_prefix else ""
-    prefix += "" if a.moe_fp8_scheme == "weight" else f"-moe{a.moe_fp8_scheme}"
+    prefix += "" if a.moe_fp8_scheme == KernelCalls.moe_fp8_scheme else f"-moe{a.moe_fp8_scheme}"
     prefix += "" if a.moe_n_tokens == 64 else f"-n{a.moe_n_tokens}"
-    prefix += "" if a.moe_fp8_n_tokens is None else f"-fp8n{a.moe_fp8_n_tokens}"
+    prefix += "" if a.moe_fp8_n_tokens == KernelCalls.moe_fp8_n_tokens else f"-fp8n{a.moe_fp8_n_tokens}"
     kept = None
     os.makedirs(a.out, exist_ok=True)
     write(a.out, prefix + a.tag, rows, extra, device)  # the plan and ceiling survive a crash of the first step

@@ -184,8 +184,13 @@ class KernelCalls:
       quantised per token and 128 columns by quant.quantize_activations, e4m3 x e4m3 wgmma, h quantised the same
       way in the up kernel: the model's MoE with fp8 activations, moe_experts(fp8_activations=True), not the bf16
       model's; block_i 128; wants moe_n_tokens 16 or 32: four [128, N] fp32 accumulators per thread group).
-      "weight" by default: the others have not run on the GPU yet (bench/kernels_moe_fp8.py is the A/B).
-    moe_fp8_n_tokens: the fp8 Mosaic MoE's token columns (as moe_n_tokens; None: moe_n_tokens); 16 takes
+      "partial-bits" by default, the fastest form the H200 timed (bench/results/kernels-moe-fp8-h200-2026-12-03-
+      partial.json, with moe_fp8_n_tokens 16: T = 1 / 6 / 17: 40.2 / 131.6 / 316.0 us; "weight" 197 us at T = 6),
+      checked there against its block-product reference and batch-invariant (token 0 alone == token 0 in the batch).
+      Its numerics are the exact block product (fp32 s * (w8 . x)), not the jnp path's bf16(w8 * s) weight: within
+      bf16 tolerance of it, not bitwise. Full Ling-3.0-flash fp8 on one H200, same run
+      (step-kdaverify-fp8-moepartial-bits-fp8n16-h200x1-2026-12-03.json): plain 6546 -> 6054 us, NEXTN5 14157 -> 11468.
+    moe_fp8_n_tokens: the fp8 Mosaic MoE's token columns (as moe_n_tokens; None: moe_n_tokens); 16 (default) takes
       T <= 16 and 32 up to T = 32 (bench/kernels_moe_fp8.py's forms), 64 above that.
     fp8_linear_scale: where the fp8 kernel applies the block scale: "partial" (on each K step's fp32 partial: the
       exact block product, one wgmma wait per step) or "weight" (on the weight before its bf16 rounding: the model's
@@ -214,8 +219,8 @@ class KernelCalls:
     fused_linear_fp8: bool = True
     p2p_allreduce: bool = False
     fp8_linear_scale: str = "partial"
-    moe_fp8_scheme: str = "weight"
-    moe_fp8_n_tokens: int | None = None
+    moe_fp8_scheme: str = "partial-bits"
+    moe_fp8_n_tokens: int | None = 16
 
     def __post_init__(self):
         if self.p2p_allreduce and self.interpret:

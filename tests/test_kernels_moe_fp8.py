@@ -183,23 +183,26 @@ def test_moe_fp8_lowers_for_cuda(t):
 
 
 def test_kernel_calls_moe_fp8_scheme_selects_the_config_and_lowers():
-  """KernelCalls.moe_fp8_scheme: validated, mapped onto the config's fp8 fields (the default: the kernel's
-  default config, as before the field), and the w8a8 call (quantize_activations + 2 kernels) lowers for CUDA."""
+  """KernelCalls.moe_fp8_scheme: validated, mapped onto the config's fp8 fields (the default: partial-bits,
+  16 token columns), and the w8a8 call (quantize_activations + 2 kernels) lowers for CUDA."""
   with pytest.raises(ValueError, match="moe_fp8_scheme='fp4'"):
     KernelCalls(moe_fp8_scheme="fp4")
   with pytest.raises(ValueError, match="block_i=64 must be 128"):
     KernelCalls(moe_fp8_scheme="w8a8", moe_tiles=MosaicMoeConfig())
-  assert KernelCalls()._fp8_moe_config(6, None) == MosaicMoeConfig()
+  # the default: partial-bits in registers over 16 token columns (the form the H200 timed fastest)
+  assert KernelCalls()._fp8_moe_config(6, None) == MosaicMoeConfig(
+      n_tokens=16, fp8_scale_on="partial", fp8_convert="bits", fp8_operand="registers")
   want = {"weight": {}, "partial": dict(fp8_scale_on="partial", fp8_operand="registers"),
           "partial-bits": dict(fp8_scale_on="partial", fp8_convert="bits", fp8_operand="registers"),
           "w8a8": dict(fp8_activations=True, block_i=128)}
   for scheme, fields in want.items():
-    got = KernelCalls(moe_fp8_scheme=scheme, moe_n_tokens=16)._fp8_moe_config(6, None)
+    got = KernelCalls(moe_fp8_scheme=scheme, moe_n_tokens=16, moe_fp8_n_tokens=None)._fp8_moe_config(6, None)
     assert got == MosaicMoeConfig(n_tokens=16, **fields)
   # moe_fp8_n_tokens: the fp8 kernel's own columns (16 -> 32 -> 64 as T grows), moe_n_tokens left to the bf16 one
   fp8_cols = KernelCalls(moe_fp8_n_tokens=16)
   assert [fp8_cols._fp8_moe_config(t, None).n_tokens for t in (1, 6, 16, 17, 32, 33)] == [16, 16, 16, 32, 32, 64]
   assert fp8_cols._mosaic_moe_config(6, None).n_tokens == 64
+  assert KernelCalls(moe_fp8_n_tokens=None)._fp8_moe_config(6, None).n_tokens == 64   # None: moe_n_tokens
   with pytest.raises(ValueError, match="moe_fp8_n_tokens=48"):
     KernelCalls(moe_fp8_n_tokens=48)
   d, e, i, t = 2560, 512, 768, 6
