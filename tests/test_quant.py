@@ -102,6 +102,27 @@ def test_activations_quantise_per_row_and_128_column_group():
     assert np.all(np.abs(fqf - xf) <= np.maximum(np.abs(xf) * 2.0**-4, scale * 2.0**-9) * 1.01)
 
 
+def test_fake_quantize_keeps_its_rounding_when_xla_simplifies_fp_conversions():
+    """The e4m3 round trip inside one jit survives XLA's SimplifyFPConversions (the H200 compiler runs it under the
+    default xla_allow_excess_precision: f32 -> e4m3 -> f32 became f32, and the kernels' "quantised" references
+    were the unquantised math). XLA:CPU runs the same pass with its oneDNN custom-call option: the bare chain
+    loses the rounding there (the control), quant's round trip keeps it, bit for bit the plain compile's."""
+    x = jax.random.normal(jax.random.key(3), (4, 256), jnp.float32)
+    # the GPU's default excess precision (tests/conftest.py turns it off for the suite) and the pass
+    simplify = {"xla_allow_excess_precision": True, "xla_cpu_experimental_onednn_custom_call": True}
+
+    def bare(a):  # the chain as quant wrote it before the barrier
+        q = quant.quantize_activations(a)
+        return q.x8.astype(jnp.float32) * jnp.repeat(q.scale, 128, axis=-1)
+
+    bare_out = jax.jit(bare).lower(x).compile(compiler_options=simplify)(x)
+    assert float(jnp.max(jnp.abs(bare_out - x))) < 1e-5      # the pass is on: the rounding is gone
+    plain = jax.jit(quant.fake_quantize_activations)(x)
+    assert float(jnp.max(jnp.abs(plain - x))) > 1e-2         # e4m3 keeps 3 mantissa bits
+    kept = jax.jit(quant.fake_quantize_activations).lower(x).compile(compiler_options=simplify)(x)
+    np.testing.assert_array_equal(np.asarray(kept), np.asarray(plain))
+
+
 def test_policy_follows_deepseek_skip_list():
     spec = param_spec(get_preset("test-tiny"))
     picked = {n for n, e in spec.items() if quant.fp8_policy(n, e.shape)}
