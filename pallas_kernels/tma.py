@@ -52,25 +52,34 @@ def _fail(kernel, buffer, what):
   raise ValueError(f"{kernel}: TMA copy into SMEM buffer {buffer!r}: {what}")
 
 
-def check_box(kernel: str, buffer: str, shape, dtype, *, offset: int = 0, dynamic_strides=()):
-  """One TMA box of `shape` x `dtype` landing at `offset` bytes from a 128-byte aligned SMEM base, plus any
-  multiple of each of `dynamic_strides` (the byte strides of the run-time indices): raises a ValueError naming
-  the kernel, the buffer, its byte size and offset unless every such address is 128-byte aligned and the box's
-  innermost dimension is a multiple of 16 bytes."""
+def check_box(kernel: str, buffer: str, shape, dtype, *, offset: int = 0, dynamic_strides=(), align=SMEM_ALIGN):
+  """One TMA box of `shape` x `dtype` landing at `offset` bytes from an aligned SMEM base, plus any multiple of
+  each of `dynamic_strides` (the byte strides of the run-time indices): raises a ValueError naming the kernel,
+  the buffer, its byte size and offset unless every such address is `align`-byte aligned (128; a swizzled buffer
+  its swizzle's repeat, `required_align`) and the box's innermost dimension is a multiple of 16 bytes."""
   size, item = _nbytes(shape, dtype), jnp.dtype(dtype).itemsize
   inner = (shape[-1] if len(shape) else 1) * item
   if inner % BOX_INNER_ALIGN:
     _fail(kernel, buffer, f"box {tuple(shape)} {jnp.dtype(dtype).name} ({size} B) has a {inner}-byte innermost "
           f"dimension; TMA boxes need a multiple of {BOX_INNER_ALIGN} bytes")
-  if offset % SMEM_ALIGN:
+  why = (f"TMA writes only to {SMEM_ALIGN}-byte aligned shared memory" if align == SMEM_ALIGN else
+         f"a {align // 8}-byte swizzle repeats every {align} bytes: the tile must start on one")
+  if offset % align:
     _fail(kernel, buffer, f"box {tuple(shape)} {jnp.dtype(dtype).name} ({size} B) lands at byte offset {offset}, "
-          f"not a multiple of {SMEM_ALIGN} (TMA writes only to {SMEM_ALIGN}-byte aligned shared memory: pad the "
-          "buffer's rows / blocks)")
+          f"not a multiple of {align} ({why}: pad the buffer's rows / blocks)")
   for stride in dynamic_strides:
-    if stride % SMEM_ALIGN:
+    if stride % align:
       _fail(kernel, buffer, f"box {tuple(shape)} {jnp.dtype(dtype).name} ({size} B) lands at byte offset {offset} "
-            f"+ a run-time index x {stride} B, and {stride} is not a multiple of {SMEM_ALIGN} (odd indices "
-            f"misalign: pad each indexed row / slot to a multiple of {SMEM_ALIGN} bytes)")
+            f"+ a run-time index x {stride} B, and {stride} is not a multiple of {align} ({why}; odd indices "
+            f"misalign: pad each indexed row / slot to a multiple of {align} bytes)")
+
+
+def required_align(ref) -> int:
+  """The alignment a TMA destination view needs: 128 bytes, or for a buffer allocated with a W-byte swizzle the
+  swizzle's repeat, 8 W bytes (1024 for 128 B: the pattern is a function of the address bits, so a tile that
+  starts elsewhere lands permuted, which no fault reports)."""
+  swizzles = [t.swizzle for t in getattr(ref, "transforms", ()) if isinstance(t, _mgpu_core.UnswizzleRef)]
+  return max([SMEM_ALIGN] + [8 * w for w in swizzles])
 
 
 def smem_view(ref):
@@ -120,7 +129,7 @@ def check_gmem(kernel: str, buffer: str, src):
 def copy_gmem_to_smem(src, dst, barrier, *, kernel: str, buffer: str, **kwargs):
   """plgpu.copy_gmem_to_smem after `check_box` on the destination view and `check_gmem` on the source."""
   shape, dtype, offset, dynamic = smem_view(dst)
-  check_box(kernel, buffer, shape, dtype, offset=offset, dynamic_strides=dynamic)
+  check_box(kernel, buffer, shape, dtype, offset=offset, dynamic_strides=dynamic, align=required_align(dst))
   check_gmem(kernel, buffer, src)
   plgpu.copy_gmem_to_smem(src, dst, barrier, **kwargs)
 

@@ -58,6 +58,7 @@ def test_smem_view_offsets():
     def scope(ring, rows):
       j = jax.lax.axis_index("n")
       views.extend(tma.smem_view(v) for v in (ring.at[j], rows.at[pl.ds(3, 1)], rows, rows.at[pl.ds(j, 2)]))
+      views.append((tma.required_align(ring.at[j]), tma.required_align(rows.at[pl.ds(3, 1)])))
     pl.run_scoped(scope, plgpu.SMEM((4, 64, 128), F8, transforms=fl._swizzled(1, 128)), plgpu.SMEM((8, 20), F32))
 
   k = plgpu.kernel(kernel, out_type=S((8,), F32), grid=(1,), grid_names=("n",),
@@ -65,7 +66,10 @@ def test_smem_view_offsets():
                    interpret=plgpu.InterpretGPUParams())
   jax.jit(k).trace(S((64, 256), F8))
   assert views == [((64, 128), F8, 0, (8192,)), ((1, 20), F32, 240, ()), ((8, 20), F32, 0, ()),
-                   ((2, 20), F32, 0, (80,))]
+                   ((2, 20), F32, 0, (80,)), (1024, 128)]   # the 128 B swizzle's 1024-byte repeat
+  with pytest.raises(ValueError, match=r"'x8': .* \+ a run-time index x 512 B, and 512 is not a multiple of 1024 "
+                                       r"\(a 128-byte swizzle repeats every 1024 bytes"):
+    tma.check_box("k", "x8", (4, 128), F8, dynamic_strides=(512,), align=1024)
 
 
 def _swiglu_fp8(scale_cols):
