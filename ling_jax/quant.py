@@ -115,8 +115,12 @@ class Fp8Activations(NamedTuple):
 
 @jax.jit
 def quantize_activations(x) -> Fp8Activations:
-    """x [..., T, K] (bf16 / f32) -> Fp8Activations: quantize's math on 1 x 128 blocks (a scale per row and group)."""
-    return Fp8Activations(*_quantize(x, (1, BLOCK)))
+    """x [..., T, K] (bf16 / f32) -> Fp8Activations: quantize's math on 1 x 128 blocks (a scale per row and group).
+    The barrier pins x to its dtype's values first: the e4m3 rounding turns any excess precision of its input into
+    whole e4m3 steps (a bf16-ulp change of x flips ~1/16 of the roundings), and under xla_allow_excess_precision
+    (the GPU default) XLA drops the bf16 rounding of an x made in the same jit (rms_norm's output: the e4m3
+    kernels' references then differed from the kernels, which quantise the bf16 x, by ~1.2e-2 instead of ~3e-3)."""
+    return Fp8Activations(*_quantize(jax.lax.optimization_barrier(x), (1, BLOCK)))
 
 
 def dequantize_activations(q: Fp8Activations, dtype=jnp.bfloat16) -> jax.Array:
