@@ -12,7 +12,8 @@ anything is timed, one that does not compile is reported and dropped. References
 dequantised weights (ling_jax.layers.moe.routed_experts + dense_mlp); for w8a8 the model's MoE with its activations
 through quant.fake_quantize_activations (moe_experts(fp8_activations=True), f32 activations and matmuls, so that
 it is the same quantised math), whose distance to the bf16 model is printed too (what w8a8 costs).
-Timing: T = 6 for every variant, then T = 1 and 17 for the TOP fastest at T = 6; per T 16 input sets, each routed
+Timing: T = 6 for every variant, then T = 1 and 17 for the TOP fastest at T = 6 (--ts: other T, the first for
+every variant); per T 16 input sets, each routed
 to other experts of 3 GB of fp8 expert weights (cold: > 60 MB L2), timed by bench_kernels.timeit (chained calls,
 profiler span) and kernels_moe_mosaic.loop_time (one compiled loop). fp8 bytes = (distinct experts + shared) x 3 x
 I x D (+ their scales); fraction = bytes / the run's HBM ceiling (bench_kernels.hbm_ceiling) / the chained
@@ -133,12 +134,12 @@ def check(fp8, sh, sets, variants, t):
   return passed
 
 
-def bench(rows, key, variants, ceiling, nsets=16):
+def bench(rows, key, variants, ceiling, nsets=16, ts=(6, 1, 17)):
   fp8, sh = weights(key)
   deq = lambda ws: tuple(quant.dequantize(q, BF) for q in ws)
   bf16, sh_bf16 = deq(fp8), deq(sh)
   chain = lambda prev, s: (prev,) + s[1:]
-  for t in (6, 1, 17):
+  for t in ts:
     sets = input_sets(key, t, nsets)
     variants = check(fp8, sh, sets, variants, t)
     distinct = float(np.mean([len(np.unique(np.asarray(s[1]))) for s in sets]))
@@ -159,23 +160,29 @@ def bench(rows, key, variants, ceiling, nsets=16):
                        fraction_of_ceiling=nbytes / ceiling.bytes_per_s / (tc * 1e-6), bf16_loop_time_us=t_bf16,
                        speedup_vs_bf16=t_bf16 / tl, distinct_experts=distinct, nsets=nsets))
       print(rows[-1], flush=True)
-    if t == 6:  # T = 1 and 17 for the fastest few only (the bench's time)
+    if t == ts[0]:  # the later T for the fastest few only (the bench's time)
       variants = sorted(variants, key=lambda v: loop_us[v[0]])[:TOP]
-      print(f"T = 1, 17: {[v[0] for v in variants]}", flush=True)
+      print(f"T = {ts[1:]}: {[v[0] for v in variants]}", flush=True)
 
 
 def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--out", default=os.environ.get("OUT") or "bench/results")
   ap.add_argument("--variants", default="", help="comma-separated VARIANTS names to run (default: all)")
+  ap.add_argument("--ts", default="6,1,17", help="comma-separated T values; the first for every variant, the "
+                  f"later ones for the {TOP} fastest there")
   args = ap.parse_args()
+  wanted = [n for n in args.variants.split(",") if n]
+  unknown = [n for n in wanted if n not in [v[0] for v in VARIANTS]]
+  if unknown:
+    ap.error(f"--variants {unknown} not in {[v[0] for v in VARIANTS]}")
+  variants = [v for v in VARIANTS if not wanted or v[0] in wanted]
   if jax.default_backend() != "gpu":
     raise SystemExit("bench.kernels_moe_fp8 times the Mosaic GPU kernel: run it on a GPU")
-  variants = [v for v in VARIANTS if not args.variants or v[0] in args.variants.split(",")]
   ceiling = bk.hbm_ceiling()
   rows = [dict(name="hbm ceiling (start of run)", bw_bytes_per_s=ceiling.bytes_per_s)]
   try:
-    bench(rows, jax.random.key(0), variants, ceiling)
+    bench(rows, jax.random.key(0), variants, ceiling, ts=tuple(int(t) for t in args.ts.split(",")))
   finally:  # what was measured before a failed check (at T = 1 or 17) is kept
     path = bk.write_result(args.out, "kernels-moe-fp8", rows, ceiling)
     print(f"\nwrote {path}\n{'name':52s} {'us':>8s} {'loop_us':>8s} {'MB':>7s} {'frac':>7s} {'vs bf16':>7s}")

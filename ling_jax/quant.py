@@ -115,13 +115,24 @@ class Fp8Activations(NamedTuple):
 
 @jax.jit
 def quantize_activations(x) -> Fp8Activations:
-    """x [..., T, K] (bf16 / f32) -> Fp8Activations: quantize's math on 1 x 128 blocks (a scale per row and group)."""
-    return Fp8Activations(*_quantize(x, (1, BLOCK)))
+    """x [..., T, K] (bf16 / f32) -> Fp8Activations: quantize's math on 1 x 128 blocks (a scale per row and group).
+    The barrier pins x to its dtype's values first: the e4m3 rounding turns any excess precision of its input into
+    whole e4m3 steps (a bf16-ulp change of x flips ~1/16 of the roundings), and under xla_allow_excess_precision
+    (the GPU default) XLA drops the bf16 rounding of an x made in the same jit (rms_norm's output: the e4m3
+    kernels' references then differed from the kernels, which quantise the bf16 x, by ~1.2e-2 instead of ~3e-3)."""
+    return Fp8Activations(*_quantize(jax.lax.optimization_barrier(x), (1, BLOCK)))
 
 
 def dequantize_activations(q: Fp8Activations, dtype=jnp.bfloat16) -> jax.Array:
-    """x = f32(x8) * repeat(scale) over each group, rounded once to dtype."""
-    return (q.x8.astype(jnp.float32) * _expand(q.scale.astype(jnp.float32), q.x8.shape, (1, BLOCK))).astype(dtype)
+    """x = f32(x8) * repeat(scale) over each group, rounded once to dtype.
+    The optimization barrier keeps the e4m3 rounding when x8 was made in the same jit (fake_quantize_activations,
+    the kernels' references): XLA's SimplifyFPConversions, which the GPU compiler runs under its default
+    xla_allow_excess_precision, rewrites the chain f32 -> e4m3 -> f32 as f32, so without the barrier the
+    "quantised" reference on the H200 was the unquantised one (fused_linear_fp8 e4m3's check read rel err 2.6e-2,
+    identical to its distance from the unquantised model). The barrier outlives that pass (the GPU compiler
+    expands barriers after scheduling); it costs one fusion boundary on a [T, K] activation."""
+    x8 = jax.lax.optimization_barrier(q.x8)
+    return (x8.astype(jnp.float32) * _expand(q.scale.astype(jnp.float32), x8.shape, (1, BLOCK))).astype(dtype)
 
 
 def fake_quantize_activations(x):

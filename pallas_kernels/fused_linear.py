@@ -74,6 +74,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import tma
+
 SMEM_BYTES = 227 * 1024       # H100/H200 opt-in shared memory per block
 SM_SMEM_BYTES = 228 * 1024    # per SM, shared by its resident CTAs (1 KB of it reserved per CTA)
 SMEM_SLACK = 4 * 1024         # barriers, 1 KB alignment of swizzled buffers: kept free when sizing the ring
@@ -213,6 +215,11 @@ class _Plan:
     """Ring loads of one tile of projection s (KB steps of n_weights tiles)."""
     return self.kb * self.projs[s].n_weights
 
+  @property
+  def name(self) -> str:
+    """The kernel's name in tma's alignment errors."""
+    return "fused_linear_fp8" if self.fp8 else "fused_linear"
+
 
 def _swizzled(itemsize: int = 2, cols: int = 128):
   """128 B swizzle of a [rows, cols] tile of 2-byte (or, for fp8 weight tiles, 1-byte: 64 B when BK = 64) elements."""
@@ -258,10 +265,11 @@ def _load_x(x_gmems, nw_gmems, xs, nw_smem, x_bar, nw_bar, plan):
   for i, x_gmem in enumerate(x_gmems):
     kbi = plan.k_parts[i] // bk
     for kb in range(kbi):
-      plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(0, plan.tp), pl.ds(kb * bk, bk)], xs.at[kb0 + kb],
-                              x_bar.at[(kb0 + kb) // g])
+      tma.copy_gmem_to_smem(x_gmem.at[pl.ds(0, plan.tp), pl.ds(kb * bk, bk)], xs.at[kb0 + kb],
+                            x_bar.at[(kb0 + kb) // g], kernel=plan.name, buffer="x chunks")
     if plan.norm:
-      plgpu.copy_gmem_to_smem(nw_gmems[i], nw_smem.at[pl.ds(kb0, kbi)], nw_bar.at[i])
+      tma.copy_gmem_to_smem(nw_gmems[i], nw_smem.at[pl.ds(kb0, kbi)], nw_bar.at[i], kernel=plan.name,
+                            buffer="norm weights")
     kb0 += kbi
 
 
@@ -365,10 +373,11 @@ def _issue_proj(r, s, tile, j, slot):
   k = _div(j, nw)
   for i, w in enumerate(r.ws[s]):
     def copy(w=w):
-      plgpu.copy_gmem_to_smem(w.at[pl.ds(tile * bn, bn), pl.ds(k * bk, bk)], r.slots.at[slot], r.bars.at[slot])
+      tma.copy_gmem_to_smem(w.at[pl.ds(tile * bn, bn), pl.ds(k * bk, bk)], r.slots.at[slot], r.bars.at[slot],
+                            kernel=r.plan.name, buffer="weight ring")
       if r.x is not None:                                             # streamed x: its chunk rides along
-        plgpu.copy_gmem_to_smem(r.x.at[pl.ds(0, r.plan.tp), pl.ds(k * bk, bk)], r.x_slots.at[slot],
-                                r.bars.at[slot])
+        tma.copy_gmem_to_smem(r.x.at[pl.ds(0, r.plan.tp), pl.ds(k * bk, bk)], r.x_slots.at[slot],
+                              r.bars.at[slot], kernel=r.plan.name, buffer="streamed x slots")
     _when(True if nw == 1 else _rem(j, nw) == i, copy)
 
 
@@ -446,7 +455,8 @@ def _store(y, out_gmem, res_gmem, tile, plan, o_bf, o_f32, res_bar):
   cols = pl.ds(tile * bn, bn)
   o_smem = o_bf if transposed else o_f32
   if res_gmem is not None:                                            # out = residual + bf16(x W^T)
-    plgpu.copy_gmem_to_smem(res_gmem.at[pl.ds(0, tp), cols], o_bf, res_bar.at[0])
+    tma.copy_gmem_to_smem(res_gmem.at[pl.ds(0, tp), cols], o_bf, res_bar.at[0], kernel=plan.name,
+                          buffer="residual / output tile")
     plgpu.barrier_wait(res_bar.at[0])
     res = o_bf.transpose((1, 0))[...].astype(jnp.float32)
     o_bf.transpose((1, 0))[...] = (res + y.astype(jnp.float32)).astype(o_bf.dtype)
@@ -517,18 +527,19 @@ def _kernel(*refs, plan):
             plgpu.SMEM((plan.kb, tp, bk), jnp.bfloat16, transforms=_swizzled()))
   g = 1 if plan.stream_x else _x_group(plan.kb)
   w_dtype = jnp.dtype(plan.fp8.weight_dtype if plan.fp8 else jnp.bfloat16)
-  pl.run_scoped(
-      scope,
-      plgpu.SMEM((plan.ring, bn, bk), w_dtype, transforms=_swizzled(w_dtype.itemsize, bk)),
-      plgpu.Barrier(num_arrivals=2 if plan.stream_x else 1, num_barriers=plan.ring),
-      x_smem,
-      plgpu.Barrier(num_arrivals=g, num_barriers=1 if plan.stream_x else plan.kb // g),
-      plgpu.SMEM((plan.kb if plan.norm else 1, bk), jnp.bfloat16),
-      plgpu.Barrier(num_barriers=n_in),
-      plgpu.SMEM((tp, bn), jnp.bfloat16),
-      plgpu.SMEM((bn, tp), jnp.float32),
-      plgpu.Barrier(num_barriers=1),
+  scratch = (
+      ("weight ring", plgpu.SMEM((plan.ring, bn, bk), w_dtype, transforms=_swizzled(w_dtype.itemsize, bk))),
+      ("ring barriers", plgpu.Barrier(num_arrivals=2 if plan.stream_x else 1, num_barriers=plan.ring)),
+      ("x chunks", x_smem),
+      ("x barriers", plgpu.Barrier(num_arrivals=g, num_barriers=1 if plan.stream_x else plan.kb // g)),
+      ("norm weights", plgpu.SMEM((plan.kb if plan.norm else 1, bk), jnp.bfloat16)),
+      ("norm barriers", plgpu.Barrier(num_barriers=n_in)),
+      ("residual / output tile", plgpu.SMEM((tp, bn), jnp.bfloat16)),
+      ("f32 output tile", plgpu.SMEM((bn, tp), jnp.float32)),
+      ("residual barrier", plgpu.Barrier(num_barriers=1)),
       *(plan.fp8.scratch(plan) if plan.fp8 else ()))
+  tma.check_scratch(plan.name, scratch)
+  pl.run_scoped(scope, *(alloc for _, alloc in scratch))
 
 
 # ----------------------------------------------------------------------------- wrappers

@@ -4,7 +4,9 @@ persistent kernel with a weight ring of e4m3 tiles (half the bytes) and their 12
 Shape legend (as fused_linear): T rows, TP wgmma N, K reduction width, KB = K / BK steps, N_s rows of
 projection s, BN x BK weight tile, G CTAs, M = ceil(tiles / G) tiles per CTA at most, nK = ceil(K / 128)
 scale columns (padded to a multiple of 32: every row of the SMEM scale table is a TMA destination, and TMA writes
-only to 128-byte aligned shared memory; 16-byte rows ran into CUDA_ERROR_MISALIGNED_ADDRESS on the H200), nw = 2 for "swiglu" (gate, up), else 1.
+only to 128-byte aligned shared memory; the 80-byte rows of K = 2560 (20 columns) ran into
+CUDA_ERROR_MISALIGNED_ADDRESS on the H200; pallas_kernels.tma checks every copy at trace time), nw = 2 for
+"swiglu" (gate, up), else 1.
 
 Weights in the DeepSeek-V3 block layout (ling_jax.quant.Fp8Weight is one (w8, scale_inv) pair):
   w8 [N_s, K] float8_e4m3fn, s [ceil(N_s / 128), ceil(K / 128)] f32,   W = W8 * s per 128 x 128 block.
@@ -68,10 +70,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import fused_linear as fl
+from pallas_kernels import tma
 
 FP8 = jnp.float8_e4m3fn
 SCALE_BLOCK = 128
-SCALE_ALIGN = 32  # f32 scale columns per SMEM row: 128 bytes, the alignment of a TMA destination in SMEM
+SCALE_ALIGN = tma.SMEM_ALIGN // 4  # f32 scale columns per SMEM row (32): every row a 128-byte aligned TMA destination
 
 
 SCALE_ON = ("partial", "weight", "e4m3")
@@ -123,16 +126,18 @@ class Fp8Ring:
     return self._buffers() * nw * cfg.block_n * cfg.block_k * 2 + rows
 
   def scratch(self, plan):
-    """SMEM of fused_linear's kernel scope: bf16 tiles [buffers nw, BN, BK] (or, for "e4m3", none), scale rows
-    [M nw, nK], M barriers, and for "e4m3" x8 [KB, TP, BK] e4m3 (swizzled as the weight tiles: one wgmma swizzle)
-    and s_x [KB, TP] f32."""
+    """(name, allocation) of the SMEM of fused_linear's kernel scope: bf16 tiles [buffers nw, BN, BK] (or, for
+    "e4m3", none), scale rows [M nw, nK], M barriers, and for "e4m3" x8 [KB, TP, BK] e4m3 (swizzled as the
+    weight tiles: one wgmma swizzle) and s_x [KB, TP] f32."""
     nw, m = _nw(plan), pl.cdiv(plan.n_tiles, plan.grid)
     bn, bk = plan.cfg.block_n, plan.cfg.block_k
-    rows = (plgpu.SMEM((m * nw, self.scale_cols), jnp.float32), plgpu.Barrier(num_arrivals=nw, num_barriers=m))
+    rows = (("scale rows", plgpu.SMEM((m * nw, self.scale_cols), jnp.float32)),
+            ("scale-row barriers", plgpu.Barrier(num_arrivals=nw, num_barriers=m)))
     if self.fp8_activations:
-      return rows + (plgpu.SMEM((plan.kb, plan.tp, bk), FP8, transforms=fl._swizzled(1, bk)),
-                     plgpu.SMEM((plan.kb, plan.tp), jnp.float32))
-    return (plgpu.SMEM((self._buffers() * nw, bn, bk), jnp.bfloat16, transforms=fl._swizzled(2, bk)),) + rows
+      return rows + (("x8", plgpu.SMEM((plan.kb, plan.tp, bk), FP8, transforms=fl._swizzled(1, bk))),
+                     ("s_x", plgpu.SMEM((plan.kb, plan.tp), jnp.float32)))
+    return (("dequantised tiles", plgpu.SMEM((self._buffers() * nw, bn, bk), jnp.bfloat16,
+                                             transforms=fl._swizzled(2, bk))),) + rows
 
   def refs(self, scales, *smem) -> Fp8Refs:
     """The scale refs and `scratch`'s SMEM refs, named."""
@@ -170,8 +175,8 @@ class Fp8Ring:
         def copy(m=m, refs=per_proj[s], lo=lo, f=f):
           row = lax.div((f - lo) * plan.cfg.block_n, jnp.int32(SCALE_BLOCK))
           for i in range(nw):
-            plgpu.copy_gmem_to_smem(refs[min(i, len(refs) - 1)].at[pl.ds(row, 1)],
-                                    rows.at[pl.ds(m * nw + i, 1)], bars.at[m])
+            tma.copy_gmem_to_smem(refs[min(i, len(refs) - 1)].at[pl.ds(row, 1)],
+                                  rows.at[pl.ds(m * nw + i, 1)], bars.at[m], kernel=plan.name, buffer="scale rows")
         pl.when((m < r.n_mine) & (f >= lo) & (f < hi))(copy)
 
   def gemm(self, r, xs, s, m, tile, base):

@@ -47,6 +47,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import tma
+
 NO_INDEX = 2**31 - 1  # int32 sentinel above every vocab index (masked rows never win the min)
 
 
@@ -100,6 +102,8 @@ def _tile_kernel(x_gmem, w_gmem, max_gmem, idx_gmem, *, cfg: LmHeadConfig, d: in
       plgpu.wgmma(acc, w_smem, x_smem.transpose((1, 0)))              # [BV, BK] @ [BK, N]
 
     spec = lambda shape: plgpu.BlockSpec(shape, lambda k: (0, k), delay_release=1)
+    tma.check_pipeline("lm_head_argmax", [("weight tiles", (bv, bk), w_gmem.dtype),
+                                          ("x tiles", (n, bk), x_gmem.dtype)], min(cfg.stages, d // bk))
     plgpu.emit_pipeline(step, grid=(d // bk,), in_specs=[spec((bv, bk)), spec((n, bk))],
                         max_concurrent_steps=cfg.stages)(w_gmem.at[pl.ds(start, bv)], x_gmem)
     return acc[...]

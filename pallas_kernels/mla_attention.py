@@ -48,6 +48,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import tma
+
 BM = 64  # query rows per program (one wgmma M tile)
 
 
@@ -100,10 +102,10 @@ class MlaAttentionConfig:
       raise ValueError(f"cache slots S={s} must be a multiple of block_s={self.block_s}")
 
 
-def _load(src_gmem, shape, dtype):
+def _load(src_gmem, shape, dtype, buffer):
   """A GMEM tile -> registers, through SMEM (TMA + barrier)."""
   def scope(smem, bar):
-    plgpu.copy_gmem_to_smem(src_gmem, smem, bar)
+    tma.copy_gmem_to_smem(src_gmem, smem, bar, kernel="mla_attention attend", buffer=buffer)
     plgpu.barrier_wait(bar)
     return smem[...]
   return pl.run_scoped(scope, plgpu.SMEM(shape, dtype), plgpu.Barrier(num_barriers=1))
@@ -147,9 +149,9 @@ def _attend_kernel(live_gmem, pos_gmem, q_gmem, qr_gmem, cache_gmem, acc_gmem, m
   cache = cache_gmem.at[b] if layer is None else cache_gmem.at[layer, b]   # [S, Lr + R]
 
   def run(q_smem, qr_smem, bar):
-    plgpu.copy_gmem_to_smem(q_gmem.at[b, rows], q_smem, bar.at[0])
-    plgpu.copy_gmem_to_smem(qr_gmem.at[b, rows], qr_smem, bar.at[1])
-    pos = _load(pos_gmem.at[b, rows], (BM,), jnp.int32)
+    tma.copy_gmem_to_smem(q_gmem.at[b, rows], q_smem, bar.at[0], kernel="mla_attention attend", buffer="q latent")
+    tma.copy_gmem_to_smem(qr_gmem.at[b, rows], qr_smem, bar.at[1], kernel="mla_attention attend", buffer="q rope")
+    pos = _load(pos_gmem.at[b, rows], (BM,), jnp.int32, "positions")
     plgpu.barrier_wait(bar.at[0])
     plgpu.barrier_wait(bar.at[1])
 
@@ -164,6 +166,8 @@ def _attend_kernel(live_gmem, pos_gmem, q_gmem, qr_gmem, cache_gmem, acc_gmem, m
     spec = lambda shape, imap: plgpu.BlockSpec(shape, imap, delay_release=1)
     init = (jnp.zeros((BM, bl), jnp.float32), jnp.full((BM,), -jnp.inf, jnp.float32),
             jnp.zeros((BM,), jnp.float32))
+    tma.check_pipeline("mla_attention attend", [("latent blocks", (bs, lr), cache.dtype),
+                                                ("rope blocks", (bs, r), cache.dtype)], cfg.stages)
     return plgpu.emit_pipeline(
         step, grid=(steps,),
         in_specs=[spec((bs, lr), lambda j: (first + j, 0)),          # latent block (QK)
@@ -213,6 +217,9 @@ def _combine_kernel(live_gmem, m_gmem, l_gmem, acc_gmem, ctx_gmem, *, cfg: MlaAt
   vec = lambda: plgpu.BlockSpec((BM,), lambda s: (s * tiles + mt,))           # m, l viewed [NS*Mp]
   init = (jnp.zeros((BM, bl), jnp.float32), jnp.full((BM,), -jnp.inf, jnp.float32),
           jnp.zeros((BM,), jnp.float32))
+  tma.check_pipeline("mla_attention combine", [("partial contexts", (BM, bl), acc_gmem.dtype),
+                                               ("row maxima", (BM,), m_gmem.dtype),
+                                               ("row sums", (BM,), l_gmem.dtype)], 2)
   ctx, _, l_sum = plgpu.emit_pipeline(
       step, grid=(live_splits,),
       in_specs=[plgpu.BlockSpec((BM, bl), lambda s: (s * tiles + mt, lc)), vec(), vec()],  # acc: [NS*Mp, Lr]

@@ -31,7 +31,7 @@ per-CTA SMEM row; per step either the tile becomes bf16 in registers before a bf
 into the weight, or fp8_scale_on="partial": the step's fp32 partial scaled into the accumulator, `promote`), or
 (fp8_activations, w8a8) an e4m3 x e4m3 wgmma reads the TMA'd tiles themselves: x arrives quantised per token
 and 128 columns, and the up epilogue writes h8 = e4m3(h / s) token-major [S, N, I] with its scales times wc
-[S, I/128, N] (`_store_e4m3_groups`), which the down pipeline streams beside its tiles.
+[S, I/128, NS] (NS: N padded to 128 bytes, `scale_columns`) (`_store_e4m3_groups`), which the down pipeline streams beside its tiles.
 Limits: tokens are padded to N columns (64; 16 or 32 for small T: x and h' tiles cost SMEM/L2
 traffic and pipeline slots, not HBM); up and down are two launches (no PDL yet); the split-K
 sum is one XLA fusion (it also takes the caller's residual add).
@@ -48,6 +48,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import tma
 from pallas_kernels.moe import _swiglu
 
 
@@ -181,21 +182,22 @@ def _align(topk_ids, topk_weights, n, has_shared):
 # ----------------------------------------------------------------------------- kernels
 
 
-def _with_row(src_gmem, body):
-  """body(row_smem) with a GMEM row ([L] or [L/W, W]) f32 copied to SMEM (TMA + barrier); None -> body(None)."""
+def _with_row(src_gmem, body, *, kernel, buffer):
+  """body(row_smem) with a GMEM row ([L] or [L/W, W]) f32 copied to SMEM (TMA + barrier); None -> body(None).
+  kernel, buffer: names for tma's alignment errors."""
   if src_gmem is None:
     return body(None)
 
   def scope(row_smem, bar):
-    plgpu.copy_gmem_to_smem(src_gmem, row_smem, bar)
+    tma.copy_gmem_to_smem(src_gmem, row_smem, bar, kernel=kernel, buffer=buffer)
     plgpu.barrier_wait(bar)
     return body(row_smem)
   return pl.run_scoped(scope, plgpu.SMEM(src_gmem.shape, jnp.float32), plgpu.Barrier(num_barriers=1))
 
 
-def _load_row(src_gmem):
+def _load_row(src_gmem, kernel):
   """wc row [N] f32 from GMEM via SMEM."""
-  return _with_row(src_gmem, lambda row_smem: row_smem[...])
+  return _with_row(src_gmem, lambda row_smem: row_smem[...], kernel=kernel, buffer="routing weights wc")
 
 
 def _scale(scales, j):
@@ -278,10 +280,18 @@ def _pin(acc):
   return plgpu.layout_cast(acc, plgpu.Layout.WGMMA)
 
 
+def scale_columns(n: int) -> int:
+  """fp8_activations: columns of the per-token scale tables (x's [D/128, NS], h's [S, I/128, NS]) for N token
+  columns: N rounded up to 128 bytes of f32 (NS = 32 for N = 16). Their [1, NS] blocks are TMA'd into the
+  pipeline's slots, slot i at i x NS x 4 bytes: [1, 16] blocks (64 B) put every odd slot 64 bytes off the 128-byte
+  TMA alignment (CUDA_ERROR_MISALIGNED_ADDRESS, the H200's first w8a8 run). Columns N.. are never read."""
+  return tma.pad_to(n, jnp.float32)
+
+
 def _token_scales(c, row_smem, shape):
-  """fp8_activations: scalar weight scale c times the tokens' activation scales (an SMEM block [1, N]),
-  broadcast over the accumulator's rows."""
-  return lax.broadcast_in_dim(c * row_smem.at[0][...], shape, (1,))
+  """fp8_activations: scalar weight scale c times the tokens' activation scales (the first N columns of an SMEM
+  block [1, NS]), broadcast over the accumulator's rows."""
+  return lax.broadcast_in_dim(c * row_smem.at[0, pl.ds(0, shape[1])][...], shape, (1,))
 
 
 def _store_e4m3_groups(h, wc, h_gmem, hs_gmem):
@@ -301,26 +311,36 @@ def _store_e4m3_groups(h, wc, h_gmem, hs_gmem):
     s_smem[...] = wc * s
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(h_smem, h_gmem)
-    plgpu.copy_smem_to_gmem(s_smem, hs_gmem)
+    plgpu.copy_smem_to_gmem(s_smem, hs_gmem.at[pl.ds(0, n)])        # columns N.. of the table: never read
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   pl.run_scoped(store, plgpu.SMEM((n, bi), jnp.float8_e4m3fn), plgpu.SMEM((n,), jnp.float32))
+
+
+def _kernel_name(fp8, cfg, part):
+  return f"moe_mosaic{'_fp8' if fp8 else ''} {part}{' (w8a8)' if fp8 and cfg.fp8_activations else ''}"
 
 
 def _up_slot(wg_gmem, wu_gmem, x_gmem, wc_gmem, h_gmem, ib, *, cfg, d, limit, scales_gmem=None, xs_gmem=None,
              hs_gmem=None):
   """This CTA's rows ib*BI:(ib+1)*BI of h'[s] = wc[s] * SwiGLU(wg_tile @ x^T, wu_tile @ x^T) -> h_gmem [BI, N].
   scales_gmem (fp8 weights): this CTA's row of scales, gate's of K step k at k, up's at d/BK + k.
-  fp8_activations: x is e4m3, xs_gmem its scales transposed [D/128, N]; h_gmem [N, BI] takes the e4m3 h and
-  hs_gmem [N] its scales times wc (_store_e4m3_groups)."""
+  fp8_activations: x is e4m3, xs_gmem its scales transposed [D/128, NS] (scale_columns); h_gmem [N, BI] takes
+  the e4m3 h and hs_gmem [NS] its scales times wc (_store_e4m3_groups)."""
   bi, bk, n = cfg.block_i, cfg.block_k, cfg.n_tokens
   fp8 = scales_gmem is not None
+  name = _kernel_name(fp8, cfg, "up")
   spec = lambda shape, imap: plgpu.BlockSpec(shape, imap, delay_release=1)
   in_specs = [spec((bi, bk), lambda k: (ib, k)), spec((bi, bk), lambda k: (ib, k)), spec((n, bk), lambda k: (0, k))]
   operands = [wg_gmem, wu_gmem, x_gmem]
+  blocks = [("gate tiles", (bi, bk), wg_gmem.dtype), ("up tiles", (bi, bk), wu_gmem.dtype),
+            ("x tiles", (n, bk), x_gmem.dtype)]
   if xs_gmem is not None:  # step k's x scales: row k BK / 128 of the table
-    in_specs.append(spec((1, n), lambda k: (k * bk // ACT_GROUP, 0)))
+    ns = xs_gmem.shape[-1]
+    in_specs.append(spec((1, ns), lambda k: (k * bk // ACT_GROUP, 0)))
     operands.append(xs_gmem)
+    blocks.append(("x scales", (1, ns), xs_gmem.dtype))
+  tma.check_pipeline(name, blocks, min(cfg.up_stages, d // bk))
   run = lambda step, **kw: plgpu.emit_pipeline(step, grid=(d // bk,), in_specs=in_specs,
                                                max_concurrent_steps=cfg.up_stages, **kw)(*operands)
 
@@ -355,8 +375,9 @@ def _up_slot(wg_gmem, wu_gmem, x_gmem, wc_gmem, h_gmem, ib, *, cfg, d, limit, sc
 
   pipeline = promote if _promotes(cfg, fp8) else accumulate
   g, u = _with_row(scales_gmem, lambda scales: _with_scratch(cfg, fp8, [(bi, bk)] * 2,
-                                                              functools.partial(pipeline, scales)))
-  wc = _load_row(wc_gmem)                                             # [N]
+                                                              functools.partial(pipeline, scales)),
+                   kernel=name, buffer="weight scale row")
+  wc = _load_row(wc_gmem, name)                                       # [N]
   if hs_gmem is not None:
     _store_e4m3_groups(_swiglu(g, u, limit), wc, h_gmem, hs_gmem)
     return
@@ -372,8 +393,8 @@ def _up_slot(wg_gmem, wu_gmem, x_gmem, wc_gmem, h_gmem, ib, *, cfg, d, limit, sc
 
 
 def _up_kernel(meta, x_gmem, *rest, cfg, d, p, limit, shared_limit, has_shared, fp8):
-  """rest: ([x scales [D/128, N] if fp8_activations], wc, [up scales [S, I/128, R, W] if fp8], w_gate, w_up,
-  [shared gate, up], h' [S, I, N] (fp8_activations: h8 [S, N, I] e4m3 and its scales [S, I/128, N]))."""
+  """rest: ([x scales [D/128, NS] if fp8_activations], wc, [up scales [S, I/128, R, W] if fp8], w_gate, w_up,
+  [shared gate, up], h' [S, I, N] (fp8_activations: h8 [S, N, I] e4m3 and its scales [S, I/128, NS]))."""
   w8a8 = fp8 and cfg.fp8_activations
   xs_gmem, rest = (rest[0], rest[1:]) if w8a8 else (None, rest)
   wc_gmem, *rest = rest
@@ -405,7 +426,7 @@ def _up_kernel(meta, x_gmem, *rest, cfg, d, p, limit, shared_limit, has_shared, 
 def _down_kernel(meta, h_gmem, *rest, cfg, d, i, p, has_shared, fp8):
   """out_part[ks, db*BD:(db+1)*BD, :] = sum_s W_down[e_s][rows, chunk ks] @ h'[s, chunk ks].
   h_gmem: h' [S * I, N], or (fp8_activations) h8 [S * N, I] e4m3 token-major.
-  rest: ([h8's scales [S * I/128, N] if fp8_activations], [down scales [D/128, KS, R, W] if fp8: step j of slot s
+  rest: ([h8's scales [S * I/128, NS] if fp8_activations], [down scales [D/128, KS, R, W] if fp8: step j of slot s
   at s * kper + j], w_down, [shared down], out)."""
   w8a8 = fp8 and cfg.fp8_activations
   hs_gmem, rest = (rest[0], rest[1:]) if w8a8 else (None, rest)
@@ -414,6 +435,7 @@ def _down_kernel(meta, h_gmem, *rest, cfg, d, i, p, has_shared, fp8):
   swd, out_gmem = rest if has_shared else (None, rest[0])
   db, ks = lax.axis_index("d"), lax.axis_index("k")
   bd, bkd, n = cfg.block_d, cfg.block_kd, cfg.n_tokens
+  name = _kernel_name(fp8, cfg, "down")
   kper = i // (cfg.split_k * bkd)                   # pipeline steps per slot
   k0 = ks * kper                                    # first I block of this CTA's chunk
   spec = lambda shape, imap: plgpu.BlockSpec(shape, imap, delay_release=1)
@@ -424,9 +446,15 @@ def _down_kernel(meta, h_gmem, *rest, cfg, d, i, p, has_shared, fp8):
     w = spec((bd, bkd), lambda j: (w_rows(j), iblock(j)))
     if not w8a8:                                    # h' [S * I, N]
       return [w, spec((bkd, n), lambda j: (slot(j) * (i // bkd) + iblock(j), 0))]
-    groups = i // ACT_GROUP                         # h8 [S * N, I], its scales [S * I/128, N]
+    groups = i // ACT_GROUP                         # h8 [S * N, I], its scales [S * I/128, NS]
     return [w, spec((n, bkd), lambda j: (slot(j), iblock(j))),
-            spec((1, n), lambda j: (slot(j) * groups + iblock(j) * bkd // ACT_GROUP, 0))]
+            spec((1, hs_gmem.shape[-1]), lambda j: (slot(j) * groups + iblock(j) * bkd // ACT_GROUP, 0))]
+
+  blocks = [("down tiles", (bd, bkd), wd_gmem.dtype),
+            ("h tiles", (n, bkd) if w8a8 else (bkd, n), h_gmem.dtype)]
+  if w8a8:
+    blocks.append(("h scales", (1, hs_gmem.shape[-1]), hs_gmem.dtype))
+  tma.check_pipeline(name, blocks, cfg.down_stages)
 
   # Routed: step j -> slot j // kper (ascending expert), I block k0 + j % kper; then the shared slot P.
   routed = specs(lambda j: j // kper, lambda j: k0 + j % kper, lambda j: meta[1 + j // kper] * (d // bd) + db)
@@ -467,7 +495,8 @@ def _down_kernel(meta, h_gmem, *rest, cfg, d, i, p, has_shared, fp8):
     return acc
 
   pipeline = promote if _promotes(cfg, fp8) else accumulate
-  out = _with_row(row, lambda scales: _with_scratch(cfg, fp8, [(bd, bkd)], functools.partial(pipeline, scales)))
+  out = _with_row(row, lambda scales: _with_scratch(cfg, fp8, [(bd, bkd)], functools.partial(pipeline, scales)),
+                  kernel=name, buffer="weight scale row")
 
   def store(o_smem):
     o_smem[...] = out
@@ -545,11 +574,11 @@ def run_kernels(x, meta, wc, w_gate, w_up, w_down, shared, *, limit, shared_limi
   up_scales, down_scales = scales if fp8 else ((), ())
   interp = plgpu.InterpretGPUParams() if cfg.interpret else None
   params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
-  groups = i // ACT_GROUP
-  if w8a8:  # h8 token-major [S, N, I] e4m3 and its scales (times the routing weights) [S, I/128, N]
+  groups, ns = i // ACT_GROUP, scale_columns(n)
+  if w8a8:  # h8 token-major [S, N, I] e4m3 and its scales (times the routing weights) [S, I/128, NS]
     h_type = (jax.ShapeDtypeStruct((p + 1, n, i), jnp.float8_e4m3fn),
-              jax.ShapeDtypeStruct((p + 1, groups, n), jnp.float32))
-    x_tables = [jnp.pad(x_scales.astype(jnp.float32), ((0, n - t), (0, 0))).T]   # [D/128, N]
+              jax.ShapeDtypeStruct((p + 1, groups, ns), jnp.float32))
+    x_tables = [jnp.pad(x_scales.astype(jnp.float32), ((0, ns - t), (0, 0))).T]  # [D/128, NS]
   else:
     h_type, x_tables = jax.ShapeDtypeStruct((p + 1, i, n), x_pad.dtype), []
 
@@ -563,7 +592,7 @@ def run_kernels(x, meta, wc, w_gate, w_up, w_down, shared, *, limit, shared_limi
          *(shared[:2] if has_shared else ()))                        # [S, I, N]
   if w8a8:
     h8, hs = h
-    h_args = (h8.reshape((p + 1) * n, i), hs.reshape((p + 1) * groups, n))
+    h_args = (h8.reshape((p + 1) * n, i), hs.reshape((p + 1) * groups, ns))
   else:
     h_args = (h.reshape((p + 1) * i, n),)
 

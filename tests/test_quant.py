@@ -14,6 +14,7 @@ import pytest
 from ling_jax import quant
 from ling_jax.config import get_preset
 from ling_jax.layers.moe import dense_mlp
+from ling_jax.layers.norms import rms_norm
 from ling_jax.model import forward, lm_logits
 from ling_jax.quant import Fp8Weight
 from ling_jax.safetensors_io import CheckpointError, SafetensorsFile, save_file
@@ -100,6 +101,42 @@ def test_activations_quantise_per_row_and_128_column_group():
     xf, fqf = x.astype(np.float32), np.asarray(fq, np.float32)
     scale = np.repeat(np.asarray(q.scale), 128, axis=1)[:, :300]
     assert np.all(np.abs(fqf - xf) <= np.maximum(np.abs(xf) * 2.0**-4, scale * 2.0**-9) * 1.01)
+
+
+def test_fake_quantize_keeps_its_rounding_when_xla_simplifies_fp_conversions():
+    """The e4m3 round trip inside one jit survives XLA's SimplifyFPConversions (the H200 compiler runs it under the
+    default xla_allow_excess_precision: f32 -> e4m3 -> f32 became f32, and the kernels' "quantised" references
+    were the unquantised math). XLA:CPU runs the same pass with its oneDNN custom-call option: the bare chain
+    loses the rounding there (the control), quant's round trip keeps it, bit for bit the plain compile's."""
+    x = jax.random.normal(jax.random.key(3), (4, 256), jnp.float32)
+    # the GPU's default excess precision (tests/conftest.py turns it off for the suite) and the pass
+    simplify = {"xla_allow_excess_precision": True, "xla_cpu_experimental_onednn_custom_call": True}
+
+    def bare(a):  # the chain as quant wrote it before the barrier
+        q = quant.quantize_activations(a)
+        return q.x8.astype(jnp.float32) * jnp.repeat(q.scale, 128, axis=-1)
+
+    bare_out = jax.jit(bare).lower(x).compile(compiler_options=simplify)(x)
+    assert float(jnp.max(jnp.abs(bare_out - x))) < 1e-5      # the pass is on: the rounding is gone
+    plain = jax.jit(quant.fake_quantize_activations)(x)
+    assert float(jnp.max(jnp.abs(plain - x))) > 1e-2         # e4m3 keeps 3 mantissa bits
+    kept = jax.jit(quant.fake_quantize_activations).lower(x).compile(compiler_options=simplify)(x)
+    np.testing.assert_array_equal(np.asarray(kept), np.asarray(plain))
+
+
+def test_quantize_activations_sees_its_input_rounded_to_its_dtype():
+    """An x made in the same jit (a norm's f32 math rounded to bf16) is quantised as the bf16 x it is: under
+    xla_allow_excess_precision (the GPU default) XLA would skip that rounding, and e4m3 turns the difference into
+    whole e4m3 steps (~1/16 of them flip). The oracle: the same bf16 x materialised by a jit of its own."""
+    k = jax.random.split(jax.random.key(4), 2)
+    a = (3 * jax.random.normal(k[0], (6, 512), jnp.float32)).astype(jnp.bfloat16)
+    w = (1 + 0.1 * jax.random.normal(k[1], (512,), jnp.float32)).astype(jnp.bfloat16)
+    make_x = lambda a, w: rms_norm(a, w, 1e-6)                   # the model's norm: a bf16 product w * normed
+    fused = jax.jit(lambda a, w: quant.quantize_activations(make_x(a, w))).lower(a, w).compile(
+        compiler_options={"xla_allow_excess_precision": True})(a, w)
+    split = quant.quantize_activations(jax.jit(make_x)(a, w))
+    np.testing.assert_array_equal(np.asarray(fused.x8, np.float32), np.asarray(split.x8, np.float32))
+    np.testing.assert_array_equal(np.asarray(fused.scale), np.asarray(split.scale))
 
 
 def test_policy_follows_deepseek_skip_list():
