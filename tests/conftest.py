@@ -13,6 +13,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.serve_helpers import CACHE_DIR
+
+# One persistent compilation cache for the suite, shared by both xdist workers and the server subprocesses
+# (tests/serve_helpers.py): test modules rebuild the same programs (each module's executables are dropped after
+# it, _release_executables), and a program built once is then loaded, not compiled again. count_compiles counts
+# a load like a compile, so the no-compile tests keep their meaning.
+jax.config.update("jax_compilation_cache_dir", CACHE_DIR)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
 from ling_jax.config import TEST_PRESETS, get_preset, to_hf_dict
 from ling_jax.model import RuntimeOptions, commit, forward, lm_logits
 

@@ -22,7 +22,7 @@ from compile.stages import slice_config
 from ling_jax.config import get_preset, to_hf_dict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CACHE_DIR = os.path.join(tempfile.gettempdir(), "ling-jax-serve-test-jit-cache")
+CACHE_DIR = os.path.join(tempfile.gettempdir(), "ling-jax-test-jit-cache")   # the suite's too: tests/conftest.py
 SERVER_FLAGS = ["--dtype", "float32", "--context-length", "512", "--speculative-algorithm", "NEXTN",
                 "--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4",
                 "--max-running-requests", "1"]  # batch 1: the batching tests ask for slots themselves
