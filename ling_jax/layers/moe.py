@@ -54,7 +54,10 @@ def route(logits, expert_bias, cfg):
     _, ids = jax.lax.top_k(masked, cfg.num_experts_per_tok)
     w = jnp.take_along_axis(s, ids, axis=1)
     if cfg.norm_topk_prob:
-        w = w / (topk_weight_sum(w) + 1e-20)
+        den = topk_weight_sum(w) + 1e-20  # [T, 1]
+        # one IEEE quotient per weight, column by column: XLA rewrites w / broadcast(den) as w * broadcast(1 / den)
+        # (two roundings; on CPU a quarter of Ling's weights land an ulp off the quotient)
+        w = jnp.concatenate([w[:, a:a + 1] / den for a in range(w.shape[1])], axis=1)
     return ids.astype(jnp.int32), w * cfg.routed_scaling_factor
 
 
