@@ -13,7 +13,9 @@ num_warps 4) and "scatter" (router_segments._scatter_kernel) at segments_warps 1
 norm; the norm and Ling's scores run num_warps / slots_warps = 4). busy_us: the kernels' summed device time per
 call (the figure of the 7.3 us a call issue 11 quotes), time_us: the profiler span per call of `nsets` calls back to
 back (launch gaps included); median of 3 traced runs. equal_to_onehot: every output (ids, weights, order, seg,
-tok, w_rows, xn) bitwise equal to the "onehot" program's, over every input set.
+tok, w_rows, xn) bitwise equal to the "onehot" program's, over every input set. row0_invariant: token 0's ids,
+weights (and xn) equal the same program's on that token alone (T = 1, no live rows: token 0 is live), over every
+set (the weights' normalising sum is one left-to-right chain in every program: router.normalised_weights).
 
 Layer rows ("demo moe pass ..."): one call = residual + moe_layer(x) as the decode / verify step runs it (bf16,
 the Pallas router, the Triton MoE): "before" = KernelCalls(moe_router_tables=False): router scores, router top-k,
@@ -141,9 +143,15 @@ def router_bench(rows, key, small=False, ling=False, nsets=32):
         outs = [[np.asarray(v) for v in jax.jit(fn)(x, gate_w, bias, w) if v is not None] for x in xs]
         equal = None if ref is None else all(np.array_equal(a, b) for o, r in zip(outs, ref) for a, b in zip(o, r))
         ref = outs if ref is None else ref
+        alone = [RS.route_segments(x[:1], gate_w, bias, None, w if norm else None, eps=1e-6 if norm else None,
+                                   config=rc, **{**kw, "rows_per_seq": 0}) for x in xs]
+        firsts = lambda r: [r.ids, r.weights] + ([r.xn] if norm else [])
+        invariant = all(np.array_equal(np.asarray(a)[0], o[i][0]) for r, o in zip(alone, outs)
+                        for i, a in zip((0, 1, 6), firsts(r)))
         detail = {}
         tk = bk.timeit(fn, [(x,) for x in xs], (gate_w, bias, w), detail=detail)
-        rows.append(dict(name=label, time_us=tk, nsets=len(xs), config=str(rc), equal_to_onehot=equal, **detail))
+        rows.append(dict(name=label, time_us=tk, nsets=len(xs), config=str(rc), equal_to_onehot=equal,
+                         row0_invariant=invariant, **detail))
         print(rows[-1], flush=True)
       except Exception as ex:  # one failing program must not cost the run
         print(f"FAILED {label}: {type(ex).__name__}: {str(ex)[:1500]}", flush=True)
@@ -202,11 +210,11 @@ def main():
   except KeyboardInterrupt:
     print("interrupted: writing partial results", flush=True)
   path = bk.write_result(args.out, "kernels-moe-router-tables", rows, ceiling, tree=args.tree)
-  print(f"\nwrote {path}\n{'name':34s} {'busy us':>8s} {'span us':>8s} {'kern':>5s} equal_to_onehot")
+  print(f"\nwrote {path}\n{'name':34s} {'busy us':>8s} {'span us':>8s} {'kern':>5s} equal_to_onehot row0_invariant")
   for r in rows[1:]:
     if r["name"].startswith("router"):
       print(f"{r['name']:34s} {r.get('busy_us') or 0:8.2f} {r['time_us']:8.2f} {r.get('kernels_per_call') or 0:5.1f} "
-            f"{r['equal_to_onehot']}")
+            f"{str(r['equal_to_onehot']):>15s} {r['row0_invariant']}")
   cols = ("route_equal", "tables_equal", "routed_equal", "routed_invariant", "equal_to_before", "layer_invariant")
   print(f"\n{'name':30s} {'us':>8s} {'kern':>5s} {'err':>8s} " + " ".join(cols))
   for r in rows[1:]:

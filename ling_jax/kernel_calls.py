@@ -138,6 +138,10 @@ class KernelCalls:
       interpreter; bench/kernels_moe_router_tables.py checks and times the two on the GPU). Off until timed
       there: the offline sm_90 compile of the v2 demo's call (Triton 3.8, an in-order latency model of its SASS)
       gives ~2.0 / 1.7 us at T = 6 / 1 against the old program's 6.7 / 6.3 (measured: 7.3 a call; bench/KERNEL_NOTES.md).
+      The H200 (2026-12-02): 8.5 -> 3.0 us at T = 6, bitwise equal; at T = 1 not (the weights' normalising sum was a
+      reduce over a [1, AP] tile there vs onehot's [16, AP], associated by each tile's lane layout). Every router
+      program now adds the picks' columns left to right (router.normalised_weights, the model's topk_weight_sum
+      order; tests/test_kernels_router_invariance.py): off until the GPU shows T = 1 equal too.
     moe_n_tokens: the Mosaic MoE's token columns N (16, 32 or a multiple of 64; a call with more tokens uses
       64, and Triton above that). Every weight tile is multiplied with an [N, BK] x tile, so N = 64 at T = 1 streams
       as many activation bytes through SMEM as the up kernel's weight rows (and the down kernel's h' tiles

@@ -9,7 +9,7 @@ Shape legend: T tokens (T' padded to a power of 2, >= 16), D hidden, E experts, 
   s  = sigmoid(logits);  sb = s + expert_bias          # the bias only selects
   group score = sum of the top-2 sb in each of G groups; keep the top topk_group groups
   ids = top_k(sb masked to -inf outside kept groups);  w = s[ids]
-  w = w / (sum w + 1e-20) * routed_scaling_factor      (if norm_topk_prob)
+  w = w / (sum w + 1e-20) * routed_scaling_factor      (if norm_topk_prob; the sum left to right over the picks)
 
 Pallas version (`route`), two launches (a one-launch version would need a grid-wide sync:
 the 2.6 MB gate matvec wants many CTAs, the top-k wants all E scores of a token in one):
@@ -176,6 +176,24 @@ def _argmax_lowest(v, idx, big):
   return m, red(jnp.where(v == m, idx, big), jnp.min)
 
 
+def normalised_weights(ws, *, scale, norm):
+  """The picks' weights ws = [w_0, ..., w_{A-1}] (each [T'] or a scalar: one column per pick, in pick order) ->
+  [w_k / (((w_0 + w_1) + ...) + w_{A-1} + 1e-20) * scale] (norm) or [w_k * scale]: the model's rounding points
+  (ling_jax.layers.moe.route) and its sum's order (topk_weight_sum: left to right). Elementwise adds of the
+  columns, not a reduce over an [T', AP] tile: a reduce's association follows the tile's lane layout, which
+  changes with T' and with the program (a row tile of 1 at decode vs 16), so a token's weights would depend on
+  the batch it is in. Every router program here (route's per-token kernel, topk_rows, topk_columns) normalises
+  through this one function. (On the GPU Triton lowers an f32 `/` to div.full.f32, within 2 ulp of the IEEE
+  quotient the model and the interpreter take: elementwise, so the same in every program and at every T.)"""
+  if norm:
+    den = ws[0]
+    for wk in ws[1:]:
+      den = den + wk
+    den = den + 1e-20
+    ws = [wk / den for wk in ws]
+  return [wk * scale for wk in ws]
+
+
 def _topk_kernel(s_ref, b_ref, ids_ref, w_ref, *, g, eg, topk_group, top_k, ap, scale, norm):
   """One token: [G, EG] scores -> ids [A], weights [A] (lowest index wins every tie)."""
   t = pl.program_id(0)
@@ -197,21 +215,21 @@ def _topk_kernel(s_ref, b_ref, ids_ref, w_ref, *, g, eg, topk_group, top_k, ap, 
   taken = jnp.zeros((g, eg), jnp.bool_)
   slot = lax.broadcasted_iota(jnp.int32, (ap,), 0)
   ids = jnp.zeros((ap,), jnp.int32)
-  w = jnp.zeros((ap,), jnp.float32)
+  ws = []
   for k in range(top_k):                                                # final experts
     m = jnp.max(jnp.max(jnp.where(taken, -jnp.inf, masked), axis=1), axis=0)
     hit = jnp.where(~taken & (masked == m), flat, g * eg)
     idx = jnp.min(jnp.min(hit, axis=1), axis=0)
     pick = flat == idx
     taken = taken | pick
-    wk = jnp.sum(jnp.sum(jnp.where(pick, s, 0.0), axis=1), axis=0)
+    ws.append(jnp.sum(jnp.sum(jnp.where(pick, s, 0.0), axis=1), axis=0))  # one nonzero term: exact
     ids = jnp.where(slot == k, idx, ids)
+  w = jnp.zeros((ap,), jnp.float32)
+  for k, wk in enumerate(normalised_weights(ws, scale=scale, norm=norm)):
     w = jnp.where(slot == k, wk, w)
-  if norm:
-    w = w / (jnp.sum(w) + 1e-20)
   live = slot < top_k
   plt.store(ids_ref.at[t, pl.ds(0, ap)], ids, mask=live)
-  plt.store(w_ref.at[t, pl.ds(0, ap)], w * scale, mask=live)
+  plt.store(w_ref.at[t, pl.ds(0, ap)], w, mask=live)
 
 
 def source_rows(live_ref, *, t, tp, rows_per_seq):
@@ -254,31 +272,31 @@ def topk_rows(s, b, valid, *, g, eg, topk_group, top_k, ap, scale, norm):
   taken = jnp.zeros((tp, g, eg), jnp.bool_)
   slot = lax.broadcasted_iota(jnp.int32, (tp, ap), 1)
   ids = jnp.zeros((tp, ap), jnp.int32)
-  w = jnp.zeros((tp, ap), jnp.float32)
+  ws = []
   for k in range(top_k):
     m = jnp.max(jnp.max(jnp.where(taken, -jnp.inf, masked), axis=2), axis=1)
     hit = jnp.where(~taken & (masked == m[:, None, None]), flat, g * eg)
     idx = jnp.min(jnp.min(hit, axis=2), axis=1)                         # [T']
     pick = flat == idx[:, None, None]
     taken = taken | pick
-    wk = jnp.sum(jnp.sum(jnp.where(pick, s, 0.0), axis=2), axis=1)
+    ws.append(jnp.sum(jnp.sum(jnp.where(pick, s, 0.0), axis=2), axis=1))  # [T'] (one nonzero term: exact)
     ids = jnp.where(slot == k, idx[:, None], ids)
-    w = jnp.where(slot == k, wk[:, None], w)
   taken = taken & valid[:, None, None]
-  den = (jnp.sum(w, axis=1) + 1e-20) if norm else jnp.ones((tp,), jnp.float32)
-  w_norm = w / den[:, None] if norm else w
-  return taken, ids, w_norm * scale
+  w = jnp.zeros((tp, ap), jnp.float32)
+  for k, wk in enumerate(normalised_weights(ws, scale=scale, norm=norm)):
+    w = jnp.where(slot == k, wk[:, None], w)
+  return taken, ids, w
 
 
-def topk_columns(s, b, *, g, eg, topk_group, top_k, ap, scale, norm, weights_along_groups=False):
+def topk_columns(s, b, *, g, eg, topk_group, top_k, ap, scale, norm):
   """topk_rows' selection and weights with half its dependent reductions, plus the pairs as columns: s [T', G, EG]
   -> (ids [T', AP] int32, w [T', AP] f32 normalised and scaled, cols: top_k (expert [T'] int32, weight [T'] f32
   = w[:, k]) in pick order). The same values as topk_rows bit for bit: each "max, then the lowest index holding
   it" pair of reductions is one argmax (the lowest index among the maxima: the same tie rule; the maxima are
   finite, every kept group holding finite scores and top_k <= the kept experts), each pick's weight a one-hot
-  sum (exact), and the normalising sum the same jnp.sum over the same [T', AP] columns. (The picks run on the
-  [T', E] view of the scores: the columns of w then lie along its expert axis, whose two lowest bits the GPU
-  program adds first, as topk_rows' programs on the v2 demo do.)"""
+  sum (exact), and the normalisation the same normalised_weights of the same columns (elementwise: the same
+  values whatever the row count or the lane layout). The picks run on the [T', E] view of the scores; cols'
+  weights are normalised_weights' columns themselves (no reduction over w's lanes to take them out)."""
   tp, e = s.shape[0], g * eg
   sb = s + b[None]
   col = lax.broadcasted_iota(jnp.int32, (tp, g, eg), 2)
@@ -297,23 +315,20 @@ def topk_columns(s, b, *, g, eg, topk_group, top_k, ap, scale, norm, weights_alo
   taken = jnp.zeros((tp, e), jnp.bool_)
   slot = lax.broadcasted_iota(jnp.int32, (tp, ap), 1)
   ids = jnp.zeros((tp, ap), jnp.int32)
-  w = jnp.zeros((tp, ap), jnp.float32)
-  picks = []
+  picks, ws = [], []
   for k in range(top_k):
     idx = jnp.argmax(jnp.where(taken, -jnp.inf, masked), axis=1).astype(jnp.int32)   # [T']
     pick = flat == idx[:, None]
     taken = taken | pick
-    if weights_along_groups:
-      wk = jnp.sum(jnp.sum(jnp.where(pick.reshape(tp, g, eg), s, 0.0), axis=2), axis=1)
-    else:
-      wk = jnp.sum(jnp.where(pick, s_flat, 0.0), axis=1)
+    wk = jnp.sum(jnp.where(pick, s_flat, 0.0), axis=1)                 # one nonzero term: exact
     ids = jnp.where(slot == k, idx[:, None], ids)
-    w = jnp.where(slot == k, wk[:, None], w)
     picks.append(idx)
-  den = (jnp.sum(w, axis=1) + 1e-20) if norm else jnp.ones((tp,), jnp.float32)
-  w = (w / den[:, None] if norm else w) * scale
-  cols = [(idx, jnp.sum(jnp.where(slot == k, w, 0.0), axis=1)) for k, idx in enumerate(picks)]
-  return ids, w, cols
+    ws.append(wk)
+  ws = normalised_weights(ws, scale=scale, norm=norm)                  # [T'] each: w[:, k]
+  w = jnp.zeros((tp, ap), jnp.float32)
+  for k, wk in enumerate(ws):
+    w = jnp.where(slot == k, wk[:, None], w)
+  return ids, w, list(zip(picks, ws))
 
 
 def _topk_slots_kernel(s_ref, b_ref, *rest, t, g, eg, topk_group, top_k, ap, scale, norm,

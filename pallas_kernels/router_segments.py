@@ -159,15 +159,14 @@ def _tables(ids, w, valid, *, t, g, eg, top_k, ap, has_shared):
   return order, (st, ln, ex), tok, w_rows
 
 
-def _rms_scale(x_ref, *, t, tp, d, eps, src=None):
+def _rms_scale(x_ref, *, t, tp, d, eps):
   """r [T', 1] f32 = rsqrt(mean(x^2) + eps) of x's rows, as ling_jax.layers.norms.rms_norm computes it: fp32
   squares, ONE sum over the whole row (loaded at once, zero columns past D: the same sum as over D), the mean
-  as XLA's x * (1/D) (its simplifier's form of x / D). src [T'] (optional): row r is x's row src[r]."""
+  as XLA's x * (1/D) (its simplifier's form of x / D). Both programs call this on the same [T', pow2(D)] tile
+  (T' = padded_tokens(T)) at the same num_warps, and take a borrowed row's r from its source row's."""
   dp = _pow2(d)
   live = (lax.broadcasted_iota(jnp.int32, (tp, dp), 0) < t) & (lax.broadcasted_iota(jnp.int32, (tp, dp), 1) < d)
-  at = (pl.ds(0, tp), pl.ds(0, dp)) if src is None else (
-      jnp.broadcast_to(src[:, None], (tp, dp)), lax.broadcasted_iota(jnp.int32, (tp, dp), 1))
-  xf = plt.load(x_ref.at[at], mask=live, other=0.0).astype(jnp.float32)
+  xf = plt.load(x_ref.at[pl.ds(0, tp), pl.ds(0, dp)], mask=live, other=0.0).astype(jnp.float32)
   mean_sq = jnp.sum(xf * xf, axis=1, keepdims=True) * (np.float32(1) / np.float32(d))
   return lax.rsqrt(mean_sq + eps)
 
@@ -292,8 +291,9 @@ def _scatter_kernel(*refs, t, tp, d, g, eg, topk_group, top_k, ap, scale, norm, 
   """_segments_kernel's refs and outputs, bit for bit, with fewer dependent steps (RouterConfig.segments =
   "scatter", the module docstring): the K tiles' loads all issued before the first product, the routing borrow
   applied to the rows the scores are computed from, the rows past the product cut to TQ = T's power of 2, the
-  selection as argmaxes with the pairs as columns (router.topk_columns: the weights' normalising sum added in
-  topk_rows' order on the GPU too, see there) and the tables stored where they go (_store_tables). With the
+  selection as argmaxes with the pairs as columns (router.topk_columns; the weights' normalising sum is
+  router.normalised_weights' left-to-right chain of the picks' columns in both programs, so the weights do not
+  depend on the row tile: TQ here, T' there) and the tables stored where they go (_store_tables). With the
   norm: x's own rows normed and stored as xn, their source rows' (the borrow) normed for the product."""
   with_norm = rms_eps is not None
   n_in = (3 if from_x else 2) + (1 if with_norm else 0) + (1 if rows_per_seq else 0)
@@ -333,8 +333,10 @@ def _scatter_kernel(*refs, t, tp, d, g, eg, topk_group, top_k, ap, scale, norm, 
       xn = [normed(xb, r_own, wb) for xb, wb in zip(own, w_tiles)]
       for kb, xnb in enumerate(xn):
         plt.store(xn_ref.at[pl.ds(0, tp), pl.ds(kb * bk, bk)], xnb, mask=live_cols)
-      if src is not None:
-        r_src = _rms_scale(x_ref, t=t, tp=tp, d=d, eps=rms_eps, src=src)
+      if src is not None:  # the source rows' scales taken from r_own (exact), not summed again over gathered
+        # rows: a second sum over another load's layout could associate differently, and onehot's borrowed rows
+        # route on their source row's own r
+        r_src = _take_rows(r_own, src)
         xn = [normed(xb, r_src, wb) for xb, wb in zip(xs, w_tiles)]
       xs = xn
     logits = jnp.zeros((tp, e), jnp.float32)
@@ -349,7 +351,7 @@ def _scatter_kernel(*refs, t, tp, d, g, eg, topk_group, top_k, ap, scale, norm, 
     s = plt.load(ins[0].at[rows, lax.broadcasted_iota(jnp.int32, shape, 1), lax.broadcasted_iota(jnp.int32, shape, 2)],
                  mask=jnp.broadcast_to(valid_q[:, None, None], shape), other=0.0)
   ids, w, cols = _router.topk_columns(s, b_ref[...], g=g, eg=eg, topk_group=topk_group, top_k=top_k, ap=ap,
-                                      scale=scale, norm=norm, weights_along_groups=not from_x)
+                                      scale=scale, norm=norm)
   out_mask = valid_q[:, None] & (lax.broadcasted_iota(jnp.int32, (tq, ap), 1) < top_k)
   plt.store(ids_ref.at[pl.ds(0, tq), pl.ds(0, ap)], ids, mask=out_mask)
   plt.store(w_ref.at[pl.ds(0, tq), pl.ds(0, ap)], w, mask=out_mask)

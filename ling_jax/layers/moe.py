@@ -5,7 +5,7 @@ G groups.
 
     s = sigmoid(x W_gate^T)  (fp32)        sb = s + expert_bias   (bias only selects)
     keep the topk_group groups with the largest sum of their top-2 sb; ids = top-A of sb inside them
-    w = s[ids] / (sum s[ids] + 1e-20) * routed_scaling_factor
+    w = s[ids] / (sum s[ids] + 1e-20) * routed_scaling_factor     (the sum: left to right, topk_weight_sum)
     y = sum_a w_a Expert_{ids_a}(x) + Shared(x)
 Clamp (limit L > 0, routed and shared experts alike): h = min(silu(gate), L) * clip(up, -L, L), the limit AFTER
 the SiLU, as SGLang deploys Ling-3.0 (`_swiglu_silu_clamp_mul`). The limits are per layer (config.json
@@ -54,8 +54,23 @@ def route(logits, expert_bias, cfg):
     _, ids = jax.lax.top_k(masked, cfg.num_experts_per_tok)
     w = jnp.take_along_axis(s, ids, axis=1)
     if cfg.norm_topk_prob:
-        w = w / (w.sum(-1, keepdims=True) + 1e-20)
+        den = topk_weight_sum(w) + 1e-20  # [T, 1]
+        # one IEEE quotient per weight, column by column: XLA rewrites w / broadcast(den) as w * broadcast(1 / den)
+        # (two roundings; on CPU a quarter of Ling's weights land an ulp off the quotient)
+        w = jnp.concatenate([w[:, a:a + 1] / den for a in range(w.shape[1])], axis=1)
     return ids.astype(jnp.int32), w * cfg.routed_scaling_factor
+
+
+def topk_weight_sum(w):
+    """w [T, A] -> [T, 1] f32: ((w_0 + w_1) + w_2) + ... + w_{A-1}, left to right in pick order. Written as a chain
+    of elementwise adds, not a reduce: a reduce's association is the backend's choice (XLA CPU's vectorised tree,
+    a Triton program's lane layout, which follows T and the program's tile shapes), so a token's weights could
+    change with the batch it is in; this order is fixed by construction, the same for every T and every program
+    (the Pallas routers add the picks' columns in this order: pallas_kernels.router.normalised_weights)."""
+    total = w[:, :1]
+    for a in range(1, w.shape[1]):
+        total = total + w[:, a:a + 1]
+    return total
 
 
 def routed_experts(x, ids, weights, w_gate, w_up, w_down, limit: float, *, fp8_activations: bool = False):
