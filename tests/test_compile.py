@@ -85,6 +85,7 @@ def test_persistent_cache_and_plain_program(tmp_path):
 
     saved = {k: getattr(jax.config, k) for k in ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
                                                   "jax_persistent_cache_min_entry_size_bytes")}
+    cc.reset_cache()  # the suite's own cache (tests/conftest.py) is live: this test's directory takes over
     enable_persistent_cache(str(tmp_path / "xla"))
     try:
         b = build(Program(get_preset("test-tiny"), mode="plain", max_len=32, dtype="float32"), make_mesh(2))
