@@ -366,7 +366,8 @@ def programs(a, cfg, mesh, rules, kernels, fused: tuple[bool, bool] = (False, Tr
                           moe_router_tables=a.moe_router_tables, moe_router_norm=a.moe_router_norm,
                           moe_router_scatter=a.moe_router_scatter,
                           mla_live_prefix=a.mla_live_prefix, moe_fp8_scheme=a.moe_fp8_scheme,
-                          moe_n_tokens=a.moe_n_tokens, moe_fp8_n_tokens=a.moe_fp8_n_tokens)
+                          moe_n_tokens=a.moe_n_tokens, moe_fp8_n_tokens=a.moe_fp8_n_tokens,
+                          moe_fp8_split_k=a.moe_fp8_split_k)
              if kernels != "reference" else None)
     opts = kernel_calls_for(RuntimeOptions(kernels=calls), mesh, rules)
     nextn = [int(k) for k in a.steps.split(",")]
@@ -494,6 +495,8 @@ def main():
                     "columns (16, 32 or a multiple of 64)")
     ap.add_argument("--moe-fp8-n-tokens", type=int, default=KernelCalls.moe_fp8_n_tokens, help="KernelCalls.moe_fp8_n_tokens: the fp8 "
                     "Mosaic MoE's token columns (16: 16 / 32 / 64 as T grows; 0: --moe-n-tokens)")
+    ap.add_argument("--moe-fp8-split-k", type=int, default=KernelCalls.moe_fp8_split_k, help="KernelCalls."
+                    "moe_fp8_split_k: the fp8 MoE's down-GEMM split of I where it divides (0: the tiles' own)")
     ap.add_argument("--baseline-fused-linear", action="store_true", help="also time the steps with fused_linear "
                     "and fused_linear_fp8 both flipped (the fused projections against XLA's; same kernels otherwise) in "
                     "the same run, as the baseline")
@@ -521,6 +524,7 @@ def main():
                     "on CPU (their temporaries)")
     a = ap.parse_args()
     a.moe_fp8_n_tokens = a.moe_fp8_n_tokens or None  # 0: the bf16 kernel's --moe-n-tokens
+    a.moe_fp8_split_k = a.moe_fp8_split_k or None    # 0: the tiles' split
     if a.model and a.layers:
         ap.error("--layers slices a preset; --model loads a whole checkpoint")
     if a.spec_parts and a.quantization:
@@ -579,7 +583,7 @@ def run_all(a, cfg, tp, mesh, rules):
                  moe_router_tables=a.moe_router_tables, moe_router_norm=a.moe_router_norm,
                  moe_router_scatter=a.moe_router_scatter,
                  mla_live_prefix=a.mla_live_prefix, moe_fp8_scheme=a.moe_fp8_scheme, moe_n_tokens=a.moe_n_tokens,
-                 moe_fp8_n_tokens=a.moe_fp8_n_tokens, tree=tree_of(a.tree),
+                 moe_fp8_n_tokens=a.moe_fp8_n_tokens, moe_fp8_split_k=a.moe_fp8_split_k, tree=tree_of(a.tree),
                  multi_step=a.multi_step, reps=a.reps)
     prefix = "step" + ("-" + os.path.basename(os.path.normpath(a.model)) if a.model else "") + f"-kda{a.kda_impl}"
     prefix += (f"-{a.quantization}" if a.quantization else "") + ("-fl" if fused else "")
@@ -592,6 +596,7 @@ def run_all(a, cfg, tp, mesh, rules):
     prefix += "" if a.moe_fp8_scheme == KernelCalls.moe_fp8_scheme else f"-moe{a.moe_fp8_scheme}"
     prefix += "" if a.moe_n_tokens == 64 else f"-n{a.moe_n_tokens}"
     prefix += "" if a.moe_fp8_n_tokens == KernelCalls.moe_fp8_n_tokens else f"-fp8n{a.moe_fp8_n_tokens}"
+    prefix += "" if a.moe_fp8_split_k == KernelCalls.moe_fp8_split_k else f"-fp8ks{a.moe_fp8_split_k}"
     kept = None
     os.makedirs(a.out, exist_ok=True)
     write(a.out, prefix + a.tag, rows, extra, device)  # the plan and ceiling survive a crash of the first step

@@ -196,6 +196,11 @@ class KernelCalls:
       (step-kdaverify-fp8-moepartial-bits-fp8n16-h200x1-2026-12-03.json): plain 6546 -> 6054 us, NEXTN5 14157 -> 11468.
     moe_fp8_n_tokens: the fp8 Mosaic MoE's token columns (as moe_n_tokens; None: moe_n_tokens); 16 (default) takes
       T <= 16 and 32 up to T = 32 (bench/kernels_moe_fp8.py's forms), 64 above that.
+    moe_fp8_split_k: the fp8 Mosaic MoE's down-GEMM split of I (MosaicMoeConfig.split_k) where block_kd x it divides
+      I, else the tiles' own (None: always the tiles'). 6 by default: the down grid is D / 64 x split_k CTAs, 120 at
+      split_k 3, one a SM converting and waiting step after step; 240 put two on a SM. H200 2026-12-03
+      (kernels-moe-fp8-h200-2026-12-03-ks6-w8a8.json, same run): T = 6 131.9 -> 119.9 us, T = 1 40.3 -> 38.2 us,
+      checked and batch-invariant (T = 17 not timed). The partials are summed in a fixed order as before.
     fp8_linear_scale: where the fp8 kernel applies the block scale: "partial" (on each K step's fp32 partial: the
       exact block product, one wgmma wait per step) or "weight" (on the weight before its bf16 rounding: the model's
       quant.dense weight, one wgmma group in flight); H200 2026-12-02: both 0.28-0.33 of the ceiling (KDA 44 us,
@@ -225,6 +230,7 @@ class KernelCalls:
     fp8_linear_scale: str = "partial"
     moe_fp8_scheme: str = "partial-bits"
     moe_fp8_n_tokens: int | None = 16
+    moe_fp8_split_k: int | None = 6
 
     def __post_init__(self):
         if self.p2p_allreduce and self.interpret:
@@ -239,6 +245,8 @@ class KernelCalls:
         if self.moe_fp8_n_tokens is not None and self.moe_fp8_n_tokens not in (16, 32) and (
                 self.moe_fp8_n_tokens <= 0 or self.moe_fp8_n_tokens % 64):
             raise ValueError(f"moe_fp8_n_tokens={self.moe_fp8_n_tokens} must be 16, 32 or a multiple of 64")
+        if self.moe_fp8_split_k is not None and self.moe_fp8_split_k < 1:
+            raise ValueError(f"moe_fp8_split_k={self.moe_fp8_split_k} must be >= 1 (or None)")
         if self.moe_fp8_scheme not in MOE_FP8_SCHEMES:
             raise ValueError(f"moe_fp8_scheme={self.moe_fp8_scheme!r} not in {MOE_FP8_SCHEMES}")
         if self.moe_fp8_scheme == "w8a8" and self.moe_tiles is not None and self.moe_tiles.block_i != 128:
@@ -407,9 +415,12 @@ class KernelCalls:
         return self.moe_kernel(x, experts[0]) == "mosaic"
 
     def _fp8_moe_config(self, t: int, w_gate):
-        """The fp8 Mosaic MoE's config: the Mosaic tiles (moe_tiles, moe_fp8_n_tokens or moe_n_tokens) with
-        moe_fp8_scheme's fields."""
+        """The fp8 Mosaic MoE's config: the Mosaic tiles (moe_tiles, moe_fp8_n_tokens or moe_n_tokens,
+        moe_fp8_split_k where it divides I) with moe_fp8_scheme's fields."""
         cfg = self._mosaic_moe_config(t, w_gate, self.moe_fp8_n_tokens)
+        ks = self.moe_fp8_split_k
+        if ks is not None and w_gate is not None and w_gate.shape[1] % (cfg.block_kd * ks) == 0:
+            cfg = dataclasses.replace(cfg, split_k=ks)
         # partial / partial-bits keep the converted tile in registers (fp8_operand="registers": the form the GPU
         # A/B timed, bench/kernels_moe_fp8.py); the interpreter never runs this config (_fp8_mosaic), so there
         # is no SMEM form to keep for it.

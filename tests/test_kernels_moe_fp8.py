@@ -205,6 +205,13 @@ def test_kernel_calls_moe_fp8_scheme_selects_the_config_and_lowers():
   assert KernelCalls(moe_fp8_n_tokens=None)._fp8_moe_config(6, None).n_tokens == 64   # None: moe_n_tokens
   with pytest.raises(ValueError, match="moe_fp8_n_tokens=48"):
     KernelCalls(moe_fp8_n_tokens=48)
+  # moe_fp8_split_k: 6 where 128 x 6 divides I (Ling's 768), else the tiles' own 3 (a width of 384)
+  ling_gate, narrow_gate = S((512, 768, 2560), jnp.float8_e4m3fn), S((16, 384, 256), jnp.float8_e4m3fn)
+  assert KernelCalls()._fp8_moe_config(6, ling_gate).split_k == 6
+  assert KernelCalls()._fp8_moe_config(6, narrow_gate).split_k == MosaicMoeConfig().split_k == 3
+  assert KernelCalls(moe_fp8_split_k=None)._fp8_moe_config(6, ling_gate).split_k == 3
+  with pytest.raises(ValueError, match="moe_fp8_split_k=0"):
+    KernelCalls(moe_fp8_split_k=0)
   d, e, i, t = 2560, 512, 768, 6
   f8, f32 = jnp.float8_e4m3fn, jnp.float32
   pair = lambda shape: quant.Fp8Weight(S(shape, f8), S(quant.scale_shape(shape), f32))
