@@ -43,7 +43,7 @@ from ling_jax.runner import Generator
 from ling_jax.spec import SpecConfig
 from ling_jax.tokenizer import load_tokenizer
 from ling_jax.weights import load_params
-from serve.engine import Decoding, Engine, Metrics, Request
+from serve.engine import Engine, Metrics, Request
 from serve.protocol import GenRequest, ModelLimits
 
 # (label, functions whose cumulative time it is): where the host time goes under --profile
@@ -96,16 +96,15 @@ class Clock:
 
 
 def make_rows(engine: Engine, bg: BatchGenerator, n: int, prompt_len: int, max_new: int, seed: int):
-    """n requests as the server makes them (Request + its Decoding as the row's consumer), queued in bg's inbox."""
+    """n requests as the server makes them (Engine._submit: its Decoding as the row's consumer), in bg's inbox."""
     rng = np.random.default_rng(seed)
     decodings = []
     for i in range(n):
         ids = rng.integers(5, bg.gen.cfg.vocab_size, prompt_len).tolist()
         req = Request(gen=GenRequest(input_ids=ids, max_new_tokens=max_new, ignore_eos=True), queue=asyncio.Queue())
         engine.live[req.id] = engine.running[req.id] = req
-        d = Decoding(engine, req)
-        bg.submit(req.gen.input_ids, d, **d.stream_args())
-        decodings.append(d)
+        engine._submit(req)  # as the server's worker does: the Decoding consumer, the per-turn flush
+        decodings.append(req)
     return decodings
 
 
