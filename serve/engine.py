@@ -8,9 +8,11 @@ goes to the BatchGenerator with its `Decoding` as consumer, run by the scheduler
 is read: the same one thread per step as at batch 1 (a thread per request woken per step between the scheduler
 and the event loop cost the lone request +184 us per step in bench/serve_host_overhead.py's emulation of the
 H200's host-bound step; the H200 sweep showed +22 % TPOT at concurrency 1). Either way every
-output is handed to the request's asyncio queue with `call_soon_threadsafe` — no polling anywhere. Requests beyond
-the running ones wait in the FIFO queue. With --num-continuous-decode-steps N a dispatch's N steps arrive together
-and are handed back one after another (the client sees N steps at a time; stops are checked per step, as at N = 1).
+output is handed to the request's asyncio queue with `call_soon_threadsafe` — no polling anywhere; batched, the
+outputs of one scheduler turn (every row's) go to the loop in ONE call at the turn's end (`_flush`), so the loop's
+thread wakes once per step, not once per row. Requests beyond the running ones wait in the FIFO queue. With
+--num-continuous-decode-steps N a dispatch's N steps arrive together: batch 1 hands them back one after another,
+batched as one chunk per row (the client sees N steps at a time; stops are checked per step, as at N = 1).
 
 Text: token ids go through an `IncrementalDetokenizer`; stop strings are searched in the decoded text and cut
 exactly (the text ends right before the stop string, later tokens are dropped). While a stop string could still
