@@ -18,6 +18,14 @@ host, where the demo model's real step takes ~15-150 ms, the host's share is oth
 --profile: cProfile over the timed turns of each row count; the host time split into the consumers (text, metrics,
 hand-off) and the scheduler's own bookkeeping, plus the top functions by own time.
 
+Found with it (CPU host, --trivial-step 3, 200 turns; bench/results/batching-host-n*-cpu-2026-12-03-trivial-*.json):
+host ms per step at 1 / 2 / 4 / 8 rows 0.33 / 0.50 / 0.83 / 1.11 before, of which at 8 rows (profiled) ~0.7 ms
+was detokenisation (IncrementalDetokenizer decoded the whole output every chunk: O(tokens) per row per step),
+~0.15 metrics, ~0.15 the read and per-row numpy element reads, plus a wake-up of the event loop's thread per row
+(call_soon_threadsafe's self-pipe write, and the GIL hand-over it invites, once per row per step); after (one read
+per turn, nested-list rows, one hand-off per turn, windowed byte-level detokenisation) 0.07 / 0.08 / 0.11 / 0.14,
+and with --decode-steps 2 0.04 / 0.05 / 0.06 / 0.09 per step.
+
     python3 -m bench.batching_host --rows 1,2,4,8 --out $OUT                   # GPU (bf16)
     JAX_PLATFORMS=cpu python3 -m bench.batching_host --trivial-step 3 --dtype float32 --profile
 """
@@ -251,8 +259,7 @@ def main(argv=None):
     else:
         engine.loop = asyncio.new_event_loop()
         threading.Thread(target=engine.loop.run_forever, name="event-loop", daemon=True).start()
-    print("warm-up (compiles) ...", flush=True)
-    bg.warm_up_batches()
+    # no warm_up_batches: each row count's untimed turns (its rows joining) compile what its timed turns run
     table, profiles = [], []
     print(f"{'rows':>4} {'turn':>8} {'program':>8} {'read':>8} {'host':>8} {'alone':>8}  ms per decode step "
           f"(decode_steps {a.decode_steps}); tokens/step", flush=True)
