@@ -4,8 +4,9 @@ to the event loop; the one-step-late read), at 1 / 2 / 4 / 8 rows, on the demo m
 
 The scheduler (ling_jax.batching._Turns) is driven turn by turn in this thread with R greedy requests decoding
 (ignore_eos, 128-token prompts, each row's consumer a real serve.engine.Decoding whose outputs an asyncio loop in
-another thread delivers, as the server's does; --inline-loop / --profile: run in this thread after each turn). Per decode step (a turn: dispatch one step, read the previous one;
-with --decode-steps N a turn is one dispatch of N steps and the per-step numbers divide by N):
+another thread delivers, as the server's does; --inline-loop / --profile: run in this thread after each turn).
+Per decode step (a turn: dispatch one step, read the previous one; with --decode-steps N a turn is one dispatch
+of N steps and the per-step numbers divide by N):
   turn      the wall time of the turn;
   program   the time inside the step program's call (its host dispatch; ~all of it on the H200, where the demo
             model's step is host-bound);
