@@ -1,7 +1,10 @@
 """Tokenizer loading through HF `tokenizers` (tokenizer.json + tokenizer_config.json), as a Ling checkpoint ships it.
 
 Also incremental detokenisation: text is emitted only once its bytes form complete UTF-8, so a multi-byte
-character split across tokens never shows up as U+FFFD in a stream.
+character split across tokens never shows up as U+FFFD in a stream. With a byte-level decoder (Ling's: each token
+is its bytes, the text is the UTF-8 of all of them) only the ids since the last point where the text was whole
+complete characters are decoded, not the whole output again: decoding every id per chunk cost ~90 us per row per
+step at a few hundred tokens, the largest host cost of a batched step (bench/batching_host.py --profile).
 """
 
 from __future__ import annotations
@@ -18,6 +21,10 @@ class Tokenizer:
     eos_ids: tuple[int, ...]
     bos_id: int | None
     chat_template: str | None
+    # the decoder is `tokenizers`' ByteLevel alone: decode(a + b) == decode(a) + decode(b) whenever decode(a) ends
+    # in a complete character (the bytes of a's tokens then end at a UTF-8 boundary; added / special tokens are
+    # whole tokens too), which IncrementalDetokenizer relies on
+    byte_level: bool = False
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
         ids = self.tok.encode(text, add_special_tokens=False).ids
@@ -62,7 +69,10 @@ def load_tokenizer(model_dir: str) -> Tokenizer | None:
     e = _read_json(os.path.join(model_dir, "config.json")).get("eos_token_id")
     eos += e if isinstance(e, list) else [e]
     eos_ids = tuple(sorted({int(x) for x in eos if isinstance(x, int)}))
-    return Tokenizer(tok, eos_ids, tid("bos_token"), conf.get("chat_template"))
+    from tokenizers import decoders
+
+    return Tokenizer(tok, eos_ids, tid("bos_token"), conf.get("chat_template"),
+                     byte_level=isinstance(tok.decoder, decoders.ByteLevel))
 
 
 def _read_json(path: str) -> dict:
@@ -76,15 +86,21 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
         self.ids: list[int] = []
-        self.emitted = 0  # characters already returned
+        # byte-level decoder: ids[:start] decoded to whole characters, all returned; ids[start:] are decoded
+        # together (else start stays 0: every id is decoded each time)
+        self.start = 0
+        self.emitted = 0  # characters of decode(ids[start:]) already returned
 
     def add(self, ids: list[int]) -> str:
         self.ids.extend(ids)
-        text = self.tokenizer.decode(self.ids)
+        text = self.tokenizer.decode(self.ids[self.start :])
         if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the rest
             return ""
         new = text[self.emitted :]
-        self.emitted = len(text)
+        if self.tokenizer.byte_level:  # whole characters: later ids decode on their own
+            self.start, self.emitted = len(self.ids), 0
+        else:
+            self.emitted = len(text)
         return new
 
     @property

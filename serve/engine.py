@@ -8,9 +8,11 @@ goes to the BatchGenerator with its `Decoding` as consumer, run by the scheduler
 is read: the same one thread per step as at batch 1 (a thread per request woken per step between the scheduler
 and the event loop cost the lone request +184 us per step in bench/serve_host_overhead.py's emulation of the
 H200's host-bound step; the H200 sweep showed +22 % TPOT at concurrency 1). Either way every
-output is handed to the request's asyncio queue with `call_soon_threadsafe` — no polling anywhere. Requests beyond
-the running ones wait in the FIFO queue. With --num-continuous-decode-steps N a dispatch's N steps arrive together
-and are handed back one after another (the client sees N steps at a time; stops are checked per step, as at N = 1).
+output is handed to the request's asyncio queue with `call_soon_threadsafe` — no polling anywhere; batched, the
+outputs of one scheduler turn (every row's) go to the loop in ONE call at the turn's end (`_flush`), so the loop's
+thread wakes once per step, not once per row. Requests beyond the running ones wait in the FIFO queue. With
+--num-continuous-decode-steps N a dispatch's N steps arrive together: batch 1 hands them back one after another,
+batched as one chunk per row (the client sees N steps at a time; stops are checked per step, as at N = 1).
 
 Text: token ids go through an `IncrementalDetokenizer`; stop strings are searched in the decoded text and cut
 exactly (the text ends right before the stop string, later tokens are dropped). While a stop string could still
@@ -194,6 +196,9 @@ class Engine:
         # request); a Generator's blocking stream runs in an engine thread
         self.batched = callable(getattr(generator, "submit", None))
         self.running: dict[str, Request] = {}  # the requests being generated now, by id
+        # batched: the event-loop calls the scheduler thread's consumers made during its current turn, handed to
+        # the loop together at the turn's end (`_flush`): one wake-up of the loop per turn, not one per row
+        self._outbox: list = []
         self._places = asyncio.Semaphore(self.max_running)
         self._threads = None if self.batched else concurrent.futures.ThreadPoolExecutor(
             self.max_running, thread_name_prefix="engine-stream")
@@ -278,8 +283,19 @@ class Engine:
         self.m.running.dec()
         self._places.release()
 
-    def _emit(self, req: Request, out: Output):
-        self.loop.call_soon_threadsafe(self._deliver, req, out)
+    def _call_soon(self, fn, *args):
+        """From any thread: run fn(*args) on the event loop."""
+        self.loop.call_soon_threadsafe(fn, *args)
+
+    def _queue(self, fn, *args):
+        """In the BatchGenerator's scheduler thread: run fn(*args) on the event loop after this turn (`_flush`)."""
+        self._outbox.append((fn, args))
+
+    def _flush(self):
+        """The scheduler's turn ended (BatchGenerator.submit's flush): its queued calls go to the loop at once."""
+        if self._outbox:
+            calls, self._outbox = self._outbox, []
+            self.loop.call_soon_threadsafe(_run_all, calls)
 
     def _deliver(self, req: Request, out: Output):
         """On the event loop: the request's fields only ever reflect what its queue has delivered; nothing is
@@ -301,10 +317,11 @@ class Engine:
     def _submit(self, req: Request):
         """On the event loop: hand `req` to the BatchGenerator; its scheduler thread runs the request's Decoding
         on each chunk and the place is freed once the request finished."""
-        d = Decoding(self, req, on_finished=lambda: self.loop.call_soon_threadsafe(self._ended, req))
+        d = Decoding(self, req, on_finished=lambda: d.handoff(self._ended, req), handoff=self._queue)
         try:
-            self.gen.submit(req.gen.input_ids, d, **d.stream_args())
+            self.gen.submit(req.gen.input_ids, d, flush=self._flush, **d.stream_args())
         except Exception as e:  # noqa: BLE001 - refused arguments: reported to the client, as a stream's error
+            d.handoff = self._call_soon  # here on the event loop's thread, not the scheduler's
             d.fail(e)
 
     def _process(self, req: Request):
@@ -332,7 +349,7 @@ class Engine:
         return list(zip(st.token_logprobs[start : start + n], st.top_logprobs[start : start + n]))
 
     def _finish(self, req: Request, reason: dict, n_out: int, ids: list[int] | None = None, delta: str = "",
-                logprobs: list[TokenLogprob] | None = None):
+                logprobs: list[TokenLogprob] | None = None, handoff=None):
         e2e = time.perf_counter() - req.t_arrival
         kind = reason["type"]
         if not req.log_metrics:
@@ -358,7 +375,8 @@ class Engine:
             self.m.generation_tokens.inc(n_out)
         if kind == "abort":
             log.info("request %s aborted after %d tokens: %s", req.id, n_out, reason.get("message"))
-        self._emit(req, Output(ids or [], delta, finished=True, finish_reason=reason, logprobs=logprobs))
+        (handoff or self._call_soon)(self._deliver, req, Output(ids or [], delta, finished=True, finish_reason=reason,
+                                                                logprobs=logprobs))
 
 
 class Decoding:
@@ -367,9 +385,11 @@ class Decoding:
     the request's engine thread (batch 1), or the BatchGenerator's scheduler (as its Consumer: `put`), where a
     chunk is handed over the moment it is read, as Generator.stream yields it in its own thread."""
 
-    def __init__(self, engine: Engine, req: Request, on_finished=None):
+    def __init__(self, engine: Engine, req: Request, on_finished=None, handoff=None):
         g = req.gen
         self.engine, self.req, self.on_finished = engine, req, on_finished
+        # handoff(fn, *args): fn(*args) on the event loop (batched: queued for the end of the scheduler's turn)
+        self.handoff = handoff or engine._call_soon
         self.stream = None  # batch 1: the Generator's stream, closed as soon as the request finished
         eos = () if g.ignore_eos else engine.limits.eos_ids
         self.stop_ids = tuple(eos) + tuple(g.stop_token_ids)
@@ -421,7 +441,7 @@ class Decoding:
                 self.stream.close()  # cancels the run-ahead step still in flight
             self._finish(reason, ids, delta + text.finish(), lps)
             return True
-        self.engine._emit(req, Output(ids, delta, logprobs=lps))
+        self.handoff(self.engine._deliver, req, Output(ids, delta, logprobs=lps))
         return False
 
     def end(self):
@@ -452,10 +472,15 @@ class Decoding:
     def _finish(self, reason: dict, ids: list[int], delta: str, logprobs: list[TokenLogprob] | None = None):
         self.finished = True
         try:
-            self.engine._finish(self.req, reason, self.n_out, ids, delta, logprobs)
+            self.engine._finish(self.req, reason, self.n_out, ids, delta, logprobs, self.handoff)
         finally:
             if self.on_finished is not None:  # the request's running place is freed whatever happened
                 self.on_finished()
+
+
+def _run_all(calls):
+    for fn, args in calls:
+        fn(*args)
 
 
 def warmup(gen: Generator, limits: ModelLimits, progress=None):

@@ -53,14 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-continuous-decode-steps", type=int, default=1,
                    help="decode steps per dispatch (SGLang's flag): N > 1 runs N steps in one program (a lax.scan), "
                         "so the host's per-dispatch cost is paid once per N steps; a stream then receives N steps' "
-                        "tokens at a time, the same tokens as N = 1. Batch-1 serving only (--max-running-requests 1, "
-                        "its default when N > 1)")
+                        "tokens at a time, the same tokens as N = 1. With continuous batching every dispatch of the "
+                        "running group runs N steps")
     # continuous batching (ling_jax/batching.py)
     p.add_argument("--max-running-requests", type=int, default=None,
                    help="requests decoded together, each in a slot of --context-length rows reserved at start "
-                        f"(default {DEFAULT_MAX_RUNNING} on one host with --tp-size 1 and "
-                        "--num-continuous-decode-steps 1, else 1; 1 serves one request at a time through the batch-1 "
-                        "programs alone)")
+                        f"(default {DEFAULT_MAX_RUNNING} on one host with --tp-size 1, else 1; 1 serves one request "
+                        "at a time through the batch-1 programs alone)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--random-weights", action="store_true", help="random init even when --model-path is a dir")
@@ -152,8 +151,8 @@ def decode_steps(a: argparse.Namespace) -> int:
 
 def max_running(a: argparse.Namespace) -> int:
     """--max-running-requests, checked: batching runs on one host without tensor parallelism (the lockstep
-    protocol and the sharded programs are batch-1), one decode step per dispatch (BatchGenerator's row groups
-    change between steps, so they are not scanned over N steps)."""
+    protocol and the sharded programs are batch-1); with --num-continuous-decode-steps N each dispatch of the
+    group runs N steps (rows that end inside one are cut there, ling_jax.batching)."""
     n = a.max_running_requests
     if n is not None and n < 1:
         raise ValueError(f"--max-running-requests must be >= 1, got {n}")
@@ -162,12 +161,8 @@ def max_running(a: argparse.Namespace) -> int:
         raise ValueError(f"--max-running-requests {n}: continuous batching needs --nnodes 1, --tp-size 1 and no "
                          f"DSPARK (got --nnodes {a.nnodes}, --tp-size {a.tp_size}, --speculative-algorithm "
                          f"{a.speculative_algorithm}); use --max-running-requests 1")
-    steps = decode_steps(a)
-    if n is not None and n > 1 and steps > 1:
-        raise ValueError(f"--num-continuous-decode-steps {steps} runs the batch-1 programs only; continuous "
-                         f"batching (--max-running-requests {n}) decodes one step per dispatch: use "
-                         f"--max-running-requests 1 or --num-continuous-decode-steps 1")
-    return n if n is not None else (DEFAULT_MAX_RUNNING if single and steps == 1 else 1)
+    decode_steps(a)  # checked with it
+    return n if n is not None else (DEFAULT_MAX_RUNNING if single else 1)
 
 
 def request_rows(a: argparse.Namespace) -> int:

@@ -1,7 +1,8 @@
 """Continuous batching through the real server (subprocess, test-tiny, NEXTN 3 steps, deterministic inference,
 --max-running-requests 4): concurrent requests give what each gives alone, greedy and seeded; a request aborted
 mid-flight, or joining and leaving, changes nothing for the others; nothing lingers in a reused slot; the server
-reports its memory budget and refuses slots that do not fit."""
+reports its memory budget and refuses slots that do not fit; with --num-continuous-decode-steps 2 concurrent
+replies equal the N = 1 server's."""
 
 from __future__ import annotations
 
@@ -97,3 +98,33 @@ def test_slots_that_do_not_fit_are_refused():
     assert r.returncode == 2, r.stderr[-2000:]
     assert "97 request state rows x --context-length 67108864 do not fit" in r.stderr
     assert "lower --max-running-requests or --context-length" in r.stderr
+
+
+@pytest.fixture(scope="module")
+def steps_server(tmp_path_factory):
+    """The same weights and flags, --num-continuous-decode-steps 2: every dispatch of the group runs 2 steps."""
+    d = tmp_path_factory.mktemp("serve-batching-steps")
+    srv = Server(make_model_dir(str(d / "model")), str(d / "server.log"), "--random-weights", "--seed", "3",
+                 "--enable-deterministic-inference", "--max-running-requests", "2",
+                 "--num-continuous-decode-steps", "2", timeout_s=1200)
+    yield srv
+    srv.stop()
+
+
+def test_two_steps_per_dispatch_equal_one(server, steps_server):
+    """Concurrent greedy requests (3 on 2 rows: a join into a dead position; max tokens not multiples of 2, one
+    with a stop token inside its run) on the N = 2 batching server equal the N = 1 server's one-at-a-time replies:
+    ids, text, finish reason, verify steps counted."""
+    bodies = [_body(i, n=11) for i in range(3)]
+    alone = [_generate(server, b) for b in bodies]
+    stop = alone[1]["output_ids"][6]
+    bodies[1]["sampling_params"]["stop_token_ids"] = [stop]
+    alone[1] = _generate(server, bodies[1])
+    assert alone[1]["meta_info"]["finish_reason"]["type"] == "stop"
+    together = _together(steps_server, bodies)
+    for a, b in zip(alone, together):
+        assert (b["output_ids"], b["text"]) == (a["output_ids"], a["text"])
+        for key in ("finish_reason", "completion_tokens", "spec_verify_ct"):
+            assert b["meta_info"][key] == a["meta_info"][key], key
+    info = httpx.get(steps_server.url + "/server_info", timeout=30).json()
+    assert (info["max_running_requests"], info["num_continuous_decode_steps"]) == (2, 2)

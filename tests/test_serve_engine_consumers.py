@@ -39,26 +39,28 @@ class FakeGenerator:
 
 class FakeBatcher(FakeGenerator):
     """BatchGenerator.submit: a scheduler thread hands `chunks` to the consumer until it closes the row (then,
-    or at the end, the row's _END), as ling_jax.batching._Row.put / end do. Records the threads that appeared
+    or at the end, the row's _END), as ling_jax.batching._Row.put / end do, each turn ending with `flush`. Records the threads that appeared
     besides the scheduler while it handed chunks over."""
 
     max_running = 2
 
-    def submit(self, prompt, out, **kw):
+    def submit(self, prompt, out, flush=None, **kw):
         row, before = SimpleNamespace(closed=False), set(threading.enumerate())
         self.new_threads = set()
 
         def scheduler():
-            for c in self.chunks:
+            for c in self.chunks:  # a turn per chunk, each ending with the flush
                 if row.closed:
                     break
                 self.handed += 1
                 if out.put(list(c)):
                     row.closed = True
+                flush()
                 self.new_threads |= set(threading.enumerate()) - before - {threading.current_thread()}
             if self.error is not None and not row.closed:
                 out.put(self.error)
             out.put(_END)
+            flush()
 
         threading.Thread(target=scheduler, name="fake-scheduler").start()
         return row

@@ -76,3 +76,34 @@ def test_multibyte_split_across_tokens(tok):
 def test_without_tokenizer():
     asm = TextAssembler(None, ())
     assert asm.add([5, 6, 7]) == (3, "") and asm.finish() == ""
+
+
+@pytest.mark.parametrize("model", ["test", "ling-demo"])
+def test_windowed_detokenizer_equals_whole_decodes(tok, model):
+    """Random id streams (byte fragments of multi-byte characters, invalid UTF-8, special and added tokens), fed in
+    random chunk sizes: the byte-level detokenizer decodes only the ids since its last whole-character point, and
+    at every chunk the text it returned so far is the whole-sequence decode's (less a held-back incomplete tail)."""
+    import os
+
+    import numpy as np
+
+    from ling_jax.tokenizer import IncrementalDetokenizer
+
+    if model == "ling-demo":
+        tok = load_tokenizer(os.path.join(os.path.dirname(os.path.dirname(__file__)), "models", "ling-demo"))
+    assert tok.byte_level
+    rng = np.random.default_rng(0)
+    vocab = tok.tok.get_vocab_size()
+    text_ids = tok.encode("naïve café ☕ — 日本語 ok")
+    for trial in range(30):
+        ids = rng.integers(0, vocab, 120).tolist() if trial % 2 else (text_ids * 4)[:: 1 + trial % 3]
+        detok, got, i = IncrementalDetokenizer(tok), "", 0
+        while i < len(ids):
+            n = int(rng.integers(1, 5))
+            got += detok.add(ids[i : i + n])
+            i += n
+            whole = tok.decode(ids[:i])
+            assert whole.startswith(got), (trial, i)
+            assert got == whole or whole.endswith("\ufffd"), (trial, i)
+        assert detok.start > 0 or not ids  # it did window
+        assert detok.text == tok.decode(ids)
