@@ -349,6 +349,7 @@ class _Turns:
         self.waiting.append(row)
         if row.flush is not None:
             self.flushes.setdefault(row.flush, row.flush)
+
     def _admit(self):
         bg = self.bg
         while self.prefilling is None and self.waiting and len(self.live()) < bg.max_running:

@@ -6,7 +6,6 @@ through the batch-1 Generator at N = 1; a row whose EOS comes mid-dispatch stops
 from __future__ import annotations
 
 import functools
-import threading
 
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +18,7 @@ from ling_jax.model import Numerics, RuntimeOptions
 from ling_jax.runner import Generator
 from ling_jax.spec import SpecConfig, deterministic_rows
 from ling_jax.weights import init_params
+from tests.test_batching import concurrently
 
 # a 12-token vocabulary (as tests/test_continuous_steps.py): drafts are accepted often enough for accept lengths
 # to vary, and EOS (id 1) comes up within a few dozen tokens; 3 layers: every layer kind
@@ -44,21 +44,6 @@ def batcher(decode_steps: int) -> BatchGenerator:
     return BatchGenerator(generator(decode_steps), max_running=2)
 
 
-def together(bg, requests):
-    """Each (prompt, kwargs) as its own stream in its own thread, started together; -> [(tokens, stats)]."""
-    out = [None] * len(requests)
-
-    def one(i, prompt, kw):
-        out[i] = bg.generate(prompt, **kw)
-
-    threads = [threading.Thread(target=one, args=(i, p, kw)) for i, (p, kw) in enumerate(requests)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    return out
-
-
 REQUESTS = [([3, 7, 1, 9, 4, 11, 2], dict(max_new_tokens=23)), ([5, 2, 8], dict(max_new_tokens=9)),
             ([10, 4, 4, 6, 2, 9, 3, 3, 7, 5, 8], dict(max_new_tokens=30)), ([6, 11], dict(max_new_tokens=14))]
 
@@ -68,7 +53,7 @@ def test_batched_n_steps_equal_one_at_a_time(n):
     """4 greedy requests, 2 rows at a time (joins, a row put into a dead position, compaction), max tokens that are
     not multiples of n: tokens, accept lengths (the steps past a row's end are not counted), finish reasons."""
     alone = [generator(1).generate(p, stop_token_ids=(), **kw) for p, kw in REQUESTS]
-    got = together(batcher(n), [(p, dict(kw, stop_token_ids=())) for p, kw in REQUESTS])
+    got = concurrently(batcher(n), [(p, dict(kw, stop_token_ids=())) for p, kw in REQUESTS])
     for (a, sa), (b, sb), (_, kw) in zip(alone, got, REQUESTS):
         assert b == a and len(b) == kw["max_new_tokens"] and sb.finish_reason == "length"
         assert sb.accept_lengths == sa.accept_lengths and sb.verify_steps == sa.verify_steps
@@ -98,7 +83,7 @@ def test_eos_inside_a_dispatch_stops_that_row_only():
     n = 4
     prompt, full, k = _mid_dispatch_eos(n)
     other = REQUESTS[2]
-    (a, sa), (b, _) = together(batcher(n), [(prompt, dict(max_new_tokens=40)),  # default stops: EOS
+    (a, sa), (b, _) = concurrently(batcher(n), [(prompt, dict(max_new_tokens=40)),  # default stops: EOS
                                             (other[0], dict(other[1], stop_token_ids=()))])
     assert a == full[: k + 1] and sa.finish_reason == "stop" and a[-1] == CFG.eos_token_id
     assert b == generator(1).generate(other[0], stop_token_ids=(), **other[1])[0]

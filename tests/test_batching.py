@@ -42,12 +42,12 @@ def gens():
     return gen, BatchGenerator(gen, max_running=2)
 
 
-def _concurrently(bg, requests):
-    """Run each (prompt, kwargs) as its own stream in its own thread; -> [(tokens, stats)]."""
+def concurrently(bg, requests):
+    """Run each (prompt, kwargs) as its own stream in its own thread, started together; -> [(tokens, stats)]."""
     results = [None] * len(requests)
 
     def one(i, prompt, kw):
-        results[i] = bg.generate(prompt, stop_token_ids=(), **kw)
+        results[i] = bg.generate(prompt, **kw)
 
     threads = [threading.Thread(target=one, args=(i, p, kw)) for i, (p, kw) in enumerate(requests)]
     for t in threads:
@@ -55,6 +55,11 @@ def _concurrently(bg, requests):
     for t in threads:
         t.join(300)
     return results
+
+
+def _concurrently(bg, requests):
+    """concurrently with no stop tokens: every request runs to its max_new_tokens."""
+    return concurrently(bg, [(p, dict(kw, stop_token_ids=())) for p, kw in requests])
 
 
 def _requests(cfg, n, **kw):
