@@ -35,6 +35,21 @@ def _concrete_state(abstract, mesh, seed=0):
     return jax.device_put(state, state_shardings(state, mesh))
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _no_suite_cache():
+    """This module compiles without the suite's persistent cache (tests/conftest.py): an XLA:CPU executable loaded
+    from that cache, serialized again and deserialized, can lack its fusions ("NOT_FOUND: Function
+    multiply_power_fusion not found", seen in CI), and serialize / load is what this module tests."""
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    saved = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", None)
+    cc.reset_cache()
+    yield
+    jax.config.update("jax_compilation_cache_dir", saved)
+    cc.reset_cache()
+
+
 @pytest.fixture(scope="module")
 def built_tp():
     cfg = get_preset("test-tiny")
@@ -85,7 +100,6 @@ def test_persistent_cache_and_plain_program(tmp_path):
 
     saved = {k: getattr(jax.config, k) for k in ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
                                                   "jax_persistent_cache_min_entry_size_bytes")}
-    cc.reset_cache()  # the suite's own cache (tests/conftest.py) is live: this test's directory takes over
     enable_persistent_cache(str(tmp_path / "xla"))
     try:
         b = build(Program(get_preset("test-tiny"), mode="plain", max_len=32, dtype="float32"), make_mesh(2))
