@@ -346,6 +346,27 @@ def model_config(a):
     return slice_config(cfg, a.layers) if a.layers else cfg
 
 
+def parse_baseline_set(ap, a, spec: str) -> dict:
+    """--baseline-set "flag=value,..." -> {dest: value}, each value parsed as its flag's own type (an unknown flag or
+    a value its type does not take is an argparse error; 0 means None for the two fp8 MoE sizes, as their flags)."""
+    out = {}
+    for item in spec.split(","):
+        key, eq, raw = item.partition("=")
+        key = key.strip().lstrip("-").replace("-", "_")
+        if not eq or key not in vars(a) or key.startswith("baseline"):
+            ap.error(f"--baseline-set {item!r}: expected FLAG=VALUE with FLAG one of this script's flags")
+        old = getattr(a, key)
+        try:
+            val = (raw.lower() in ("1", "true", "on") if isinstance(old, bool) else
+                   int(raw) if key in ("moe_fp8_n_tokens", "moe_fp8_split_k") or isinstance(old, int) else raw)
+        except ValueError:
+            ap.error(f"--baseline-set {item!r}: {raw!r} is not a value of {key} ({type(old).__name__})")
+        if isinstance(old, bool) and raw.lower() not in ("1", "true", "on", "0", "false", "off"):
+            ap.error(f"--baseline-set {item!r}: {key} is a switch (1/0, true/false, on/off)")
+        out[key] = (val or None) if key in ("moe_fp8_n_tokens", "moe_fp8_split_k") else val
+    return out
+
+
 def fused_of(a) -> tuple[bool, bool]:
     """The flags' KernelCalls (fused_linear, fused_linear_fp8)."""
     return a.fused_linear, a.fused_linear_fp8
@@ -367,7 +388,7 @@ def programs(a, cfg, mesh, rules, kernels, fused: tuple[bool, bool] = (False, Tr
                           moe_router_scatter=a.moe_router_scatter,
                           mla_live_prefix=a.mla_live_prefix, moe_fp8_scheme=a.moe_fp8_scheme,
                           moe_n_tokens=a.moe_n_tokens, moe_fp8_n_tokens=a.moe_fp8_n_tokens,
-                          moe_fp8_split_k=a.moe_fp8_split_k)
+                          moe_fp8_split_k=a.moe_fp8_split_k, fp8_linear_scale=a.fp8_linear_scale)
              if kernels != "reference" else None)
     opts = kernel_calls_for(RuntimeOptions(kernels=calls), mesh, rules)
     nextn = [int(k) for k in a.steps.split(",")]
@@ -497,6 +518,12 @@ def main():
                     "Mosaic MoE's token columns (16: 16 / 32 / 64 as T grows; 0: --moe-n-tokens)")
     ap.add_argument("--moe-fp8-split-k", type=int, default=KernelCalls.moe_fp8_split_k, help="KernelCalls."
                     "moe_fp8_split_k: the fp8 MoE's down-GEMM split of I where it divides (0: the tiles' own)")
+    ap.add_argument("--fp8-linear-scale", default=KernelCalls.fp8_linear_scale, help="KernelCalls.fp8_linear_scale: "
+                    "where the fp8 projections apply the block scale (partial, weight, or e4m3: activations quantised "
+                    "too, both wgmma operands e4m3)")
+    ap.add_argument("--baseline-set", default=None, metavar="FLAG=VALUE[,FLAG=VALUE]", help="also time the steps "
+                    "with these flags changed (their argparse names with underscores, e.g. moe_fp8_scheme=partial-bits,"
+                    "fp8_linear_scale=partial) in the same run, as the baseline")
     ap.add_argument("--baseline-fused-linear", action="store_true", help="also time the steps with fused_linear "
                     "and fused_linear_fp8 both flipped (the fused projections against XLA's; same kernels otherwise) in "
                     "the same run, as the baseline")
@@ -529,8 +556,11 @@ def main():
         ap.error("--layers slices a preset; --model loads a whole checkpoint")
     if a.spec_parts and a.quantization:
         ap.error("--spec-parts counts bf16 bytes (bench_spec.byte_model): not with --quantization")
-    if a.baseline_kernels and a.baseline_fused_linear:
-        ap.error("one baseline per run: --baseline-kernels or --baseline-fused-linear")
+    if sum(map(bool, (a.baseline_kernels, a.baseline_fused_linear, a.baseline_moe_fp8, a.baseline_set))) > 1:
+        ap.error("one baseline per run: --baseline-kernels, --baseline-fused-linear, --baseline-moe-fp8 or "
+                 "--baseline-set")
+    if a.baseline_set:
+        a.baseline_set = parse_baseline_set(ap, a, a.baseline_set)
     tp = a.tp or len(jax.devices())
     if a.p2p_allreduce and tp < 2:
         ap.error(f"--p2p-allreduce needs --tp >= 2 (got TP{tp}: one device has no all-reduce)")
@@ -562,6 +592,11 @@ def run_all(a, cfg, tp, mesh, rules):
         b = argparse.Namespace(**{**vars(a), "moe_fp8_scheme": scheme, "moe_fp8_n_tokens": int(n) if n else None})
         label = f"{a.kernels}, moe_fp8_scheme={scheme}, moe_fp8_n_tokens={n or None}"
         base = [(m, K, p, dv, label, fl) for m, K, p, dv in programs(b, cfg, mesh, rules, a.kernels, fl)]
+    if a.baseline_set:  # the same kernels with some flags changed; labelled through the kernels field
+        b = argparse.Namespace(**{**vars(a), **a.baseline_set})
+        label = f"{a.kernels}, " + ", ".join(f"{k}={v}" for k, v in a.baseline_set.items())
+        base = [(m, K, p, dv, label, fused_of(b)) for m, K, p, dv in programs(b, cfg, mesh, rules, a.kernels,
+                                                                                fused_of(b))]
     if base:  # each step's baseline right after it: a run cut short by a timeout keeps whole A/B pairs
         runs = [r for pair in zip(runs, base) for r in pair]
     plan = step_budget.budget(cfg, jnp.bfloat16, a.quantization, {f"{m}{K}": p for m, K, p, *_ in runs},
@@ -583,7 +618,8 @@ def run_all(a, cfg, tp, mesh, rules):
                  moe_router_tables=a.moe_router_tables, moe_router_norm=a.moe_router_norm,
                  moe_router_scatter=a.moe_router_scatter,
                  mla_live_prefix=a.mla_live_prefix, moe_fp8_scheme=a.moe_fp8_scheme, moe_n_tokens=a.moe_n_tokens,
-                 moe_fp8_n_tokens=a.moe_fp8_n_tokens, moe_fp8_split_k=a.moe_fp8_split_k, tree=tree_of(a.tree),
+                 moe_fp8_n_tokens=a.moe_fp8_n_tokens, moe_fp8_split_k=a.moe_fp8_split_k,
+                 fp8_linear_scale=a.fp8_linear_scale, baseline_set=a.baseline_set, tree=tree_of(a.tree),
                  multi_step=a.multi_step, reps=a.reps)
     prefix = "step" + ("-" + os.path.basename(os.path.normpath(a.model)) if a.model else "") + f"-kda{a.kda_impl}"
     prefix += (f"-{a.quantization}" if a.quantization else "") + ("-fl" if fused else "")
@@ -597,6 +633,7 @@ def run_all(a, cfg, tp, mesh, rules):
     prefix += "" if a.moe_n_tokens == 64 else f"-n{a.moe_n_tokens}"
     prefix += "" if a.moe_fp8_n_tokens == KernelCalls.moe_fp8_n_tokens else f"-fp8n{a.moe_fp8_n_tokens}"
     prefix += "" if a.moe_fp8_split_k == KernelCalls.moe_fp8_split_k else f"-fp8ks{a.moe_fp8_split_k}"
+    prefix += "" if a.fp8_linear_scale == KernelCalls.fp8_linear_scale else f"-fl8{a.fp8_linear_scale}"
     kept = None
     os.makedirs(a.out, exist_ok=True)
     write(a.out, prefix + a.tag, rows, extra, device)  # the plan and ceiling survive a crash of the first step
