@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 import sys
 import threading
 import time
@@ -30,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.batching_host import InlineLoop, make_rows
-from bench.bench_step import write
+from bench.bench_step import census, write
 from ling_jax.batching import BatchGenerator, _Turns
 from ling_jax.config import load_config
 from ling_jax.runner import Generator
@@ -92,11 +93,24 @@ def programs_alone(bg: BatchGenerator, rows: int, prompt_len: int, reps: int) ->
         return out
 
     out = []
+    census_of = {}
+    for name, (prog_fn, state_key, args) in (("prefill", (prefill, "staging", chunks[0])), ("step", (step, "group", ()))):
+        def one(p, st, prog_fn=prog_fn, args=args):
+            st, *rest = prog_fn(p, st, *args)
+            return st, rest
+        with tempfile.TemporaryDirectory() as d:
+            c, box[state_key] = census(one, gen.params, box[state_key], 5, 1e-3, d, 1)
+        census_of[name] = {k: c.get(k) for k in ("kernels_per_step_per_device", "kernel_us_per_step_all_streams",
+                                                 "by_category_us", "error")}
+        census_of[name]["top_kernels"] = c.get("top_kernels", [])[:15]
+        print(f"  census {name}: {c.get('kernels_per_step_per_device')} kernels, "
+              f"{c.get('kernel_us_per_step_all_streams')} us of kernels a call {c.get('error', '')}", flush=True)
     for name, fn in (("reset (staging slot)", run_reset), (f"prefill ({len(chunks)} chunk(s) for {prompt_len} "
                      f"tokens, buckets {gen.buckets})", run_prefill), ("insert (dead position)", run_insert),
                      ("regroup (next bucket)", run_regroup), (f"decode step, {rows} rows", run_step)):
         whole, dispatch = timed(fn, reps)
-        out.append({"name": name, "rows": rows, "program_ms": whole, "dispatch_ms": dispatch})
+        out.append({"name": name, "rows": rows, "program_ms": whole, "dispatch_ms": dispatch,
+                    "census": census_of.get(name.split()[0].replace("decode", "step"))})
         print(f"  {name:60s} {whole:8.3f} ms  (dispatch {dispatch:.3f})", flush=True)
     return out
 
