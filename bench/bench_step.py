@@ -502,8 +502,9 @@ def main():
                     "XLA (the default before 2026-12-02)")
     ap.add_argument("--moe-router-norm", action="store_true", help="KernelCalls.moe_router_norm=True: the MoE "
                     "layer's input RMSNorm in router_segments' program (with moe_router_tables; off by default)")
-    ap.add_argument("--moe-router-scatter", action="store_true", help="KernelCalls.moe_router_scatter=True: "
-                    "router_segments' 'scatter' program (with moe_router_tables; off by default)")
+    ap.add_argument("--no-moe-router-scatter", dest="moe_router_scatter", action="store_false",
+                    help="KernelCalls.moe_router_scatter=False: router_segments' 'onehot' program (the default "
+                    "before 2026-12-03)")
     ap.add_argument("--mla-live-prefix", action="store_true", help="KernelCalls.mla_live_prefix=True: decode/verify "
                     "MLA attention over the live prefix only (pallas_kernels/mla_attention.py; off by default)")
     ap.add_argument("--p2p-allreduce", action="store_true", help="KernelCalls.p2p_allreduce=True (--tp >= 2): each "
@@ -627,7 +628,7 @@ def run_all(a, cfg, tp, mesh, rules):
     prefix += "-p2p" if a.p2p_allreduce else ""
     prefix += "" if a.moe_router_tables else "-nomrt"
     prefix += "-rnorm" if a.moe_router_norm else ""
-    prefix += "-rscat" if a.moe_router_scatter else ""
+    prefix += "" if a.moe_router_scatter else "-onehot"
     prefix += "-live" if a.mla_live_prefix else ""
     prefix += "" if a.moe_fp8_scheme == KernelCalls.moe_fp8_scheme else f"-moe{a.moe_fp8_scheme}"
     prefix += "" if a.moe_n_tokens == 64 else f"-n{a.moe_n_tokens}"

@@ -161,7 +161,7 @@ def bench(rows, key, small=False, nsets=16, tokens=(1, 6)):
   p = params(key, CFG)
   d = CFG.hidden_size
   variants = [("before", KernelCalls(interpret=small, moe_router_tables=False)),
-              ("tables", KernelCalls(interpret=small)),
+              ("tables", KernelCalls(interpret=small, moe_router_scatter=False)),
               ("scatter", KernelCalls(interpret=small, moe_router_scatter=True))]
   for t in ((6,) if small else tokens):
     sets = []

@@ -135,9 +135,12 @@ class KernelCalls:
       max-then-lowest-index pairs as one argmax each, the tables' prefix counts as cumsums and the tables
       stored where they go, the rows past the product cut to T's power of 2) instead of its per pair column
       one-hot sums: the same outputs bit for bit (tests/test_kernels_router_segments.py, _norm.py: in the
-      interpreter; bench/kernels_moe_router_tables.py checks and times the two on the GPU). Off until timed
-      there: the offline sm_90 compile of the v2 demo's call (Triton 3.8, an in-order latency model of its SASS)
-      gives ~2.0 / 1.7 us at T = 6 / 1 against the old program's 6.7 / 6.3 (measured: 7.3 a call; bench/KERNEL_NOTES.md).
+      interpreter; bench/kernels_moe_router_tables.py checks and times the two on the GPU). On by default since
+      2026-12-03: on the H200 its outputs are bitwise equal to onehot's at T = 1 and 6, token 0 gives the same
+      result alone and in a batch, and it takes 3.0-3.5 us against onehot's 7.1-9.3
+      (kernels-moe-router-tables-h200-2026-12-03.json); the gate (bench/gate_step.py, 4 prompts x 256 greedy
+      tokens, bf16) gives the same plain tokens as onehot on 4/4, NEXTN5 accept 5.029 both, rerun after
+      sampling unchanged (gate-scatter-h200-2026-12-03.json).
       The H200 (2026-12-02): 8.5 -> 3.0 us at T = 6, bitwise equal; at T = 1 not (the weights' normalising sum was a
       reduce over a [1, AP] tile there vs onehot's [16, AP], associated by each tile's lane layout). Every router
       program now adds the picks' columns left to right (router.normalised_weights, the model's topk_weight_sum
@@ -221,7 +224,7 @@ class KernelCalls:
     moe_slots: bool = False
     moe_router_tables: bool = True
     moe_router_norm: bool = False
-    moe_router_scatter: bool = False
+    moe_router_scatter: bool = True
     moe_n_tokens: int = 64
     moe_tiles: _moe_mosaic.MosaicMoeConfig | None = None
     fused_linear: bool = False

@@ -172,7 +172,7 @@ def layer_params(seed, cfg, dtype=BF):
                           down_proj=nrm(k[7], (d, si), si)))
 
 
-TABLES = KernelCalls(interpret=True, moe_router_tables=True)
+TABLES = KernelCalls(interpret=True, moe_router_tables=True, moe_router_scatter=False)
 BEFORE = KernelCalls(interpret=True, moe_router_tables=False)
 TABLES_SCATTER = KernelCalls(interpret=True, moe_router_tables=True, moe_router_scatter=True)
 
