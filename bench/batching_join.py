@@ -20,6 +20,9 @@ Rows (ms, median of --reps, each call's outputs waited for, warm-up excluded):
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import os
 import tempfile
 import sys
@@ -115,7 +118,8 @@ def programs_alone(bg: BatchGenerator, rows: int, prompt_len: int, reps: int) ->
     return out
 
 
-def scheduler_turns(bg: BatchGenerator, engine: Engine, rows: int, prompt_len: int, reps: int) -> list[dict]:
+def scheduler_turns(bg: BatchGenerator, engine: Engine, rows: int, prompt_len: int, reps: int,
+                    prof: cProfile.Profile | None = None) -> list[dict]:
     """Wall ms of the scheduler's plain decode turns at `rows` rows and of its turns that admit a request while
     rows - 1 decode (each join's turns until the new row decodes with the others), as the server runs them."""
     t = _Turns(bg)
@@ -131,11 +135,15 @@ def scheduler_turns(bg: BatchGenerator, engine: Engine, rows: int, prompt_len: i
             plain.append(time.perf_counter() - t0)
         before = {id(r) for r in t.members}
         make_rows(engine, bg, 1, prompt_len, max_new, 100 + i)
+        if prof is not None and i > 0:
+            prof.enable()
         t0 = time.perf_counter()
         while len(t.live()) < rows or t.prefilling is not None or t.waiting or not bg.inbox.empty():
             t.turn()
         t.turn()  # the turn that reads the new row's first token with the group's outputs
         join.append(time.perf_counter() - t0)
+        if prof is not None:
+            prof.disable()
         # the new row leaves again (it ends at the next turn), so the next join inserts into its dead position
         next(r for r in t.members if r is not None and id(r) not in before).closed = True
         while len(t.live()) > rows - 1:
@@ -159,6 +167,9 @@ def main(argv=None):
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--profile-joins", action="store_true", help="cProfile the timed joins' turns (the host's "
+                    "functions by cumulative time, printed; the join times then include the profiler's cost)")
+    ap.add_argument("--skip-alone", action="store_true", help="only the scheduler's turns")
     ap.add_argument("--out", default=None, help="write the JSON here")
     a = ap.parse_args(argv)
     rows_list = [int(r) for r in a.rows.split(",")]
@@ -174,9 +185,15 @@ def main(argv=None):
     engine.loop = InlineLoop()
     table = []
     for rows in rows_list:
-        print(f"rows {rows}: programs alone (ms, outputs waited for)", flush=True)
-        table += programs_alone(bg, rows, a.prompt_len, a.reps)
-        table += scheduler_turns(bg, engine, rows, a.prompt_len, max(3, a.reps // 4))
+        if not a.skip_alone:
+            print(f"rows {rows}: programs alone (ms, outputs waited for)", flush=True)
+            table += programs_alone(bg, rows, a.prompt_len, a.reps)
+        prof = cProfile.Profile() if a.profile_joins else None
+        table += scheduler_turns(bg, engine, rows, a.prompt_len, max(3, a.reps // 4), prof)
+        if prof is not None:
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(40)
+            print(f"---- rows {rows}: the joins' turns, by cumulative time ----\n{buf.getvalue()}", flush=True)
         engine.loop.drain()
     if a.out:
         os.makedirs(a.out, exist_ok=True)
