@@ -477,7 +477,7 @@ def dry_run(a, cfg, mesh, rules):
     plan.check()
 
 
-def main():
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="ling3-flash", help="a small preset smoke-tests the script on CPU")
     ap.add_argument("--model", default=None, help="a checkpoint directory (e.g. models/ling-demo): its config and "
@@ -561,7 +561,12 @@ def main():
                     "H200 at XLA_PYTHON_CLIENT_MEM_FRACTION 0.95)")
     ap.add_argument("--no-init-compile", action="store_true", help="--dry-run: skip compiling the init programs "
                     "on CPU (their temporaries)")
-    a = ap.parse_args()
+    return ap
+
+
+def main(argv=None):
+    ap = build_parser()
+    a = ap.parse_args(argv)
     a.moe_fp8_n_tokens = a.moe_fp8_n_tokens or None  # 0: the bf16 kernel's --moe-n-tokens
     a.moe_fp8_split_k = a.moe_fp8_split_k or None    # 0: the tiles' split
     if a.model and a.layers:
