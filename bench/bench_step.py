@@ -53,8 +53,8 @@ from compile.stages import Program, slice_config
 from ling_jax.aliased_step import AliasedStep
 from ling_jax.config import get_preset
 from ling_jax.draft_vocab import with_draft_vocab
-from ling_jax.kernel_calls import MOE_FP8_SCHEMES, KernelCalls, kernel_calls
-from ling_jax.model import RuntimeOptions
+from ling_jax.kernel_calls import FP8_LINEAR_SCALES, MOE_FP8_SCHEMES, KernelCalls, kernel_calls
+from ling_jax.model import Numerics, RuntimeOptions
 from ling_jax.sampling import SamplingOptions, TokenHistory
 from ling_jax import quant
 from ling_jax.weights import abstract_params, array_spec, get_path, init_params
@@ -141,7 +141,7 @@ def distinct_experts(prog: Program, params, state) -> list[int]:
     """Distinct experts per router call of one step (its own jit; not the timed program). The copy routes in jnp
     (kernels="reference"): the Pallas router computes the same ids but does not pass through `moe.route`."""
     sink: list = []
-    fn = dataclasses.replace(prog, opts=RuntimeOptions(kernels="reference")).fn()
+    fn = dataclasses.replace(prog, opts=prog.opts.replace(kernels="reference")).fn()  # (the same numerics)
 
     def run(p, s):
         sink.clear()
@@ -363,8 +363,16 @@ def parse_baseline_set(ap, a, spec: str) -> dict:
             ap.error(f"--baseline-set {item!r}: {raw!r} is not a value of {key} ({type(old).__name__})")
         if isinstance(old, bool) and raw.lower() not in ("1", "true", "on", "0", "false", "off"):
             ap.error(f"--baseline-set {item!r}: {key} is a switch (1/0, true/false, on/off)")
+        choices = next((act.choices for act in ap._actions if act.dest == key), None)
+        if choices is not None and val not in choices:
+            ap.error(f"--baseline-set {item!r}: {raw!r} is not one of {key}'s choices {tuple(choices)}")
         out[key] = (val or None) if key in ("moe_fp8_n_tokens", "moe_fp8_split_k") else val
     return out
+
+
+def numerics_of(a) -> Numerics:
+    """The flags' Numerics (--fp8-activations; the rest as the model's defaults)."""
+    return Numerics(fp8_activations=a.fp8_activations)
 
 
 def fused_of(a) -> tuple[bool, bool]:
@@ -390,7 +398,7 @@ def programs(a, cfg, mesh, rules, kernels, fused: tuple[bool, bool] = (False, Tr
                           moe_n_tokens=a.moe_n_tokens, moe_fp8_n_tokens=a.moe_fp8_n_tokens,
                           moe_fp8_split_k=a.moe_fp8_split_k, fp8_linear_scale=a.fp8_linear_scale)
              if kernels != "reference" else None)
-    opts = kernel_calls_for(RuntimeOptions(kernels=calls), mesh, rules)
+    opts = kernel_calls_for(RuntimeOptions(numerics=numerics_of(a), kernels=calls), mesh, rules)
     nextn = [int(k) for k in a.steps.split(",")]
     for mode, K, dv in ([] if a.skip_plain else [("plain", 0, None)]) + [("nextn", k, None) for k in nextn] + (
             [("nextn", k, a.draft_vocab) for k in (nextn if a.draft_vocab else [])]):
@@ -435,7 +443,7 @@ def time_ttft(a, cfg, params, kernels) -> list[dict]:
     for chunk in map(int, a.ttft_chunks.split(",")):
         spec = SpecConfig("NEXTN", 3) if cfg.mtp_layers else SpecConfig("NONE")
         gen = Generator(cfg, params, spec=spec, max_len=a.ttft + 1024, chunked_prefill_size=chunk,
-                        opts=RuntimeOptions(kernels=calls))
+                        opts=RuntimeOptions(numerics=numerics_of(a), kernels=calls))
         tc = time.perf_counter()
         jax.block_until_ready(gen.prefill(prompt[:8], sp, key, True)[1])  # compiles the one prefill program
         compile_s, ts = time.perf_counter() - tc, []
@@ -469,7 +477,7 @@ def dry_run(a, cfg, mesh, rules):
     plan.check()
 
 
-def main():
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="ling3-flash", help="a small preset smoke-tests the script on CPU")
     ap.add_argument("--model", default=None, help="a checkpoint directory (e.g. models/ling-demo): its config and "
@@ -511,20 +519,24 @@ def main():
                     "MoE layer's all-reduce + residual add + next RMSNorm as one peer-to-peer Mosaic kernel instead "
                     "of psum (shapes the kernel rejects stay on psum)")
     ap.add_argument("--moe-fp8-scheme", default=KernelCalls.moe_fp8_scheme, choices=MOE_FP8_SCHEMES, help="KernelCalls.moe_fp8_scheme: "
-                    "what the fp8 MoE kernel's steps do with their e4m3 tiles (w8a8: fp8 activations too; wants "
-                    "--moe-n-tokens 16)")
+                    "what the fp8 MoE kernel's steps do with their e4m3 tiles under --fp8-activations none (dynamic "
+                    "runs its w8a8 form)")
     ap.add_argument("--moe-n-tokens", type=int, default=64, help="KernelCalls.moe_n_tokens: the Mosaic MoE's token "
                     "columns (16, 32 or a multiple of 64)")
     ap.add_argument("--moe-fp8-n-tokens", type=int, default=KernelCalls.moe_fp8_n_tokens, help="KernelCalls.moe_fp8_n_tokens: the fp8 "
                     "Mosaic MoE's token columns (16: 16 / 32 / 64 as T grows; 0: --moe-n-tokens)")
     ap.add_argument("--moe-fp8-split-k", type=int, default=KernelCalls.moe_fp8_split_k, help="KernelCalls."
                     "moe_fp8_split_k: the fp8 MoE's down-GEMM split of I where it divides (0: the tiles' own)")
-    ap.add_argument("--fp8-linear-scale", default=KernelCalls.fp8_linear_scale, help="KernelCalls.fp8_linear_scale: "
-                    "where the fp8 projections apply the block scale (partial, weight, or e4m3: activations quantised "
-                    "too, both wgmma operands e4m3)")
+    ap.add_argument("--fp8-linear-scale", default=KernelCalls.fp8_linear_scale, choices=FP8_LINEAR_SCALES,
+                    help="KernelCalls.fp8_linear_scale: where the fp8 projections apply the block scale under "
+                    "--fp8-activations none (dynamic runs the e4m3 form)")
+    ap.add_argument("--fp8-activations", default=Numerics.fp8_activations, choices=quant.ACTIVATIONS,
+                    help="Numerics.fp8_activations: dynamic quantises every fp8-weight GEMM's input per token and "
+                    "128 columns (w8a8: the e4m3 fused projections and the w8a8 MoE kernel, the jnp with the same "
+                    "quantisation where they do not take a call); none keeps it bf16 (weight-only fp8)")
     ap.add_argument("--baseline-set", default=None, metavar="FLAG=VALUE[,FLAG=VALUE]", help="also time the steps "
                     "with these flags changed (their argparse names with underscores, e.g. moe_fp8_scheme=partial-bits,"
-                    "fp8_linear_scale=partial) in the same run, as the baseline")
+                    "fp8_activations=none) in the same run, as the baseline")
     ap.add_argument("--baseline-fused-linear", action="store_true", help="also time the steps with fused_linear "
                     "and fused_linear_fp8 both flipped (the fused projections against XLA's; same kernels otherwise) in "
                     "the same run, as the baseline")
@@ -550,7 +562,12 @@ def main():
                     "H200 at XLA_PYTHON_CLIENT_MEM_FRACTION 0.95)")
     ap.add_argument("--no-init-compile", action="store_true", help="--dry-run: skip compiling the init programs "
                     "on CPU (their temporaries)")
-    a = ap.parse_args()
+    return ap
+
+
+def main(argv=None):
+    ap = build_parser()
+    a = ap.parse_args(argv)
     a.moe_fp8_n_tokens = a.moe_fp8_n_tokens or None  # 0: the bf16 kernel's --moe-n-tokens
     a.moe_fp8_split_k = a.moe_fp8_split_k or None    # 0: the tiles' split
     if a.model and a.layers:
@@ -620,7 +637,8 @@ def run_all(a, cfg, tp, mesh, rules):
                  moe_router_scatter=a.moe_router_scatter,
                  mla_live_prefix=a.mla_live_prefix, moe_fp8_scheme=a.moe_fp8_scheme, moe_n_tokens=a.moe_n_tokens,
                  moe_fp8_n_tokens=a.moe_fp8_n_tokens, moe_fp8_split_k=a.moe_fp8_split_k,
-                 fp8_linear_scale=a.fp8_linear_scale, baseline_set=a.baseline_set, tree=tree_of(a.tree),
+                 fp8_linear_scale=a.fp8_linear_scale, fp8_activations=a.fp8_activations,
+                 baseline_set=a.baseline_set, tree=tree_of(a.tree),
                  multi_step=a.multi_step, reps=a.reps)
     prefix = "step" + ("-" + os.path.basename(os.path.normpath(a.model)) if a.model else "") + f"-kda{a.kda_impl}"
     prefix += (f"-{a.quantization}" if a.quantization else "") + ("-fl" if fused else "")
@@ -635,6 +653,7 @@ def run_all(a, cfg, tp, mesh, rules):
     prefix += "" if a.moe_fp8_n_tokens == KernelCalls.moe_fp8_n_tokens else f"-fp8n{a.moe_fp8_n_tokens}"
     prefix += "" if a.moe_fp8_split_k == KernelCalls.moe_fp8_split_k else f"-fp8ks{a.moe_fp8_split_k}"
     prefix += "" if a.fp8_linear_scale == KernelCalls.fp8_linear_scale else f"-fl8{a.fp8_linear_scale}"
+    prefix += "" if a.fp8_activations == Numerics.fp8_activations else f"-act{a.fp8_activations}"
     kept = None
     os.makedirs(a.out, exist_ok=True)
     write(a.out, prefix + a.tag, rows, extra, device)  # the plan and ceiling survive a crash of the first step

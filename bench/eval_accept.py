@@ -77,9 +77,10 @@ def repeated_ngram_share(ids: list[int], n: int = 4) -> float:
     return repeats / max(len(grams), 1)
 
 
-def heldout_loss(cfg, params, tokens: np.ndarray, seq: int, windows: int, batch: int) -> dict:
+def heldout_loss(cfg, params, tokens: np.ndarray, seq: int, windows: int, batch: int,
+                 fp8_activations: str = "none") -> dict:
     """The trainer's held-out evaluation (every one of the first `windows` windows of `seq` tokens)."""
-    sc = StepConfig(batch=batch, seq=seq, compute_dtype=str(params["embed"].dtype))
+    sc = StepConfig(batch=batch, seq=seq, compute_dtype=str(params["embed"].dtype), fp8_activations=fp8_activations)
     ev = jax.jit(functools.partial(eval_step, cfg=cfg, sc=sc))
     w = fixed_windows(tokens, seq, windows)
     m = trainer.evaluate(ev, params, w, batch)
@@ -87,11 +88,13 @@ def heldout_loss(cfg, params, tokens: np.ndarray, seq: int, windows: int, batch:
             "heldout_eval_tokens": len(w) * seq}
 
 
-def run_steps(cfg, params, prompts, k: int, new_tokens: int, max_len: int, target_rows=None, spec=None, draft=None):
+def run_steps(cfg, params, prompts, k: int, new_tokens: int, max_len: int, target_rows=None, spec=None, draft=None,
+              fp8_activations: str = "none"):
     """NEXTN with k steps (k = 0: plain greedy), or the given DSPARK spec with its draft (k = its block size)."""
     spec = spec or (SpecConfig("NEXTN", k) if k > 0 else SpecConfig("NONE"))
+    numerics = Numerics(target_rows=target_rows, fp8_activations=fp8_activations)
     gen = Generator(cfg, params, spec=spec, max_len=max_len, dtype=params["embed"].dtype,
-                    opts=RuntimeOptions(numerics=Numerics(target_rows=target_rows)), draft=draft)
+                    opts=RuntimeOptions(numerics=numerics), draft=draft)
     gen.generate(prompts[0], max_new_tokens=2 * spec.draft_tokens + 1, stop_token_ids=())  # compile
     outs, accepts, decode_s, decode_tokens = [], [], 0.0, 0
     for p in prompts:
@@ -164,6 +167,9 @@ def main(argv=None):
     p.add_argument("--target-rows", type=int, default=None,
                    help="deterministic inference: every target pass runs this many rows (RuntimeOptions.target_rows; "
                         "8 covers steps <= 7), which makes the bf16 lossless check exact too")
+    p.add_argument("--fp8-activations", choices=["none", "dynamic"], default="none",
+                   help="with --quantization fp8: the fp8 run's Numerics.fp8_activations (dynamic: w8a8, each fp8 "
+                        "GEMM's input quantised per token and 128 columns; the report is eval-fp8-dynamic-*)")
     p.add_argument("--quantization", choices=["fp8"], default=None,
                    help="fp8: also evaluate the weights quantised to block fp8 and compare with the unquantised run")
     p.add_argument("--dspark", default=None, help="DSpark draft dir: also measure DSPARK (block = its block_size)")
@@ -205,10 +211,10 @@ def compare_fp8(a, argv):
     """The checkpoint's weights vs the same weights quantised to block fp8 (what --quantization fp8 loads)."""
     cfg = load_config(a.model)
     runs = {}
-    for name, q in (("unquantised", None), ("fp8", "fp8")):
+    for name, q, act in (("unquantised", None, "none"), ("fp8", "fp8", a.fp8_activations)):
         params = load_params(cfg, a.model, dtype=jnp.dtype(a.dtype), quantization=q)
-        print(f"== {name}", flush=True)
-        runs[name] = evaluate(a, cfg, params)
+        print(f"== {name} (fp8 activations {act})", flush=True)
+        runs[name] = evaluate(a, cfg, params, fp8_activations=act)
     ref, fp8 = runs["unquantised"], runs["fp8"]
     plain = agreement(fp8["outputs"][0], ref["outputs"][0])
     delta = {"heldout_ppl_unquantised": ref["heldout_ppl"], "heldout_ppl_fp8": fp8["heldout_ppl"],
@@ -220,19 +226,22 @@ def compare_fp8(a, argv):
     report = {"command": "python -m bench.eval_accept " + " ".join(argv if argv is not None else sys.argv[1:]),
               "device": ref["device"], "date": ref["date"], "git_commit": ref["git_commit"], "model": a.model,
               "dtype": a.dtype, "quantization": "fp8 (128x128 blocks, e4m3, ling_jax.quant.fp8_policy)",
+              "fp8_activations": a.fp8_activations,
               "fp8_vs_unquantised": delta,
               **{name: {k: v for k, v in r.items() if k != "outputs"} for name, r in runs.items()}}
     os.makedirs(a.out, exist_ok=True)
-    path = os.path.join(a.out, f"eval-fp8-{ref['device']}-{ref['date']}.json")
+    kind = "eval-fp8" + ("" if a.fp8_activations == "none" else f"-{a.fp8_activations}")
+    path = os.path.join(a.out, f"{kind}-{ref['device']}-{ref['date']}.json")
     with open(path, "w") as f:
         json.dump(report, f, indent=1)
     print(f"wrote {path}")
     return report
 
 
-def evaluate(a, cfg, params, on_row=None) -> dict:
+def evaluate(a, cfg, params, on_row=None, fp8_activations: str = "none") -> dict:
     """Held-out loss, plain greedy, and NEXTN at each --steps on these params; outputs[k] the token lists.
-    on_row(report so far) runs after every row, so a run cut short still leaves what it measured."""
+    on_row(report so far) runs after every row, so a run cut short still leaves what it measured.
+    fp8_activations: the Numerics.fp8_activations of every forward (fp8 params)."""
     dev = jax.devices()[0]
     device = "cpu" if dev.platform == "cpu" else dev.device_kind.replace(" ", "-")
     try:
@@ -244,7 +253,8 @@ def evaluate(a, cfg, params, on_row=None) -> dict:
     def snapshot() -> dict:
         return {"device": device, "jax_version": jax.__version__, "date": time.strftime("%Y-%m-%d"),
                 "git_commit": commit, "model": a.model, "prompts": len(prompts), "prompt_len": a.prompt_len,
-                "new_tokens": a.new_tokens, "greedy": True, "dtype": a.dtype, "target_rows": a.target_rows, **loss,
+                "new_tokens": a.new_tokens, "greedy": True, "dtype": a.dtype, "target_rows": a.target_rows,
+                "fp8_activations": fp8_activations, **loss,
                 "wall_s": time.perf_counter() - t0, "rows": rows,
                 "sample": {"prompt": prompts[0], "plain_output": all_outs[0][0] if all_outs else None},
                 "outputs": all_outs}
@@ -259,15 +269,17 @@ def evaluate(a, cfg, params, on_row=None) -> dict:
     prompts = make_prompts(held, a.prompts, a.prompt_len, cfg.eos_token_id)
     max_len = a.prompt_len + a.new_tokens + 64
     t0 = time.perf_counter()
-    loss.update(heldout_loss(cfg, params, held, a.eval_seq, a.eval_windows, a.eval_batch))
+    loss.update(heldout_loss(cfg, params, held, a.eval_seq, a.eval_windows, a.eval_batch, fp8_activations))
     print(json.dumps(loss), flush=True)
-    base, base_outs = run_steps(cfg, params, prompts, 0, a.new_tokens, max_len, a.target_rows)
+    base, base_outs = run_steps(cfg, params, prompts, 0, a.new_tokens, max_len, a.target_rows,
+                                fp8_activations=fp8_activations)
     add(base, base_outs)
     base["repeated_4gram_share"] = float(np.mean([repeated_ngram_share(o) for o in base_outs]))
     print(f"plain greedy: {base['decode_tokens_per_s']:.1f} tok/s, repeated 4-grams {base['repeated_4gram_share']:.3f}",
           flush=True)
     for k in parse_steps(a.steps):
-        row, outs = run_steps(cfg, params, prompts, k, a.new_tokens, max_len, a.target_rows)
+        row, outs = run_steps(cfg, params, prompts, k, a.new_tokens, max_len, a.target_rows,
+                              fp8_activations=fp8_activations)
         row["lossless_prompts"] = sum(o == b for o, b in zip(outs, base_outs))
         row["speedup_vs_plain"] = row["decode_tokens_per_s"] / base["decode_tokens_per_s"]
         add(row, outs)
@@ -282,7 +294,7 @@ def evaluate(a, cfg, params, on_row=None) -> dict:
             spec, dcfg = spec_from_flags("DSPARK", None, None, None, a.dspark, mode, a.dspark_threshold)
             draft = (dcfg, ds.load_params(dcfg, a.dspark, params["embed"].dtype))
             row, outs = run_steps(cfg, params, prompts, spec.num_steps, a.new_tokens, max_len, a.target_rows, spec,
-                                  draft)
+                                  draft, fp8_activations)
             row["lossless_prompts"] = sum(o == b for o, b in zip(outs, base_outs))
             row["speedup_vs_plain"] = row["decode_tokens_per_s"] / base["decode_tokens_per_s"]
             add(row, outs)

@@ -219,7 +219,7 @@ class ShardedKernelCalls(KernelCalls):
                                  f"shard_map yet; use {name}=False (the jnp projections, sharded by XLA)")
         super().__post_init__()
 
-    def _moe_partial(self, n_experts: int, *, limit: float, shared_limit: float):
+    def _moe_partial(self, n_experts: int, *, limit: float, shared_limit: float, fp8_activations: bool = False):
         """(this device's MoE kernel -> fp32 partial sums [T, D], the logical axes of its arguments)."""
         rules, base = self.rules, super()
         if rules.mlp is None or (rules.expert is None and rules.expert_mlp is None):
@@ -234,14 +234,19 @@ class ShardedKernelCalls(KernelCalls):
                 mine = (local >= 0) & (local < n_local)
                 ids, w = jnp.where(mine, local, 0), jnp.where(mine, w, 0.0)
             # The shared expert is split by its width ("mlp") in both layouts: each device adds its partial.
-            return base.moe(x, ids, w, wg, wu, wd, limit=limit, shared=(sg, su, sd), shared_limit=shared_limit)
+            # fp8_activations: x is replicated, and a device's slice of I holds whole 128-column groups of h
+            # wherever its fp8 weights' 128-blocks shard whole, so it quantises the unsharded model's groups
+            return base.moe(x, ids, w, wg, wu, wd, limit=limit, shared=(sg, su, sd), shared_limit=shared_limit,
+                            fp8_activations=fp8_activations)
 
         ex_in, ex_out = ("expert", "expert_mlp", "embed"), ("expert", "embed", "expert_mlp")
         in_axes = (None, None, None, ex_in, ex_in, ex_out, ("mlp", "embed"), ("mlp", "embed"), ("embed", "mlp"))
         return kernel, in_axes
 
-    def moe(self, x, ids, weights, w_gate, w_up, w_down, *, limit: float, shared, shared_limit: float):
-        kernel, in_axes = self._moe_partial(w_gate.shape[0], limit=limit, shared_limit=shared_limit)
+    def moe(self, x, ids, weights, w_gate, w_up, w_down, *, limit: float, shared, shared_limit: float,
+            fp8_activations: bool = False):
+        kernel, in_axes = self._moe_partial(w_gate.shape[0], limit=limit, shared_limit=shared_limit,
+                                            fp8_activations=fp8_activations)
         f = shard_kernel(kernel, self.mesh, in_axes, None, self.rules, reduce_out=True)
         return f(x, ids, weights, w_gate, w_up, w_down, *shared)
 
@@ -250,12 +255,13 @@ class ShardedKernelCalls(KernelCalls):
         return self.p2p_allreduce
 
     def moe_residual_norm(self, x, ids, weights, w_gate, w_up, w_down, *, limit: float, shared, shared_limit: float,
-                          residual, norm_weight, eps: float):
+                          residual, norm_weight, eps: float, fp8_activations: bool = False):
         """The MoE's partial sums, their all-reduce, the residual add and the next RMSNorm in one shard_map: the
         all-reduce is `allreduce_residual_norm` (the peer-to-peer kernel with p2p_allreduce where it takes the
         shapes: D a multiple of 128, T <= its max_rows; else psum and the model's add and norm, per device).
         residual [T, D] and norm_weight [D] replicated; both outputs replicated."""
-        kernel, in_axes = self._moe_partial(w_gate.shape[0], limit=limit, shared_limit=shared_limit)
+        kernel, in_axes = self._moe_partial(w_gate.shape[0], limit=limit, shared_limit=shared_limit,
+                                            fp8_activations=fp8_activations)
         base = super()
 
         def boundary(*a):

@@ -22,12 +22,12 @@ import jax.numpy as jnp
 
 from ling_jax.config import load_config
 from ling_jax.errors import CheckpointError
-from ling_jax.model import Numerics, RuntimeOptions
+from ling_jax.model import FP8_ACTIVATIONS, Numerics, RuntimeOptions
 from ling_jax.spec import deterministic_rows
 from ling_jax.runner import DEFAULT_CHUNKED_PREFILL_SIZE, Generator
 from ling_jax.spec import spec_from_flags
 from ling_jax.tokenizer import load_tokenizer
-from ling_jax.weights import load_params, validate_checkpoint
+from ling_jax.weights import fp8_activations_note, load_params, validate_checkpoint
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
@@ -87,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     p.add_argument("--quantization", choices=["fp8"], default=None,
                    help="fp8: block-fp8 linear weights (DeepSeek-V3 layout), quantising a bf16 checkpoint while it loads")
+    p.add_argument("--fp8-activations", choices=FP8_ACTIVATIONS, default=Numerics.fp8_activations,
+                   help="fp8 weights' GEMM inputs (Numerics.fp8_activations): none keeps them bf16 (weight-only fp8, "
+                        "the default, also for a checkpoint whose activation_scheme is 'dynamic'); dynamic quantises "
+                        "them per token and 128 columns to e4m3 (w8a8, as SGLang / vLLM serve the format)")
     p.add_argument("--context-length", type=int, default=None, help="KV cache slots (default: prompt+new+slack)")
     p.add_argument("--ignore-eos", action="store_true")
     add_speculative_flags(p)
@@ -129,11 +133,12 @@ def main(argv=None) -> int:
         return 2
     jax.block_until_ready((params, draft))
     load_s = time.perf_counter() - t0
+    print(fp8_activations_note(a.model, a.quantization, a.fp8_activations), file=sys.stderr)
     max_len = a.context_length or max(256, len(prompt) + a.max_new_tokens
                                       + 4 * a.num_continuous_decode_steps * spec.draft_tokens)
     gen = Generator(cfg, params, spec=spec, max_len=max_len, dtype=DTYPES[a.dtype], opts=RuntimeOptions(
         numerics=Numerics(target_rows=deterministic_rows(spec.draft_tokens) if a.enable_deterministic_inference
-                          else None)),
+                          else None, fp8_activations=a.fp8_activations)),
         chunked_prefill_size=a.chunked_prefill_size, draft=draft, decode_steps=a.num_continuous_decode_steps)
     sampling = dict(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
                     repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,

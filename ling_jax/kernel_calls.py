@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 
 from ling_jax.layers.linear import Normed
-from ling_jax.layers.moe import shared_expert
+from ling_jax.layers.moe import moe_experts, shared_expert
 from ling_jax.layers.norms import add_rms_norm
 from ling_jax import quant
 from ling_jax.quant import Fp8Weight, dense
@@ -68,7 +68,8 @@ from pallas_kernels import router_segments as _router_segments
 
 CHOICES = ("auto", "pallas", "reference", "interpret")
 MOE_IMPLS = ("auto", "mosaic", "triton")
-MOE_FP8_SCHEMES = ("weight", "partial", "partial-bits", "w8a8")
+MOE_FP8_SCHEMES = ("weight", "partial", "partial-bits")  # the weight-only forms (w8a8: Numerics.fp8_activations)
+FP8_LINEAR_SCALES = ("partial", "weight")  # the weight-only forms of fused_linear_fp8 (e4m3: the same)
 KDA_IMPLS = ("chain", "verify")
 
 
@@ -185,12 +186,17 @@ class KernelCalls:
       default. Full Ling-3.0-flash in fp8 on one H200 (bench/results/step-kdaverify-fp8-fl-h200x1-2026-12-02.json,
       same run): plain 8800 -> 6555 us, NEXTN5 16220 -> 14154 us. One device only, as fused_linear.
     moe_fp8_scheme: what each pipeline step of the fp8-weight Mosaic MoE (moe_mosaic_fp8) does with its e4m3
-      tile (moe_mosaic.MosaicMoeConfig's fp8 fields over moe_tiles): "weight" (dequantise bf16(f32(w8) * s), bf16
-      wgmma: the model's dequantised weight), "partial" (convert only, s times each step's fp32 partial: the exact
-      block product), "partial-bits" (the same with the convert in integer ops, no PTX cvt) or "w8a8" (x
+      tile (moe_mosaic.MosaicMoeConfig's fp8 fields over moe_tiles) where the activations stay bf16
+      (Numerics.fp8_activations "none"): "weight" (dequantise bf16(f32(w8) * s), bf16 wgmma: the model's
+      dequantised weight), "partial" (convert only, s times each step's fp32 partial: the exact block product) or
+      "partial-bits" (the same with the convert in integer ops, no PTX cvt). Under Numerics.fp8_activations
+      "dynamic" (the layers pass fp8_activations=True) the kernel runs its w8a8 form whatever this field says: x
       quantised per token and 128 columns by quant.quantize_activations, e4m3 x e4m3 wgmma, h quantised the same
-      way in the up kernel: the model's MoE with fp8 activations, moe_experts(fp8_activations=True), not the bf16
-      model's; block_i 128; wants moe_n_tokens 16 or 32: four [128, N] fp32 accumulators per thread group).
+      way in the up kernel (the model's MoE with fp8 activations, moe_experts(fp8_activations=True); block_i 128,
+      so moe_tiles must have block_i 128; moe_fp8_n_tokens 16 or 32 suit it: four [128, N] fp32 accumulators per
+      thread group). It is the only fp8 form the interpreter runs (SMEM operands). A call it does not take runs
+      the model's jnp MoE with the same quantisation (moe_experts), never the bf16 kernels (they would not
+      quantise h). "w8a8" as this field's value is an error: that choice is the numerics'.
       "partial-bits" by default, the fastest form the H200 timed (bench/results/kernels-moe-fp8-h200-2026-12-03-
       partial.json, with moe_fp8_n_tokens 16: T = 1 / 6 / 17: 40.2 / 131.6 / 316.0 us; "weight" 197 us at T = 6),
       checked there against its block-product reference and batch-invariant (token 0 alone == token 0 in the batch).
@@ -204,15 +210,17 @@ class KernelCalls:
       split_k 3, one a SM converting and waiting step after step; 240 put two on a SM. H200 2026-12-03
       (kernels-moe-fp8-h200-2026-12-03-ks6-w8a8.json, same run): T = 6 131.9 -> 119.9 us, T = 1 40.3 -> 38.2 us,
       checked and batch-invariant (T = 17 not timed). The partials are summed in a fixed order as before.
-    fp8_linear_scale: where the fp8 kernel applies the block scale: "partial" (on each K step's fp32 partial: the
-      exact block product, one wgmma wait per step) or "weight" (on the weight before its bf16 rounding: the model's
-      quant.dense weight, one wgmma group in flight); H200 2026-12-02: both 0.28-0.33 of the ceiling (KDA 44 us,
-      bf16 kernel 32 us). "e4m3": the activations too are quantised (per token and 128 columns, in the kernel's
-      prologue, as quant.quantize_activations) and both wgmma operands are e4m3, the scales promoted per step: no
-      per-element work on the weights. A numerics change (~2 % per activation, DeepSeek-V3's act_quant): the
-      jnp path does not quantise activations, so a call the e4m3 kernel does not take (block_k 64 widths, x too
-      large to keep resident, e.g. o_proj K = 4096 at T = 17) runs unquantised. Off; bench/kernels_fused_linear_fp8.py
-      is the A/B.
+    fp8_linear_scale: where the fp8 kernel applies the block scale while the activations stay bf16
+      (Numerics.fp8_activations "none"): "partial" (on each K step's fp32 partial: the exact block product, one
+      wgmma wait per step) or "weight" (on the weight before its bf16 rounding: the model's quant.dense weight, one
+      wgmma group in flight); H200 2026-12-02: both 0.28-0.33 of the ceiling (KDA 44 us, bf16 kernel 32 us).
+      Under Numerics.fp8_activations "dynamic" the kernel runs its "e4m3" form whatever this field says: the
+      activations quantised per token and 128 columns in the kernel's prologue (as quant.quantize_activations),
+      both wgmma operands e4m3, the scales promoted per step (no per-element work on the weights). A call the e4m3
+      kernel does not take (block_k 64 widths, x too large to keep resident, e.g. o_proj K = 4096 at T = 17) runs
+      the model's jnp with the same quantisation (layers.linear). "e4m3" as this field's value is an error: that
+      choice is the numerics'. bench/kernels_fused_linear_fp8.py is the kernel A/B, bench_step --fp8-activations
+      the step's.
     """
 
     interpret: bool = False
@@ -239,8 +247,15 @@ class KernelCalls:
         if self.p2p_allreduce and self.interpret:
             raise ValueError("p2p_allreduce=True with interpret=True: the Mosaic GPU interpreter runs no GMEM "
                              "semaphores or remote refs (the kernel's math is tested through allreduce.combine)")
-        if self.fp8_linear_scale not in _fused_linear_fp8.SCALE_ON:
-            raise ValueError(f"fp8_linear_scale={self.fp8_linear_scale!r} not in {_fused_linear_fp8.SCALE_ON}")
+        numerics = ("quantises the activations: a numerics choice, made by Numerics(fp8_activations='dynamic') "
+                    "(bench_step / generate: --fp8-activations dynamic), which runs the kernel's activation-quantised "
+                    "form and the model's jnp with the same quantisation where the kernel does not take a call")
+        if self.fp8_linear_scale == "e4m3":
+            raise ValueError(f"fp8_linear_scale='e4m3' {numerics}; this field picks among {FP8_LINEAR_SCALES}")
+        if self.fp8_linear_scale not in FP8_LINEAR_SCALES:
+            raise ValueError(f"fp8_linear_scale={self.fp8_linear_scale!r} not in {FP8_LINEAR_SCALES}")
+        if self.moe_fp8_scheme == "w8a8":
+            raise ValueError(f"moe_fp8_scheme='w8a8' {numerics}; this field picks among {MOE_FP8_SCHEMES}")
         if self.moe_tiles is not None and (self.interpret or self.moe_tiles.interpret):
             raise ValueError("moe_tiles with interpret: the interpreter runs its own test tiles (interpret=True)")
         if self.moe_n_tokens not in (16, 32) and (self.moe_n_tokens <= 0 or self.moe_n_tokens % 64):
@@ -252,9 +267,6 @@ class KernelCalls:
             raise ValueError(f"moe_fp8_split_k={self.moe_fp8_split_k} must be >= 1 (or None)")
         if self.moe_fp8_scheme not in MOE_FP8_SCHEMES:
             raise ValueError(f"moe_fp8_scheme={self.moe_fp8_scheme!r} not in {MOE_FP8_SCHEMES}")
-        if self.moe_fp8_scheme == "w8a8" and self.moe_tiles is not None and self.moe_tiles.block_i != 128:
-            raise ValueError(f"moe_fp8_scheme='w8a8' quantises h per 128 rows of I in one CTA: moe_tiles.block_i="
-                             f"{self.moe_tiles.block_i} must be 128")
         if self.moe_impl not in MOE_IMPLS:
             raise ValueError(f"moe_impl={self.moe_impl!r} not in {MOE_IMPLS}")
         if self.kda_impl not in KDA_IMPLS:
@@ -344,7 +356,7 @@ class KernelCalls:
                              norm_topk_prob=cfg.norm_topk_prob, config=rc)
 
     def routed_moe(self, x, gate_w, expert_bias, cfg, experts, shared, *, limit: float, shared_limit: float,
-                   live_rows=None, rows_per_seq: int = 0):
+                   live_rows=None, rows_per_seq: int = 0, fp8_activations: bool = False):
         """Router and MoE with the alignment inside the router's launch -> (y [T, D] f32, ids [T, A]), or None
         where no such chain applies (the caller routes and calls `moe`): on the Mosaic MoE, moe_slots (bf16
         weights, a shared expert of width I); on the Triton MoE, moe_router_tables (T <= its MAX_TOKENS).
@@ -353,7 +365,10 @@ class KernelCalls:
         x: the MoE's input rows [T, D], or a layers.linear.Normed of the residual stream [..., D] (one input; T
         its rows): where moe_router_tables serves the call and moe_router_norm (router_segments.takes_norm), the
         router's program computes that RMSNorm and the MoE reads its xn; every other chain runs the model's norm
-        (Normed.value(), then the rows)."""
+        (Normed.value(), then the rows).
+        fp8_activations with fp8 weights: None (neither chain quantises activations: `moe` runs the w8a8 kernel)."""
+        if fp8_activations and _any_fp8(experts, shared):
+            return None
         rows = jax.ShapeDtypeStruct((math.prod(x.shape[:-1]), x.shape[-1]), x.dtype)  # what the choices read
         rc = self._router_config(rows, gate_w.shape[0], cfg)
         if rc is None:
@@ -401,59 +416,75 @@ class KernelCalls:
                                   shared=tuple(shared), shared_limit=shared_limit, config=mcfg)
         return y.astype(jnp.float32), r.ids
 
-    def _fp8_mosaic(self, x, experts, shared) -> bool:
+    def _fp8_mosaic(self, x, experts, shared, fp8_activations: bool = False) -> bool:
         """Whether the fp8-weight Mosaic kernel serves this call: every weight block fp8, the bf16 Mosaic kernel's
-        tiles fit (moe_kernel) and so do moe_fp8_scheme's (w8a8: block_i 128), and the shared expert rides as slot
-        P (its width equals I)."""
+        tiles fit (moe_kernel) and so do the form's (fp8_activations: w8a8, block_i 128; else moe_fp8_scheme's),
+        and the shared expert rides as slot P (its width equals I). In the interpreter only the w8a8 form (the
+        weight-only forms keep their converted tiles in registers, which it does not run), with its test tiles."""
         weights = list(experts) + list(shared or ())
-        if self.interpret or not all(isinstance(w, Fp8Weight) for w in weights):
+        if (self.interpret and not fp8_activations) or not all(isinstance(w, Fp8Weight) for w in weights):
             return False
         if shared is not None and shared[0].shape[0] != experts[0].shape[1]:
             return False
         _, i, d = experts[0].shape
+        cfg = self._fp8_moe_config(x.shape[0], experts[0], fp8_activations)  # (its own errors are the user's)
         try:
-            self._fp8_moe_config(x.shape[0], experts[0]).check(x.shape[0], d, i)
+            cfg.check(x.shape[0], d, i)
         except ValueError:
             return False
+        if self.interpret:
+            return self.moe_impl != "triton"
         return self.moe_kernel(x, experts[0]) == "mosaic"
 
-    def _fp8_moe_config(self, t: int, w_gate):
+    def _fp8_moe_config(self, t: int, w_gate, fp8_activations: bool = False):
         """The fp8 Mosaic MoE's config: the Mosaic tiles (moe_tiles, moe_fp8_n_tokens or moe_n_tokens,
-        moe_fp8_split_k where it divides I) with moe_fp8_scheme's fields."""
+        moe_fp8_split_k where it divides I) with the form's fields: w8a8 with fp8_activations, else
+        moe_fp8_scheme's."""
+        if fp8_activations and self.moe_tiles is not None and self.moe_tiles.block_i != 128:
+            raise ValueError(f"fp8 activations (the w8a8 MoE) quantise h per 128 rows of I in one CTA: "
+                             f"moe_tiles.block_i={self.moe_tiles.block_i} must be 128")
         cfg = self._mosaic_moe_config(t, w_gate, self.moe_fp8_n_tokens)
         ks = self.moe_fp8_split_k
         if ks is not None and w_gate is not None and w_gate.shape[1] % (cfg.block_kd * ks) == 0:
             cfg = dataclasses.replace(cfg, split_k=ks)
         # partial / partial-bits keep the converted tile in registers (fp8_operand="registers": the form the GPU
-        # A/B timed, bench/kernels_moe_fp8.py); the interpreter never runs this config (_fp8_mosaic), so there
-        # is no SMEM form to keep for it.
+        # A/B timed, bench/kernels_moe_fp8.py); the interpreter never runs those (_fp8_mosaic). w8a8 reads both
+        # operands from SMEM (the interpreter runs it).
+        if fp8_activations:
+            return dataclasses.replace(cfg, fp8_activations=True, block_i=128, fp8_operand="smem",
+                                       fp8_scale_on="weight", fp8_convert="cvt")
         fields = dict(weight={}, partial=dict(fp8_scale_on="partial", fp8_operand="registers"),
-                      **{"partial-bits": dict(fp8_scale_on="partial", fp8_convert="bits", fp8_operand="registers"),
-                         "w8a8": dict(fp8_activations=True, block_i=128, fp8_operand="smem", fp8_scale_on="weight",
-                                      fp8_convert="cvt")})
+                      **{"partial-bits": dict(fp8_scale_on="partial", fp8_convert="bits", fp8_operand="registers")})
         return dataclasses.replace(cfg, **fields[self.moe_fp8_scheme])
 
-    def moe(self, x, ids, weights, w_gate, w_up, w_down, *, limit: float, shared, shared_limit: float):
+    def moe(self, x, ids, weights, w_gate, w_up, w_down, *, limit: float, shared, shared_limit: float,
+            fp8_activations: bool = False):
         """fp8 weights (quant.Fp8Weight): the fp8 Mosaic kernel where it applies, else the bf16 kernels on the
         weights dequantised to x.dtype (interpret mode, widths its tiles cannot take). A shared expert whose
         width is not the routed width I (the kernels run it as one more segment of width I): the routed experts
-        in the kernel, the shared expert through the model's shared_expert, one fp32 sum (as moe_experts)."""
+        in the kernel, the shared expert through the model's shared_expert, one fp32 sum (as moe_experts).
+        fp8_activations (Numerics.fp8_activations "dynamic"): fp8 weights run the kernel's w8a8 form, and a call
+        it does not take runs the model's moe_experts with the same quantisation (not the bf16 kernels)."""
         # (e.g. under EP: each device's experts are full width, its slice of the shared expert is not)
         if shared is not None and shared[0].shape[0] != w_gate.shape[1]:
             routed = self._moe_kernels(x, ids, weights, w_gate, w_up, w_down, limit=limit, shared=None,
-                                       shared_limit=0.0)
-            return routed + shared_expert(x, shared, shared_limit)
+                                       shared_limit=0.0, fp8_activations=fp8_activations)
+            return routed + shared_expert(x, shared, shared_limit, fp8_activations=fp8_activations)
         return self._moe_kernels(x, ids, weights, w_gate, w_up, w_down, limit=limit, shared=shared,
-                                 shared_limit=shared_limit)
+                                 shared_limit=shared_limit, fp8_activations=fp8_activations)
 
-    def _moe_kernels(self, x, ids, weights, w_gate, w_up, w_down, *, limit: float, shared, shared_limit: float):
+    def _moe_kernels(self, x, ids, weights, w_gate, w_up, w_down, *, limit: float, shared, shared_limit: float,
+                     fp8_activations: bool = False):
         """The kernel call itself (the shared expert, if any, of width I)."""
-        if self._fp8_mosaic(x, (w_gate, w_up, w_down), shared):
-            cfg = self._fp8_moe_config(x.shape[0], w_gate)
+        if self._fp8_mosaic(x, (w_gate, w_up, w_down), shared, fp8_activations):
+            cfg = self._fp8_moe_config(x.shape[0], w_gate, fp8_activations)
             xq = tuple(quant.quantize_activations(x)) if cfg.fp8_activations else x
             out = _moe_mosaic_fp8.moe_fp8(xq, ids, weights, w_gate, w_up, w_down, limit=limit, shared=shared,
                                           shared_limit=shared_limit, config=cfg)
             return out.astype(jnp.float32)
+        if fp8_activations and _any_fp8((w_gate, w_up, w_down), shared):  # the same numerics, in jnp
+            return moe_experts(x, ids, weights, w_gate, w_up, w_down, limit=limit, shared=shared,
+                               shared_limit=shared_limit, fp8_activations=True)
         w_gate, w_up, w_down = (dense(w, x.dtype) for w in (w_gate, w_up, w_down))
         shared = None if shared is None else tuple(dense(w, x.dtype) for w in shared)
         if self.moe_kernel(x, w_gate) == "mosaic":
@@ -518,12 +549,14 @@ class KernelCalls:
         fits_128 = all(k % 128 == 0 for k in k_parts) and sum(k_parts) >= 256
         return _fused_linear.LinearConfig(block_k=128 if fits_128 else 64, interpret=self.interpret)
 
-    def norm_linear(self, h, projections):
+    def norm_linear(self, h, projections, *, fp8_activations: bool = False):
         """epilogue_s(RMSNorm(x) @ W_s^T) for every projection in one fused kernel (see layers.linear), or None.
         Weights with several output axes ([S, C, D]) are read as [S*C, D] (a free reshape); output widths the
         kernel's TMA store cannot tile (e.g. b_proj / g_proj of H = 4 heads, kv_a of 160 rows in small models)
         are zero-padded rows of the weight (an XLA pad, only where the width does not fit) and sliced off.
-        fp8 weights go to the fp8 kernel, bf16 ones to the bf16 kernel (one launch per kind present)."""
+        fp8 weights go to the fp8 kernel, bf16 ones to the bf16 kernel (one launch per kind present).
+        fp8_activations: the fp8 kernel in its "e4m3" form (else fp8_linear_scale's); None where it does not take
+        the call, and the layer's jnp then quantises those inputs itself."""
         xs, norm_ws = zip(*h.parts)
         weights = [w for p in projections for w in (p.weight if p.kind == "swiglu" else (p.weight,))]
         # bf16 throughout (a norm weight of another dtype would promote rms_norm's output: not the kernel's math)
@@ -541,14 +574,15 @@ class KernelCalls:
             group = [j for j, f in enumerate(is_fp8) if f == fp8]
             if not group:
                 continue
-            got = self._norm_linear_group(flat, norm_ws, h.eps, [projections[j] for j in group], fp8)
+            got = self._norm_linear_group(flat, norm_ws, h.eps, [projections[j] for j in group], fp8,
+                                          fp8_activations)
             if got is None:
                 return None
             for j, o in zip(group, got):
                 outs[j] = o.reshape(lead + o.shape[1:])
         return tuple(outs)
 
-    def _norm_linear_group(self, flat, norm_ws, eps, projections, fp8: bool):
+    def _norm_linear_group(self, flat, norm_ws, eps, projections, fp8: bool, fp8_activations: bool = False):
         """One fused kernel over projections whose weights are all bf16 (fp8=False) or all quant.Fp8Weight ->
         [B*T, *N_s] outputs, or None where the kernel does not take the call."""
         args, projs, widths = [], [], []
@@ -569,16 +603,20 @@ class KernelCalls:
         try:
             if fp8:
                 outs = _fused_linear_fp8.norm_linear_fp8(x, nw, tuple(args), projs=tuple(projs), eps=eps, config=cfg,
-                                                         scale_on=self.fp8_linear_scale)
+                                                         scale_on=self._fp8_scale_on(fp8_activations))
             else:
                 outs = _fused_linear.norm_linear(x, nw, tuple(args), projs=tuple(projs), eps=eps, config=cfg)
         except ValueError:  # past the kernel's limits (its message says which): the jnp form serves the call
             return None
         return [o[:, :n].reshape((-1,) + n_out) for o, (n, n_out) in zip(outs, widths)]
 
-    def linear_residual(self, o, w, residual):
+    def _fp8_scale_on(self, fp8_activations: bool) -> str:
+        """fused_linear_fp8's form: "e4m3" (activations quantised) where the numerics say so, else the field's."""
+        return "e4m3" if fp8_activations else self.fp8_linear_scale
+
+    def linear_residual(self, o, w, residual, *, fp8_activations: bool = False):
         """residual + o @ w^T in one kernel (the residual add in the projection's epilogue), or None.
-        w: bf16 [N, K] or a quant.Fp8Weight (the fp8 kernel)."""
+        w: bf16 [N, K] or a quant.Fp8Weight (the fp8 kernel; "e4m3" with fp8_activations)."""
         fp8 = isinstance(w, Fp8Weight)
         if (not (self.fused_linear_fp8 if fp8 else self.fused_linear)
                 or any(a.dtype != jnp.bfloat16 for a in (o, residual))
@@ -589,7 +627,8 @@ class KernelCalls:
         cfg = self._linear_config((o.shape[-1],))
         try:
             if fp8:
-                out = _fused_linear_fp8.linear_residual_fp8(*args, config=cfg, scale_on=self.fp8_linear_scale)
+                out = _fused_linear_fp8.linear_residual_fp8(*args, config=cfg,
+                                                            scale_on=self._fp8_scale_on(fp8_activations))
             else:
                 out = _fused_linear.linear_residual(*args, config=cfg)
         except ValueError:
@@ -615,10 +654,11 @@ class KernelCalls:
         return False
 
     def moe_residual_norm(self, x, ids, weights, w_gate, w_up, w_down, *, limit: float, shared, shared_limit: float,
-                          residual, norm_weight, eps: float):
+                          residual, norm_weight, eps: float, fp8_activations: bool = False):
         """The MoE layer and the layer boundary after it -> (residual + moe(...) rounded to the stream's dtype,
         rms_norm of that with norm_weight). Here (one device) the MoE kernel, then the model's add and norm."""
-        y = self.moe(x, ids, weights, w_gate, w_up, w_down, limit=limit, shared=shared, shared_limit=shared_limit)
+        y = self.moe(x, ids, weights, w_gate, w_up, w_down, limit=limit, shared=shared, shared_limit=shared_limit,
+                     fp8_activations=fp8_activations)
         return add_rms_norm(residual, y, norm_weight, eps)
 
     def kda_prefill(self, q, k, v, g, beta, state):
@@ -626,6 +666,11 @@ class KernelCalls:
         if self.interpret:
             config = _kda_prefill.KdaPrefillConfig(block_v=min(32, v.shape[-1]), interpret=True)
         return _kda_prefill.kda_prefill(q, k, v, g, beta, state, config=config)
+
+
+def _any_fp8(experts, shared) -> bool:
+    """Whether any routed or shared expert weight is block fp8."""
+    return any(isinstance(w, Fp8Weight) for w in (*experts, *(shared or ())))
 
 
 def _normed(x, shape):

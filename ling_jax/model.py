@@ -32,6 +32,7 @@ from ling_jax.layers.linear import Normed
 from ling_jax.layers.mla import mla_layer
 from ling_jax.layers.moe import dense_mlp, moe_layer
 from ling_jax.layers.norms import rms_norm
+from ling_jax.quant import ACTIVATIONS as FP8_ACTIVATIONS
 from ling_jax.quant import dense
 from ling_jax.state import DecodeState
 
@@ -51,6 +52,20 @@ class Numerics:
       token's logits go through kernels of one shape whatever produced it. Matmul kernels are chosen by shape
       (e.g. a GEMV for 1 row, a GEMM for 6), and their accumulation orders differ: without this, bf16 plain
       greedy and NEXTN greedy part ways at near-ties. Costs the padded rows' work (small at batch 1).
+    fp8_activations: what a block-fp8 weight's GEMM does with its input (the checkpoint's activation_scheme
+      "dynamic" says how it MAY be quantised; whether it is, is this choice). "none": the input stays in the
+      activation dtype and the weight is dequantised (weight-only fp8, the bf16 model's math on the dequantised
+      weights). "dynamic": the input is first quantised per token and 128-column group to e4m3 with its own scale
+      (quant.fake_quantize_activations: DeepSeek-V3's act_quant, the w8a8 SGLang / vLLM serve this format with):
+      every fp8-weight projection (KDA / MLA input projections, q_b_proj, o_proj / dense, the dense MLP, the MTP
+      eh_proj when stored fp8) and both GEMMs of every fp8 expert (x before gate | up, h before down; the shared
+      expert too). bf16 weights (the checkpoint's modules_to_not_convert) never quantise their input. Not
+      quantised under "dynamic" either: the router gate and lm_head (bf16 in the format; an fp8 one is read
+      weight-only, as its kernels take bf16 rows), and MLA's kv_b_proj, which decode applies absorbed (W_uk folded
+      into the query, W_uv after attention: no [token, Lr] input to quantise) and prefill expanded: it stays
+      weight-only in both so the two forms remain one math (SGLang's absorbed decode also reads it dequantised).
+      The kernels follow this choice (kernel_calls.KernelCalls: the e4m3 forms under "dynamic", the weight-only
+      forms under "none"); a call an e4m3 kernel does not take runs the jnp with the same quantisation.
     """
 
     router_fp32: bool = False
@@ -59,12 +74,21 @@ class Numerics:
     kda_chunk: int = 64
     mla_absorbed: bool = True
     target_rows: int | None = None
+    fp8_activations: str = "none"
 
     def __post_init__(self):
+        if self.fp8_activations not in FP8_ACTIVATIONS:
+            raise ValueError(f"fp8_activations={self.fp8_activations!r} not in {FP8_ACTIVATIONS} (none: fp8 weights "
+                             "with bf16 activations; dynamic: activations quantised per token and 128 columns)")
         if self.target_rows is not None and self.target_rows < 1:
             raise ValueError(f"target_rows={self.target_rows} must be >= 1")
         if self.kda_chunk < 1:
             raise ValueError(f"kda_chunk={self.kda_chunk} must be >= 1")
+
+    @property
+    def quantises_activations(self) -> bool:
+        """Whether fp8-weight GEMMs quantise their inputs (fp8_activations == "dynamic"): the layers' flag."""
+        return self.fp8_activations == "dynamic"
 
 
 @dataclass(frozen=True)
@@ -129,14 +153,14 @@ def ffn(p, x, cfg: ModelConfig, i: int, opts: RuntimeOptions, return_load: bool 
         boundary = None if next_norm is None else (x, next_norm, cfg.rms_norm_eps)  # (the router's kernel may norm)
         y = moe_layer(p["mlp"], h, cfg, routed_limit=cfg.routed_limit(i), shared_limit=cfg.shared_limit(i),
                       router_fp32=opts.numerics.router_fp32, return_load=return_load, kernels=opts.calls,
-                      live_rows=live_rows, boundary=boundary)
+                      live_rows=live_rows, boundary=boundary, fp8_activations=opts.numerics.quantises_activations)
         if boundary is not None:  # moe_layer returned the boundary (x', normed) itself
             return y
         return (x + y[0], y[1]) if return_load else x + y
     if next_norm is not None:
         raise ValueError(f"layer {i} is dense: only a MoE layer's boundary is fused (next_norm must be None)")
     # the clamp lists limit MoE layers' experts only (SGLang); a dense MLP is never clamped
-    x = dense_mlp(p["mlp"], h, kernels=opts.calls, residual=x)
+    x = dense_mlp(p["mlp"], h, kernels=opts.calls, residual=x, fp8_activations=opts.numerics.quantises_activations)
     return (x, None) if return_load else x
 
 
@@ -148,7 +172,7 @@ def mla_block(p, x, cache, lengths, cfg: ModelConfig, i: int, *, absorbed: bool,
     computed it (else it is a Normed of x here); next_norm: see ffn (x is then the pair (x, normed x))."""
     h = Normed(x, p["input_norm"], cfg.rms_norm_eps) if normed is None else normed
     x, cache = mla_layer(p["attn"], h, cache, lengths, cfg, absorbed=absorbed, layer=layer, kernels=opts.calls,
-                         residual=x)
+                         residual=x, fp8_activations=opts.numerics.quantises_activations)
     f = ffn(p, x, cfg, i, opts, return_load, live_rows, next_norm)
     return (f[0], cache, f[1]) if return_load else (f, cache)
 
@@ -181,6 +205,7 @@ def forward(params, tokens, state: DecodeState, cfg: ModelConfig, *, mode: str, 
     chunked = mode == "prefill" and opts.numerics.kda_chunked_prefill
     live_rows = n_valid if (mode == "verify" and padded) else None
     absorbed = mode != "prefill" and opts.numerics.mla_absorbed
+    fp8_act = opts.numerics.quantises_activations
 
     rec, conv, cache = state.kda_recurrent, state.kda_conv, state.mla_cache
     pending, loads = [], []
@@ -205,10 +230,11 @@ def forward(params, tokens, state: DecodeState, cfg: ModelConfig, *, mode: str, 
         h = Normed(x, p["input_norm"], cfg.rms_norm_eps) if normed is None else normed
         if in_place:  # the kernel reads layer ki of the stacks where they lie and stacks its rows in place
             x, rows = kda_verify_block(p["attn"], h, conv, rec, cfg, layer=ki, pending=rows, kernels=opts.calls,
-                                       residual=x)
+                                       residual=x, fp8_activations=fp8_act)
         else:
             x, new_conv, new_rec, pend = kda_layer(p["attn"], h, conv[ki], rec[ki], cfg, mode=mode,
-                                                   n_valid=n_valid, chunked=chunked, kernels=opts.calls, residual=x)
+                                                   n_valid=n_valid, chunked=chunked, kernels=opts.calls, residual=x,
+                                                   fp8_activations=fp8_act)
             if pend is None:
                 conv, rec = conv.at[ki].set(new_conv), rec.at[ki].set(new_rec)
             else:

@@ -36,8 +36,11 @@ BLOCK = 128
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0  # jnp.finfo(float8_e4m3fn).max
 QUANTIZATIONS = ("fp8",)
-ACTIVATION_SCHEMES = ("dynamic",)  # activations stay bf16 here (but for the MoE's opt-in w8a8 kernel, which
-# quantises them dynamically: quantize_activations); "static" would ship input scales we do not use
+ACTIVATION_SCHEMES = ("dynamic",)  # the checkpoint's: "static" would ship input scales we do not use
+# What the model does with the input of an fp8-weight GEMM (model.Numerics.fp8_activations): "none" keeps it in the
+# activation dtype (weight-only fp8: the weight is dequantised), "dynamic" quantises it per token and 128-column
+# group first (the w8a8 SGLang / vLLM serve this format with: gemm_input, below).
+ACTIVATIONS = ("none", "dynamic")
 SCALE_SUFFIX = "_scale_inv"
 NOT_QUANTISED = ("lm_head.weight", ".mlp.gate.weight", ".eh_proj.weight", "word_embeddings.weight")
 
@@ -101,9 +104,10 @@ def dequantize(q: Fp8Weight, dtype=jnp.bfloat16) -> jax.Array:
 # What SGLang / DeepGEMM run for DeepSeek-style block-fp8 checkpoints (w8a8): each row (token) of an activation
 # [..., K] is cut into 128-column groups g, and each group takes its own scale when the GEMM runs:
 #     s[g] = amax |x[g B:(g+1) B]| / 448        x8 = round_e4m3(x / s)        x ~ x8 * s
-# (ragged last group as the weights'; an all-zero group gets s = 0 and x8 = 0). The bf16 model does not do this:
-# it is the numerics of the MoE kernel's fp8_activations form (pallas_kernels/moe_mosaic.py), and the model's jnp
-# MoE with its activations through fake_quantize_activations is that kernel's reference.
+# (ragged last group as the weights'; an all-zero group gets s = 0 and x8 = 0). The model does this where
+# Numerics.fp8_activations is "dynamic" (gemm_input): the numerics of the e4m3 kernels (fused_linear_fp8's "e4m3"
+# form, the fp8 MoE's w8a8 form), whose reference is the model's jnp with its inputs through
+# fake_quantize_activations.
 
 
 class Fp8Activations(NamedTuple):
@@ -138,6 +142,13 @@ def dequantize_activations(q: Fp8Activations, dtype=jnp.bfloat16) -> jax.Array:
 def fake_quantize_activations(x):
     """x through the dynamic activation fp8 and back, in x's dtype: what an e4m3 x e4m3 GEMM sees of x."""
     return dequantize_activations(quantize_activations(x), x.dtype)
+
+
+def gemm_input(x, w, fp8_activations: bool):
+    """x [..., K] as the GEMM with weight w [..., N, K] reads it: through fake_quantize_activations where w is block
+    fp8 and fp8_activations (Numerics.fp8_activations == "dynamic"), else x itself (bf16 weights never quantise
+    their input)."""
+    return fake_quantize_activations(x) if fp8_activations and isinstance(w, Fp8Weight) else x
 
 
 def dense(w, dtype):
@@ -238,7 +249,8 @@ def read_quantization_config(config: dict, where: str = "config.json") -> Fp8Con
                               f"only [{BLOCK}, {BLOCK}] is implemented")
     if q.get("activation_scheme", "dynamic") not in ACTIVATION_SCHEMES:
         raise CheckpointError(f"{where}: quantization_config.activation_scheme={q['activation_scheme']!r}: only "
-                              f"{ACTIVATION_SCHEMES} (weights fp8, activations bf16) is implemented")
+                              f"{ACTIVATION_SCHEMES} is implemented (activations quantised per token and 128 columns when they "
+                              "run: --fp8-activations dynamic, or kept bf16: none)")
     names = list(q.get("modules_to_not_convert") or []) + list(q.get("ignored_layers") or [])
     return Fp8Config((BLOCK, BLOCK), frozenset(names))
 
@@ -276,5 +288,6 @@ def stored_fp8(spec: dict, where: dict, qcfg: Fp8Config | None, model_dir: str) 
 
 __all__ = ["Fp8Weight", "Fp8Config", "quantize", "dequantize", "dense", "take", "quantize_numpy", "abstract",
            "Fp8Activations", "quantize_activations", "dequantize_activations", "fake_quantize_activations",
+           "gemm_input", "ACTIVATIONS",
            "random_fp8", "nbytes", "fp8_policy",
            "can_be_fp8", "quantization_config", "read_quantization_config", "stored_fp8", "scale_shape", "BLOCK"]

@@ -395,6 +395,27 @@ def _stored_fp8(cfg: ModelConfig, model_dir: str, where: dict) -> set[str]:
     return quant.stored_fp8(param_spec(cfg), where, qcfg, model_dir)
 
 
+def fp8_activations_note(model: str, quantization: str | None, fp8_activations: str) -> str:
+    """One line for the log: which activation numerics the run's fp8 weights take (Numerics.fp8_activations).
+    An fp8 checkpoint's activation_scheme "dynamic" permits quantising activations per token (SGLang / vLLM serve it
+    w8a8); the default here stays "none" (weight-only) until the GPU timing of both decides."""
+    config = os.path.join(model, "config.json")
+    scheme = None
+    if os.path.isdir(model) and os.path.exists(config):
+        with open(config) as f:
+            q = json.load(f).get("quantization_config")
+        scheme = None if q is None else q.get("activation_scheme", "dynamic")
+    if scheme is None and quantization is None:
+        return (f"fp8 activations: {fp8_activations} (no fp8 weights: bf16 linears never quantise their input, "
+                "so this changes nothing)")
+    source = (f"fp8 checkpoint, activation_scheme {scheme!r}" if scheme is not None
+              else "weights quantised to fp8 while loading")
+    what = ("each fp8 GEMM's input quantised per token and 128 columns (w8a8, as SGLang serves the format)"
+            if fp8_activations == "dynamic" else
+            "weight-only fp8, bf16 activations (the default; --fp8-activations dynamic quantises them)")
+    return f"fp8 activations: {fp8_activations} ({source}): {what}"
+
+
 def _reader(where: dict, a: ArrayInfo, shape: tuple[int, ...], dt, suffix: str = ""):
     """The callback that reads array `a` (or its `suffix` companion, e.g. fp8 scales, of `shape`) for one index."""
     stacked = a.hf[0][1] is not None

@@ -79,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     p.add_argument("--quantization", choices=["fp8"], default=None,
                    help="fp8: block-fp8 linear weights; a bf16 checkpoint is quantised while it loads")
+    p.add_argument("--fp8-activations", choices=("none", "dynamic"), default="none",
+                   help="fp8 weights' GEMM inputs (Numerics.fp8_activations): none keeps them bf16 (weight-only fp8, "
+                        "the default, also for a checkpoint whose activation_scheme is 'dynamic'); dynamic quantises "
+                        "them per token and 128 columns to e4m3 (w8a8, as SGLang / vLLM serve the format)")
     p.add_argument("--log-level", default="info")
     p.add_argument("--enable-deterministic-inference", action="store_true",
                    help="every target pass runs a fixed row count, so greedy output is identical with or without "
@@ -251,9 +255,13 @@ def make_loader(a: argparse.Namespace, cfg, spec, tokenizer, mesh, shardings, co
         from ling_jax.model import Numerics, RuntimeOptions
         from ling_jax.spec import deterministic_rows
 
+        from ling_jax.weights import fp8_activations_note
+
         rows = deterministic_rows(spec.draft_tokens) if a.enable_deterministic_inference else None
+        logging.info(fp8_activations_note(a.model_path, a.quantization, a.fp8_activations))
+        numerics = Numerics(target_rows=rows, fp8_activations=a.fp8_activations)
         kw = dict(spec=spec, max_len=context_length, dtype=dtype,
-                  opts=RuntimeOptions(numerics=Numerics(target_rows=rows)), chunked_prefill_size=chunk_size(a),
+                  opts=RuntimeOptions(numerics=numerics), chunked_prefill_size=chunk_size(a),
                   decode_steps=decode_steps(a))
         if spec.is_dspark:
             from ling_jax import dspark

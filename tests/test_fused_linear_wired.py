@@ -207,8 +207,9 @@ def test_chooser_falls_back_where_the_kernel_does_not_take_the_call():
     calls = KernelCalls(interpret=True, fused_linear=True)
     w5, b = S((5, 128, 256), BF), S((4, 256), BF)
 
-    def norm_linear(calls, x, *ws):
-        return calls.norm_linear(Normed(x, jnp.ones((x.shape[-1],), x.dtype), 1e-6), tuple(map(Projection, ws)))
+    def norm_linear(calls, x, *ws, fp8_activations=False):
+        return calls.norm_linear(Normed(x, jnp.ones((x.shape[-1],), x.dtype), 1e-6), tuple(map(Projection, ws)),
+                                 fp8_activations=fp8_activations)
 
     shapes = jax.eval_shape(lambda x, w, b: norm_linear(calls, x, w, b), S((1, 3, 256), BF), w5, b)
     assert [(o.shape, o.dtype) for o in shapes] == [((1, 3, 5, 128), BF), ((1, 3, 4), BF)]
@@ -232,15 +233,18 @@ def test_chooser_falls_back_where_the_kernel_does_not_take_the_call():
                 S((1, 6, 2560), F32))
     assert not none(lambda o, w, r: calls.linear_residual(o, w, r), S((1, 6, 4096), BF), S((2560, 4096), BF),
                     S((1, 6, 2560), BF))
-    # fp8_linear_scale="e4m3" (x quantised in the prologue, so kept resident): o_proj at T = 17 falls back
-    e4m3 = KernelCalls(interpret=True, fused_linear=True, fp8_linear_scale="e4m3")
-    assert not none(lambda x: norm_linear(e4m3, x, q8), S((1, 3, 256), BF))
+    # fp8_activations (the numerics' "dynamic": the e4m3 form, x quantised in the prologue, so kept resident):
+    # o_proj at T = 17 falls back (the layer's jnp then quantises: tests/test_fp8_activations.py)
     q8o = quantize(jnp.ones((64, 4096), BF))
-    assert not none(lambda o, r: e4m3.linear_residual(o, q8o, r), S((1, 6, 4096), BF), S((1, 6, 64), BF))
+    assert not none(lambda x: norm_linear(calls, x, q8, fp8_activations=True), S((1, 3, 256), BF))
+    e4m3 = lambda o, r: calls.linear_residual(o, q8o, r, fp8_activations=True)
+    assert not none(e4m3, S((1, 6, 4096), BF), S((1, 6, 64), BF))
     assert not none(lambda o, r: calls.linear_residual(o, q8o, r), S((1, 17, 4096), BF), S((1, 17, 64), BF))
-    assert none(lambda o, r: e4m3.linear_residual(o, q8o, r), S((1, 17, 4096), BF), S((1, 17, 64), BF))
+    assert none(e4m3, S((1, 17, 4096), BF), S((1, 17, 64), BF))
     with pytest.raises(ValueError, match="fp8_linear_scale"):
         KernelCalls(fp8_linear_scale="e5m2")
+    with pytest.raises(ValueError, match="fp8_linear_scale='e4m3' quantises the activations: a numerics choice"):
+        KernelCalls(fp8_linear_scale="e4m3")
     with pytest.raises(ValueError, match="fused_linear=True"):
         ShardedKernelCalls(interpret=True, mesh=jax.make_mesh((1,), ("tp",)), fused_linear=True)
     # the defaults: fp8 weights through the fp8 kernel (fused_linear_fp8), bf16 weights through XLA (fused_linear)

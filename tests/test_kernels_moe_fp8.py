@@ -184,20 +184,24 @@ def test_moe_fp8_lowers_for_cuda(t):
 
 def test_kernel_calls_moe_fp8_scheme_selects_the_config_and_lowers():
   """KernelCalls.moe_fp8_scheme: validated, mapped onto the config's fp8 fields (the default: partial-bits,
-  16 token columns), and the w8a8 call (quantize_activations + 2 kernels) lowers for CUDA."""
+  16 token columns); fp8_activations (the numerics' "dynamic") selects w8a8 whatever the field says, and the w8a8
+  call (quantize_activations + 2 kernels) lowers for CUDA."""
   with pytest.raises(ValueError, match="moe_fp8_scheme='fp4'"):
     KernelCalls(moe_fp8_scheme="fp4")
+  with pytest.raises(ValueError, match="moe_fp8_scheme='w8a8' quantises the activations: a numerics choice"):
+    KernelCalls(moe_fp8_scheme="w8a8")
   with pytest.raises(ValueError, match="block_i=64 must be 128"):
-    KernelCalls(moe_fp8_scheme="w8a8", moe_tiles=MosaicMoeConfig())
+    KernelCalls(moe_tiles=MosaicMoeConfig())._fp8_moe_config(6, None, fp8_activations=True)
   # the default: partial-bits in registers over 16 token columns (the form the H200 timed fastest)
   assert KernelCalls()._fp8_moe_config(6, None) == MosaicMoeConfig(
       n_tokens=16, fp8_scale_on="partial", fp8_convert="bits", fp8_operand="registers")
   want = {"weight": {}, "partial": dict(fp8_scale_on="partial", fp8_operand="registers"),
-          "partial-bits": dict(fp8_scale_on="partial", fp8_convert="bits", fp8_operand="registers"),
-          "w8a8": dict(fp8_activations=True, block_i=128)}
+          "partial-bits": dict(fp8_scale_on="partial", fp8_convert="bits", fp8_operand="registers")}
   for scheme, fields in want.items():
-    got = KernelCalls(moe_fp8_scheme=scheme, moe_n_tokens=16, moe_fp8_n_tokens=None)._fp8_moe_config(6, None)
-    assert got == MosaicMoeConfig(n_tokens=16, **fields)
+    calls = KernelCalls(moe_fp8_scheme=scheme, moe_n_tokens=16, moe_fp8_n_tokens=None)
+    assert calls._fp8_moe_config(6, None) == MosaicMoeConfig(n_tokens=16, **fields)
+    assert calls._fp8_moe_config(6, None, fp8_activations=True) == MosaicMoeConfig(n_tokens=16, fp8_activations=True,
+                                                                                   block_i=128)
   # moe_fp8_n_tokens: the fp8 kernel's own columns (16 -> 32 -> 64 as T grows), moe_n_tokens left to the bf16 one
   fp8_cols = KernelCalls(moe_fp8_n_tokens=16)
   assert [fp8_cols._fp8_moe_config(t, None).n_tokens for t in (1, 6, 16, 17, 32, 33)] == [16, 16, 16, 32, 32, 64]
@@ -215,9 +219,10 @@ def test_kernel_calls_moe_fp8_scheme_selects_the_config_and_lowers():
   d, e, i, t = 2560, 512, 768, 6
   f8, f32 = jnp.float8_e4m3fn, jnp.float32
   pair = lambda shape: quant.Fp8Weight(S(shape, f8), S(quant.scale_shape(shape), f32))
-  calls = KernelCalls(moe_fp8_scheme="w8a8", moe_n_tokens=16)
+  calls = KernelCalls(moe_n_tokens=16)
   with jax.sharding.use_abstract_mesh(H200):
-    text = jax.jit(lambda x, ids, w, *ws: calls.moe(x, ids, w, *ws[:3], limit=4.0, shared=ws[3:], shared_limit=5.0)
+    text = jax.jit(lambda x, ids, w, *ws: calls.moe(x, ids, w, *ws[:3], limit=4.0, shared=ws[3:], shared_limit=5.0,
+                                                    fp8_activations=True)
                    ).trace(S((t, d), BF), S((t, A), jnp.int32), S((t, A), f32), pair((e, i, d)), pair((e, i, d)),
                            pair((e, d, i)), pair((i, d)), pair((i, d)), pair((d, i))
                            ).lower(lowering_platforms=("cuda",)).as_text()

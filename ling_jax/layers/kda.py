@@ -148,19 +148,20 @@ def kda_chunked(q, k, v, g, beta, state, chunk: int = 64):
 # ---- the layer ---------------------------------------------------------------------------------------------------
 
 
-def kda_projections(p, x, kernels=None):
+def kda_projections(p, x, kernels=None, fp8_activations: bool = False):
     """x [B, T, D] (the normed input, or a layers.linear.Normed) -> (proj [B, T, 5, C]: the q, k, v, f, g streams;
     b_raw [B, T, H]): the layer's input projections, one fused norm + projection kernel where `kernels` takes it."""
-    return norm_projections(x, (Projection(p["w_qkvfg"]), Projection(p["b_proj"])), kernels)
+    return norm_projections(x, (Projection(p["w_qkvfg"]), Projection(p["b_proj"])), kernels,
+                            fp8_activations=fp8_activations)
 
 
-def kda_project(p, x, conv_window, cfg, kernels=None):
+def kda_project(p, x, conv_window, cfg, kernels=None, fp8_activations: bool = False):
     """Projections + short conv + normalisations shared by every mode.
 
     x [B, T, D] (or a Normed) -> (q [B,T,H,K] scaled f32, k [B,T,H,K] f32, v [B,T,H,V] f32, g, beta,
     qkv_raw [B,T,3,C], out_gate [B,T,C]).
     """
-    proj, b_raw = kda_projections(p, x, kernels)  # [B, T, 5, C], [B, T, H]
+    proj, b_raw = kda_projections(p, x, kernels, fp8_activations)  # [B, T, 5, C], [B, T, H]
     q, k, v, g, beta = kda_inputs(proj, b_raw, p, conv_window, cfg.kda_lower_bound, x.dtype)
     return q, k, v, g, beta, proj[:, :, :3], proj[:, :, 4]
 
@@ -186,14 +187,15 @@ def kda_inputs(proj, b_raw, p, conv_window, lower_bound: float, dtype):
     return q, k, v, g, beta
 
 
-def kda_output(p, o, out_gate, cfg, dtype, kernels=None, residual=None):
+def kda_output(p, o, out_gate, cfg, dtype, kernels=None, residual=None, fp8_activations: bool = False):
     """o [B, T, H, V] f32 -> RMSNorm_V(o) * o_norm * sigmoid(g_proj x) -> o_proj -> [B, T, D] (+ residual, in the
     projection's kernel where `kernels` takes it: see layers.linear.linear)."""
     B, T, H, Vd = o.shape
     o = o.astype(dtype).astype(jnp.float32)  # the recurrence hands its output over in the activation dtype
     o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + cfg.rms_norm_eps)
     o = o * p["o_norm"].astype(jnp.float32) * jax.nn.sigmoid(out_gate.astype(jnp.float32)).reshape(B, T, H, Vd)
-    return linear(o.reshape(B, T, H * Vd).astype(dtype), p["o_proj"], kernels, residual)
+    return linear(o.reshape(B, T, H * Vd).astype(dtype), p["o_proj"], kernels, residual,
+                  fp8_activations=fp8_activations)
 
 
 def no_op_mask(g, beta, n_valid):
@@ -203,10 +205,10 @@ def no_op_mask(g, beta, n_valid):
     return jnp.where(live[..., None, None], g, 0.0), jnp.where(live[..., None], beta, 0.0)
 
 
-def _kernel_inputs(p, x, conv_window, rec_state, kernels=None):
+def _kernel_inputs(p, x, conv_window, rec_state, kernels=None, fp8_activations: bool = False):
     """The fused decode kernel's arguments (raw q/k/v/f streams, b, gates, conv weights, states) and the out-gate
     stream, from one projection of x."""
-    proj, b_raw = kda_projections(p, x, kernels)  # [B, T, 5, C], [B, T, H]
+    proj, b_raw = kda_projections(p, x, kernels, fp8_activations)  # [B, T, 5, C], [B, T, H]
     conv_w = p["conv_w"]  # [3, C, 1, W]
     args = (proj[:, :, 0], proj[:, :, 1], proj[:, :, 2], proj[:, :, 3], b_raw, p["A_log"], p["dt_bias"],
             conv_w[0], conv_w[1], conv_w[2], conv_window, rec_state)
@@ -222,34 +224,36 @@ def kda_in_place(kernels, mode: str) -> bool:
             and not (mode == "decode" and kernels.kda_fused_decode))
 
 
-def kda_verify_block(p, x, conv, rec, cfg, *, layer: int, pending, kernels, residual=None):
+def kda_verify_block(p, x, conv, rec, cfg, *, layer: int, pending, kernels, residual=None,
+                     fp8_activations: bool = False):
     """One KDA block's verify on the model's stacked states, in place (see `kda_in_place`).
 
     x [B, T, D] the normed input (or a layers.linear.Normed); conv [Lk, B, W-1, 3, C] and rec [Lk, B, H, K, V]
     read at `layer` by the kernel, never written; pending: the stacked KdaPending [Lk, ...] the blocks before wrote
     (None for the first). The kernel takes the fused projection [B, T, 5, C] and conv_w [3, C, 1, W] whole.
     Returns (out [B, T, D] (+ residual, as kda_layer), pending with this layer's rows written in place)."""
-    proj, b_raw = kda_projections(p, x, kernels)  # [B, T, 5, C], [B, T, H]
+    proj, b_raw = kda_projections(p, x, kernels, fp8_activations)  # [B, T, 5, C], [B, T, H]
     o, rows = kernels.kda_verify(proj, b_raw, p["A_log"], p["dt_bias"], p["conv_w"], conv, rec, layer, pending,
                                  lower_bound=cfg.kda_lower_bound)
-    return kda_output(p, o, proj[:, :, 4], cfg, x.dtype, kernels, residual), KdaPending(*rows)
+    return kda_output(p, o, proj[:, :, 4], cfg, x.dtype, kernels, residual, fp8_activations), KdaPending(*rows)
 
 
-def _pallas_decode(p, x, conv_window, rec_state, cfg, kernels):
+def _pallas_decode(p, x, conv_window, rec_state, cfg, kernels, fp8_activations: bool = False):
     """One fused kernel for T = 1: conv + gates + beta + l2norm + delta rule + in-place state update. Every sequence
     must be live (n_valid = 1: plain_step's decode), since the kernel always advances the state."""
-    args, proj = _kernel_inputs(p, x, conv_window, rec_state, kernels)
+    args, proj = _kernel_inputs(p, x, conv_window, rec_state, kernels, fp8_activations)
     o, new_rec, new_conv = kernels.kda_decode(*args, lower_bound=cfg.kda_lower_bound)
     return o, new_rec, new_conv, proj[:, :, 4]
 
 
-def _pallas_chain(p, x, conv_window, rec_state, cfg, kernels, *, advance: bool, residual=None):
+def _pallas_chain(p, x, conv_window, rec_state, cfg, kernels, *, advance: bool, residual=None,
+                  fp8_activations: bool = False):
     """One kernel for the layer's KDA chain (conv .. output gate); decode (advance) also commits its row.
     Returns kda_layer's (out, conv_window, rec_state, pending)."""
-    proj, b_raw = kda_projections(p, x, kernels)  # [B, T, 5, C], [B, T, H]
+    proj, b_raw = kda_projections(p, x, kernels, fp8_activations)  # [B, T, 5, C], [B, T, H]
     r = kernels.kda_chain(proj, b_raw, p["A_log"], p["dt_bias"], p["conv_w"], p["o_norm"], conv_window, rec_state,
                           lower_bound=cfg.kda_lower_bound, eps=cfg.rms_norm_eps, advance=advance)
-    out = linear(r.o, p["o_proj"], kernels, residual)
+    out = linear(r.o, p["o_proj"], kernels, residual, fp8_activations=fp8_activations)
     if advance:
         return out, r.conv_window, r.rec_state, None
     ci = r.commit
@@ -257,7 +261,7 @@ def _pallas_chain(p, x, conv_window, rec_state, cfg, kernels, *, advance: bool, 
 
 
 def kda_layer(p, x, conv_window, rec_state, cfg, *, mode: str, n_valid, chunked: bool, kernels=None,
-              residual=None):
+              residual=None, fp8_activations: bool = False):
     """One KDA attention block: x [B, T, D] the normed input (or a layers.linear.Normed, whose norm the input
     projection kernel may fold in). Without `residual` the block's output; with it, residual + that output (the
     add rides in the output projection's kernel).
@@ -268,25 +272,27 @@ def kda_layer(p, x, conv_window, rec_state, cfg, *, mode: str, n_valid, chunked:
     one kernel (B = 1 decode always has n_valid = 1); its kda_pallas_prefill runs the chunked prefill in Pallas;
     with kda_in_place, decode / verify run kda_verify_block (+ kda_commit_layers) on this layer's states as stacks
     of one (the model calls kda_verify_block on its own stacks instead: no copy of a state around the kernel).
+    fp8_activations: fp8 projections read their inputs quantised (layers.linear; Numerics.fp8_activations).
     Returns (out [B, T, D], conv_window, rec_state, pending or None).
     """
+    fa = fp8_activations
     if kernels is not None and mode != "prefill" and kernels.kda_impl == "chain":
         return _pallas_chain(p, x, conv_window, rec_state, cfg, kernels, advance=mode == "decode",
-                             residual=residual)
+                             residual=residual, fp8_activations=fa)
     if kernels is not None and mode == "decode" and kernels.kda_fused_decode:
-        o, rec_state, conv_window, out_gate = _pallas_decode(p, x, conv_window, rec_state, cfg, kernels)
-        return kda_output(p, o, out_gate, cfg, x.dtype, kernels, residual), conv_window, rec_state, None
+        o, rec_state, conv_window, out_gate = _pallas_decode(p, x, conv_window, rec_state, cfg, kernels, fa)
+        return kda_output(p, o, out_gate, cfg, x.dtype, kernels, residual, fa), conv_window, rec_state, None
     if kda_in_place(kernels, mode):  # this layer's states as stacks of one (the model passes its stacks)
         out, pending = kda_verify_block(p, x, conv_window[None], rec_state[None], cfg, layer=0, pending=None,
-                                        kernels=kernels, residual=residual)
+                                        kernels=kernels, residual=residual, fp8_activations=fa)
         if mode == "verify":
             return out, conv_window, rec_state, jax.tree.map(lambda a: a[0], pending)
         conv, rec = kda_commit_layers(conv_window[None], rec_state[None], pending, n_valid, kernels)
         return out, conv[0], rec[0], None
-    q, k, v, g, beta, qkv_raw, out_gate = kda_project(p, x, conv_window, cfg, kernels)
+    q, k, v, g, beta, qkv_raw, out_gate = kda_project(p, x, conv_window, cfg, kernels, fa)
     if mode == "verify":
         o, _ = kda_recurrent(q, k, v, g, beta, rec_state)
-        out = kda_output(p, o, out_gate, cfg, x.dtype, kernels, residual)
+        out = kda_output(p, o, out_gate, cfg, x.dtype, kernels, residual, fa)
         return out, conv_window, rec_state, KdaPending(qkv_raw, k, v, g, beta)
     g, beta = no_op_mask(g, beta, n_valid)
     if kernels is not None and chunked and kernels.kda_pallas_prefill:
@@ -294,7 +300,7 @@ def kda_layer(p, x, conv_window, rec_state, cfg, *, mode: str, n_valid, chunked:
     else:
         core = kda_chunked if chunked else kda_recurrent
     o, new_state = core(q, k, v, g, beta, rec_state)
-    out = kda_output(p, o, out_gate, cfg, x.dtype, kernels, residual)
+    out = kda_output(p, o, out_gate, cfg, x.dtype, kernels, residual, fa)
     return out, slide_window(conv_window, qkv_raw, n_valid), new_state, None
 
 

@@ -14,6 +14,9 @@ it (ling_jax/kernel_calls.py: `norm_linear`, the Mosaic GPU kernel of pallas_ker
 fused_linear_fp8.py for quant.Fp8Weight weights) that is ONE kernel (the norm in its prologue, each weight read once,
 the epilogue in registers); otherwise (kernels None, fp32, shapes past the kernel's limits) the jnp below, which is
 the kernel's reference (fp8 weights: dequantised to the activation dtype first, quant.dense).
+fp8_activations (model.Numerics.fp8_activations == "dynamic"): an fp8 weight's input h goes through
+quant.gemm_input (per token and 128-column e4m3 and back) before its einsum, and the kernels take their e4m3 form;
+bf16 weights' inputs are never quantised (a call mixing both: each projection reads its own form of h).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from ling_jax.layers.norms import rms_norm
-from ling_jax.quant import dense
+from ling_jax.quant import Fp8Weight, dense, gemm_input
 
 KINDS = ("linear", "sigmoid", "swiglu")
 
@@ -98,24 +101,33 @@ def project(h, proj: Projection):
     return jax.nn.sigmoid(y.astype(jnp.float32)) if proj.kind == "sigmoid" else y
 
 
-def norm_projections(h, projections: tuple, kernels=None) -> tuple:
+def first_weight(proj: Projection):
+    """The projection's weight (a swiglu pair's gate: gate and up are quantised alike)."""
+    return proj.weight[0] if proj.kind == "swiglu" else proj.weight
+
+
+def norm_projections(h, projections: tuple, kernels=None, *, fp8_activations: bool = False) -> tuple:
     """(epilogue_s(h @ W_s^T) for each projection). h: a Normed (the norm may be folded into the kernel) or an
-    array that is already the normed input. kernels: a KernelCalls (or None for the jnp path)."""
+    array that is already the normed input. kernels: a KernelCalls (or None for the jnp path). fp8_activations:
+    fp8 weights read h quantised (quant.gemm_input; computed once for all of them)."""
     if kernels is not None and isinstance(h, Normed):
-        fused = kernels.norm_linear(h, projections)
+        fused = kernels.norm_linear(h, projections, fp8_activations=fp8_activations)
         if fused is not None:
             return fused
     hv = h.value() if isinstance(h, Normed) else h
-    return tuple(project(hv, p) for p in projections)
+    fp8 = [isinstance(first_weight(p), Fp8Weight) for p in projections]
+    hq = gemm_input(hv, first_weight(projections[fp8.index(True)]), fp8_activations) if any(fp8) else hv
+    return tuple(project(hq if f else hv, p) for f, p in zip(fp8, projections))
 
 
-def linear(o, w, kernels=None, residual=None):
+def linear(o, w, kernels=None, residual=None, *, fp8_activations: bool = False):
     """o [..., K] @ w [N, K]^T in o's dtype, plus `residual` [..., N] when given (the stream the block adds its
     output to: the projection is rounded first, then added, as `x + layer(x)` computes it). With kernels, the
-    residual add rides in the projection's epilogue (one kernel) where the kernel takes the call."""
+    residual add rides in the projection's epilogue (one kernel) where the kernel takes the call.
+    fp8_activations: an fp8 w reads o quantised (quant.gemm_input)."""
     if kernels is not None and residual is not None:
-        fused = kernels.linear_residual(o, w, residual)
+        fused = kernels.linear_residual(o, w, residual, fp8_activations=fp8_activations)
         if fused is not None:
             return fused
-    y = jnp.einsum("...k,nk->...n", o, dense(w, o.dtype))
+    y = jnp.einsum("...k,nk->...n", gemm_input(o, w, fp8_activations), dense(w, o.dtype))
     return y if residual is None else residual + y

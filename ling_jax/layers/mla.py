@@ -36,23 +36,23 @@ def _split_kv_b(p, cfg, dtype):
     return w[:, :P], w[:, P:]
 
 
-def mla_projections(p, x, cfg, kernels=None):
+def mla_projections(p, x, cfg, kernels=None, fp8_activations: bool = False):
     """x [B, T, D] (the normed input, or a layers.linear.Normed) -> (q [B, T, H*(P+R)] (q_a [B, T, Lq] with a
     q LoRA), c = kv_a_proj(x) [B, T, Lr + R], gate = sigmoid(g_proj x) [B, T, H] f32): the projections of the
     block's input, one fused norm + projection kernel where `kernels` takes it."""
     q_w = p["q_proj"] if cfg.q_lora_rank is None else p["q_a_proj"]
     projs = (Projection(q_w), Projection(p["kv_a_proj_with_mqa"]), Projection(p["g_proj"], "sigmoid"))
-    return norm_projections(x, projs, kernels)
+    return norm_projections(x, projs, kernels, fp8_activations=fp8_activations)
 
 
-def mla_queries(p, q, positions, cfg, kernels=None):
+def mla_queries(p, q, positions, cfg, kernels=None, fp8_activations: bool = False):
     """q [B, T, H*(P+R)] (or q_a [B, T, Lq]: then q = q_b_proj(RMSNorm(q_a))) -> (q_nope [B, T, H, P],
     q_rope rotated [B, T, H, R])."""
     B, T, _ = q.shape
     H = cfg.num_attention_heads
     if cfg.q_lora_rank is not None:
         q_a = Normed(q, p["q_a_layernorm"], LATENT_NORM_EPS)
-        (q,) = norm_projections(q_a, (Projection(p["q_b_proj"]),), kernels)
+        (q,) = norm_projections(q_a, (Projection(p["q_b_proj"]),), kernels, fp8_activations=fp8_activations)
     q = q.reshape(B, T, H, cfg.qk_head_dim)
     cos, sin = rope_angles(positions, cfg.qk_rope_head_dim, cfg.rope_theta)  # [B, T, R/2]
     q_rope = apply_rope_interleaved(q[..., cfg.qk_nope_head_dim :], cos[:, :, None], sin[:, :, None])
@@ -130,7 +130,7 @@ def _softmax(scores, mask):
 
 
 def mla_layer(p, x, cache, lengths, cfg, *, absorbed: bool, layer: int | None = None, kernels=None,
-              residual=None):
+              residual=None, fp8_activations: bool = False):
     """One gated-MLA block. x [B, T, D] the normed input (or a layers.linear.Normed) at positions lengths[b] + t;
     cache [B, S, Lr + R], or the model's stacked [L, B, S, Lr + R] of which this block owns layer `layer` (read
     and written in place). Without `residual` the block's output; with it, residual + that output (the add
@@ -138,16 +138,18 @@ def mla_layer(p, x, cache, lengths, cfg, *, absorbed: bool, layer: int | None = 
 
     The new rows are written first so each query sees itself; rows past the committed length (a rejected
     verify position) are overwritten by later steps and never read before that.
+    fp8_activations: fp8 projections read their inputs quantised (Numerics.fp8_activations); kv_b_proj is read
+    weight-only in both attention forms (absorbed decode has no [token, Lr] input of it to quantise; see Numerics).
     Returns (out [B, T, D], cache) with the cache in the layout it came in.
     """
     B, T, _ = x.shape
     positions = lengths[:, None].astype(jnp.int32) + jnp.arange(T, dtype=jnp.int32)[None, :]
-    q, c, gate = mla_projections(p, x, cfg, kernels)
-    q_nope, q_rope = mla_queries(p, q, positions, cfg, kernels)
+    q, c, gate = mla_projections(p, x, cfg, kernels, fp8_activations)
+    q_nope, q_rope = mla_queries(p, q, positions, cfg, kernels, fp8_activations)
     cache = write_cache(cache, mla_cache_rows(p, c, positions, cfg), lengths, layer)
     if absorbed:
         o = attend_absorbed(p, q_nope, q_rope, cache, positions, cfg, kernels=kernels, layer=layer)
     else:
         o = attend_plain(p, q_nope, q_rope, cache if layer is None else cache[layer], positions, cfg)
     o = (o * gate[..., None]).reshape(B, T, -1).astype(x.dtype)
-    return linear(o, p["dense"], kernels, residual), cache
+    return linear(o, p["dense"], kernels, residual, fp8_activations=fp8_activations), cache

@@ -25,12 +25,14 @@ from ling_jax.layers.norms import add_rms_norm
 from ling_jax.quant import dense, take
 
 
-def dense_mlp(p, x, limit: float = 0.0, *, kernels=None, residual=None):
+def dense_mlp(p, x, limit: float = 0.0, *, kernels=None, residual=None, fp8_activations: bool = False):
     """down(act(gate(x)) * up(x)) in the weight dtype; p = {gate_proj [F, D], up_proj [F, D], down_proj [D, F]}
     (fp8 weights dequantised to x.dtype). x: the normed input, or a layers.linear.Normed (then gate|up is one
-    fused norm + SwiGLU kernel where `kernels` takes it); residual: returns residual + the MLP (see linear)."""
-    (h,) = norm_projections(x, (Projection((p["gate_proj"], p["up_proj"]), "swiglu", limit),), kernels)
-    return linear(h, p["down_proj"], kernels, residual)
+    fused norm + SwiGLU kernel where `kernels` takes it); residual: returns residual + the MLP (see linear).
+    fp8_activations: an fp8 weight's input (x, h) quantised first (quant.gemm_input)."""
+    (h,) = norm_projections(x, (Projection((p["gate_proj"], p["up_proj"]), "swiglu", limit),), kernels,
+                            fp8_activations=fp8_activations)
+    return linear(h, p["down_proj"], kernels, residual, fp8_activations=fp8_activations)
 
 
 def router_logits(x, gate_w, *, fp32_weight: bool):
@@ -78,24 +80,25 @@ def routed_experts(x, ids, weights, w_gate, w_up, w_down, limit: float, *, fp8_a
 
     Few tokens: gather the A chosen experts per token. Many tokens: every expert over every token, weighted
     by a dense [T, E] combine matrix (no gather of T*A expert copies). fp8 experts: gathered, then dequantised.
-    fp8_activations: each expert GEMM's input (x, and h before the down projection) goes through the dynamic
-    per-token block fp8 of quant.fake_quantize_activations first (w8a8: the MoE kernel's fp8_activations form).
+    fp8_activations: each fp8 expert GEMM's input (x, and h before the down projection) goes through the dynamic
+    per-token block fp8 of quant.fake_quantize_activations first (quant.gemm_input; w8a8: the MoE kernel's
+    fp8_activations form). Per token and group, so quantising before the gather equals quantising each copy.
     """
     T = x.shape[0]
     E = w_gate.shape[0]
-    act = quant.fake_quantize_activations if fp8_activations else (lambda a: a)
-    x = act(x)
+    act = lambda a, w: quant.gemm_input(a, w, fp8_activations)
+    xg, xu = act(x, w_gate), act(x, w_up)
     if T * ids.shape[1] <= E:
         pick = lambda w: dense(take(w, ids), x.dtype)  # [T, A, ., .]
-        g = jnp.einsum("td,tafd->taf", x, pick(w_gate))
-        u = jnp.einsum("td,tafd->taf", x, pick(w_up))
-        h = act(swiglu(g, u, limit))
+        g = jnp.einsum("td,tafd->taf", xg, pick(w_gate))
+        u = jnp.einsum("td,tafd->taf", xu, pick(w_up))
+        h = act(swiglu(g, u, limit), w_down)
         y = jnp.einsum("taf,tadf->tad", h, pick(w_down))  # each expert's output in the activation dtype
         return jnp.einsum("tad,ta->td", y.astype(jnp.float32), weights)
     combine = jnp.zeros((T, E), jnp.float32).at[jnp.arange(T)[:, None], ids].add(weights)
-    g = jnp.einsum("td,efd->tef", x, dense(w_gate, x.dtype))
-    u = jnp.einsum("td,efd->tef", x, dense(w_up, x.dtype))
-    h = act(swiglu(g, u, limit))
+    g = jnp.einsum("td,efd->tef", xg, dense(w_gate, x.dtype))
+    u = jnp.einsum("td,efd->tef", xu, dense(w_up, x.dtype))
+    h = act(swiglu(g, u, limit), w_down)
     y = jnp.einsum("tef,edf->ted", h, dense(w_down, x.dtype))
     return jnp.einsum("ted,te->td", y.astype(jnp.float32), combine)
 
@@ -115,14 +118,10 @@ def moe_experts(x, ids, weights, w_gate, w_up, w_down, *, limit: float, shared=N
 def shared_expert(x, shared, limit: float, *, fp8_activations: bool = False):
     """The shared expert (a dense SwiGLU MLP) of x [T, D]: shared = (gate [Is, D], up [Is, D], down [D, Is])
     -> [T, D] f32 (its output in the activation dtype, widened for the fp32 sum with the routed experts).
-    fp8_activations: the routed experts' w8a8 form with this one expert at weight 1 (the same dense MLP)."""
+    fp8_activations: fp8 weights read x and h quantised (dense_mlp's, the routed experts' w8a8 form)."""
     gate, up, down = shared
-    if fp8_activations:
-        one = lambda w: jax.tree.map(lambda a: a[None], w)  # [1, ...]: an expert axis (Fp8Weight: both parts)
-        t = x.shape[0]
-        return routed_experts(x, jnp.zeros((t, 1), jnp.int32), jnp.ones((t, 1), jnp.float32), one(gate), one(up),
-                              one(down), limit, fp8_activations=True)
-    return dense_mlp({"gate_proj": gate, "up_proj": up, "down_proj": down}, x, limit).astype(jnp.float32)
+    return dense_mlp({"gate_proj": gate, "up_proj": up, "down_proj": down}, x, limit,
+                     fp8_activations=fp8_activations).astype(jnp.float32)
 
 
 def borrow_routing(ids, w, live_rows, bt):
@@ -141,7 +140,7 @@ def expert_load(ids, num_experts: int):
 
 
 def moe_layer(p, x, cfg, *, routed_limit: float, shared_limit: float, router_fp32: bool, return_load: bool = False,
-              kernels=None, live_rows=None, boundary=None):
+              kernels=None, live_rows=None, boundary=None, fp8_activations: bool = False):
     """x [..., D] -> [..., D]. p: gate_w [E, D], expert_bias [E], w_gate, w_up, w_down, shared {gate,up,down}_proj.
     x: the normed input, or a layers.linear.Normed of the residual stream (one input; not computed yet): the
     router's kernel computes that norm where `kernels.routed_moe` takes it, every other path x.value().
@@ -151,7 +150,9 @@ def moe_layer(p, x, cfg, *, routed_limit: float, shared_limit: float, router_fp3
     live_rows[b]-1's experts and weights, so they add no expert reads (their outputs are discarded).
     boundary: (residual [..., D], norm weight [D], eps) or None: return the layer boundary (residual + y, its
     RMSNorm with that weight) in place of y, computed with the MoE in one `kernels.moe_residual_norm` call (under
-    TP: the all-reduce of the partial sums fused with the add and the norm). Needs kernels."""
+    TP: the all-reduce of the partial sums fused with the add and the norm). Needs kernels.
+    fp8_activations: fp8 experts' GEMM inputs quantised (moe_experts; the kernels' w8a8 form). The router's input
+    is not (the gate is bf16 in the format)."""
     if boundary is not None and kernels is None:
         raise ValueError("moe_layer(boundary=...) needs kernels (KernelCalls.moe_residual_norm); the jnp model adds "
                          "and norms in the caller")
@@ -166,7 +167,7 @@ def moe_layer(p, x, cfg, *, routed_limit: float, shared_limit: float, router_fp3
         rows = x if normed is not None and len(normed.parts) == 1 else flat(x if normed is None else x.value())
         fused = kernels.routed_moe(rows, gate_w, p["expert_bias"], cfg, (p["w_gate"], p["w_up"], p["w_down"]),
                                    shared, limit=routed_limit, shared_limit=shared_limit, live_rows=live_rows,
-                                   rows_per_seq=shape[-2])
+                                   rows_per_seq=shape[-2], fp8_activations=fp8_activations)
         if fused is not None:
             y = fused[0].astype(dtype).reshape(shape)
             return with_load(y if boundary is None else add_rms_norm(boundary[0], y, *boundary[1:]), fused[1])
@@ -183,11 +184,14 @@ def moe_layer(p, x, cfg, *, routed_limit: float, shared_limit: float, router_fp3
     if boundary is not None:
         residual, norm_weight, eps = boundary
         out = kernels.moe_residual_norm(*experts, limit=routed_limit, shared=shared, shared_limit=shared_limit,
-                                        residual=residual.reshape(xt.shape), norm_weight=norm_weight, eps=eps)
+                                        residual=residual.reshape(xt.shape), norm_weight=norm_weight, eps=eps,
+                                        fp8_activations=fp8_activations)
         return with_load(tuple(o.reshape(shape) for o in out), ids)
     if kernels is not None:  # reads only the activated experts, each once; the shared expert rides along
-        y = kernels.moe(*experts, limit=routed_limit, shared=shared, shared_limit=shared_limit)
+        y = kernels.moe(*experts, limit=routed_limit, shared=shared, shared_limit=shared_limit,
+                        fp8_activations=fp8_activations)
     else:
-        y = moe_experts(*experts, limit=routed_limit, shared=shared, shared_limit=shared_limit)
+        y = moe_experts(*experts, limit=routed_limit, shared=shared, shared_limit=shared_limit,
+                        fp8_activations=fp8_activations)
     y = y.astype(dtype).reshape(shape)
     return with_load(y, ids)

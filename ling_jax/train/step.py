@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import optax
 
 from ling_jax.config import ModelConfig
-from ling_jax.model import RuntimeOptions, forward, lm_logits
+from ling_jax.model import Numerics, RuntimeOptions, forward, lm_logits
 from ling_jax.nextn import mtp_forward
 from ling_jax.state import init_state
 from ling_jax.train.data import random_windows
@@ -57,6 +57,7 @@ class StepConfig:
     b1: float = 0.9
     b2: float = 0.95
     mtp_only: bool = False  # the distillation phase: the target is frozen (no update, no bias update), loss = kl
+    fp8_activations: str = "none"  # Numerics.fp8_activations of the forward (fp8 weights: the held-out eval of w8a8)
 
 
 class Metrics(NamedTuple):
@@ -68,9 +69,10 @@ class Metrics(NamedTuple):
     max_load: jax.Array  # max over MoE layers of max_e load_e / mean_e load_e (1 = balanced)
 
 
-def training_options() -> RuntimeOptions:
-    """The differentiable pure-jnp path (chunked KDA, plain MLA, jnp MoE): never a Pallas kernel, which has no VJP."""
-    return RuntimeOptions(kernels="reference")
+def training_options(sc: StepConfig | None = None) -> RuntimeOptions:
+    """The differentiable pure-jnp path (chunked KDA, plain MLA, jnp MoE): never a Pallas kernel, which has no VJP.
+    sc: its fp8_activations (default "none")."""
+    return RuntimeOptions(numerics=Numerics(fp8_activations=sc.fp8_activations if sc else "none"), kernels="reference")
 
 
 def fp32_mask(cfg: ModelConfig) -> dict:
@@ -108,7 +110,7 @@ def losses(params, windows, cfg: ModelConfig, sc: StepConfig, with_mtp: bool = T
     p = cast_params(params, cfg, jnp.dtype(sc.compute_dtype))
     inp, labels = windows[:, :-1], windows[:, 1:]
     B, T = inp.shape
-    opts = training_options()
+    opts = training_options(sc)
     out = forward(p, inp, init_state(cfg, B, T, p["embed"].dtype), cfg, mode="prefill", expert_load=True, opts=opts)
     if sc.mtp_only:  # frozen target: no backward pass through it
         out = out._replace(hidden=jax.lax.stop_gradient(out.hidden))
