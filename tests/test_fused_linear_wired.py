@@ -32,13 +32,13 @@ TRACED: list = []  # (call, whether the fused kernel took it), appended when a p
 class Census(KernelCalls):
     """KernelCalls that records, at trace time, which projection calls the fused kernels took."""
 
-    def norm_linear(self, h, projections):
-        out = super().norm_linear(h, projections)
+    def norm_linear(self, h, projections, **kw):
+        out = super().norm_linear(h, projections, **kw)
         TRACED.append(("norm_linear", tuple(p.kind for p in projections), out is not None))
         return out
 
-    def linear_residual(self, o, w, residual):
-        out = super().linear_residual(o, w, residual)
+    def linear_residual(self, o, w, residual, **kw):
+        out = super().linear_residual(o, w, residual, **kw)
         TRACED.append(("linear_residual", out is not None))
         return out
 
