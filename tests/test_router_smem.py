@@ -52,6 +52,9 @@ def triton_smem(monkeypatch, tmp_path, cfg, t, rc) -> int:
   return kernel.metadata.shared
 
 
+SEGMENTS = "scatter"  # KernelCalls' default router_segments program since 2026-12-03 (moe_router_scatter=True)
+
+
 def chosen(cfg, t):
   return KernelCalls()._router_config(S((t, cfg.hidden_size), jnp.bfloat16), cfg.num_experts, cfg)
 
@@ -91,9 +94,9 @@ def test_choice_unchanged_where_the_defaults_fit():
   4 stages; only the calls past the limit change."""
   for cfg, fitting, bk in ((FLASH, (1, 4, 8, 32, 64), 256), (V2, (1, 4, 32, 128, 256), 64)):
     for t in fitting:
-      assert chosen(cfg, t) == router.RouterConfig(block_e=16, block_k=bk), (cfg.name, t)
-  assert chosen(V2, 512) == router.RouterConfig(block_e=16, block_k=64, num_stages=3)
-  assert chosen(FLASH, 128) == router.RouterConfig(block_e=16, block_k=256, num_stages=3)
+      assert chosen(cfg, t) == router.RouterConfig(block_e=16, block_k=bk, segments=SEGMENTS), (cfg.name, t)
+  assert chosen(V2, 512) == router.RouterConfig(block_e=16, block_k=64, num_stages=3, segments=SEGMENTS)
+  assert chosen(FLASH, 128) == router.RouterConfig(block_e=16, block_k=256, num_stages=3, segments=SEGMENTS)
 
 
 def test_no_fitting_tiling_routes_in_jnp():
