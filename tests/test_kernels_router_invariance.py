@@ -16,14 +16,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax.extend.core import Literal, Var
+from jax.extend.core import Literal
 
 from ling_jax.config import PRESETS
 from ling_jax.layers.moe import route, router_logits
 from pallas_kernels import router as R
 from pallas_kernels import router_segments as RS
 from tests.cuda_lowering import S, lower_cuda
-from tests.test_kernels_router_segments import BF, DEMO, inputs, route_kw
+from tests.test_kernels_router_segments import BF, DEMO, inlined_eqns, inputs, route_kw
 
 LING = PRESETS["ling3-flash"]  # E 512 in 8 groups (keep 4), top 8, D 2560
 # Ling's router structure at a small D (the programs' selection and tables see only E, G and A; D is the matvec's)
@@ -105,25 +105,6 @@ def test_programs_are_bitwise_equal_and_batch_invariant(cfg, tokens):
       np.testing.assert_array_equal(o.weights, full[prog].weights[:t], err_msg=f"T={t} {prog} weights")
 
 
-def kernel_eqns(jaxpr, env=None):
-  """The primitive applications of jaxpr (a kernel's body) with its jit calls inlined: [(name, inputs, outputs)],
-  values as fresh tokens per application (a cached jit's body is inlined at every call), literals as Literal."""
-  env = {} if env is None else env
-  out = []
-  for eqn in jaxpr.eqns:
-    ins = [env.get(v, v) if isinstance(v, Var) else v for v in eqn.invars]
-    if eqn.primitive.name in ("jit", "pjit", "closed_call"):
-      inner = eqn.params["jaxpr"].jaxpr
-      sub = dict(zip(inner.invars, ins))
-      out += kernel_eqns(inner, sub)
-      env.update({o: sub.get(io, io) if isinstance(io, Var) else io for o, io in zip(eqn.outvars, inner.outvars)})
-    else:
-      outs = [object() for _ in eqn.outvars]
-      env.update(zip(eqn.outvars, outs))
-      out.append((eqn.primitive.name, ins, outs, eqn))
-  return out
-
-
 def weight_divisors(f, *args):
   """For each pallas_call in f's jaxpr named router_segments / router_topk: the divisors of its f32 divisions of
   a computed numerator (the weights' normalisation; the sigmoid's 1 / (1 + exp(-z)) has a literal numerator),
@@ -142,7 +123,7 @@ def weight_divisors(f, *args):
   walk(jax.make_jaxpr(f)(*args).jaxpr)
   chains = []
   for body in found:
-    eqns = kernel_eqns(body)
+    eqns = inlined_eqns(body)
     made = {o: e for e in eqns for o in e[2]}
     name_of = lambda v: "literal" if isinstance(v, Literal) else made[v][0] if v in made else "input"
 

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.extend.core import Var
+from jax.extend.core import Literal, Var
 
 from ling_jax.config import PRESETS
 from ling_jax.kernel_calls import KernelCalls
@@ -45,25 +45,31 @@ def pallas_names(f, *args):
   return kernel_names(flat_eqns(jax.make_jaxpr(f)(*args).jaxpr))
 
 
-def flat_eqns(jaxpr, env=None):
-  """jaxpr's primitive applications with its jit calls inlined: [(name, input values, output values, is a
-  kernel)], a pallas_call named by its kernel. Values are fresh tokens per application: a cached jit's inner
-  jaxpr (the same Var objects) is inlined at every call."""
+def inlined_eqns(jaxpr, env=None):
+  """The primitive applications of jaxpr with its jit calls inlined: [(primitive name, inputs, outputs, eqn)],
+  values as fresh tokens per application (a cached jit's inner jaxpr, the same Var objects, is inlined at every
+  call), literals as Literal."""
   env = {} if env is None else env
   out = []
   for eqn in jaxpr.eqns:
-    ins = [env.get(v, v) if isinstance(v, Var) else None for v in eqn.invars]
+    ins = [env.get(v, v) if isinstance(v, Var) else v for v in eqn.invars]
     if eqn.primitive.name in ("jit", "pjit", "closed_call"):
       inner = eqn.params["jaxpr"].jaxpr
-      sub = {iv: o for iv, o in zip(inner.invars, ins) if o is not None}
-      out += flat_eqns(inner, sub)
-      env.update({o: sub[io] for o, io in zip(eqn.outvars, inner.outvars) if isinstance(io, Var)})
+      sub = dict(zip(inner.invars, ins))
+      out += inlined_eqns(inner, sub)
+      env.update({o: sub.get(io, io) if isinstance(io, Var) else io for o, io in zip(eqn.outvars, inner.outvars)})
     else:
-      kernel = eqn.primitive.name == "pallas_call"
-      env.update({o: object() for o in eqn.outvars})
-      out.append((eqn.params["name"] if kernel else eqn.primitive.name, [v for v in ins if v is not None],
-                  [env[o] for o in eqn.outvars], kernel))
+      outs = [object() for _ in eqn.outvars]
+      env.update(zip(eqn.outvars, outs))
+      out.append((eqn.primitive.name, ins, outs, eqn))
   return out
+
+
+def flat_eqns(jaxpr):
+  """jaxpr's primitive applications with its jit calls inlined (inlined_eqns): [(name, input values, output
+  values, is a kernel)], a pallas_call named by its kernel, literal inputs left out."""
+  return [(eqn.params["name"] if name == "pallas_call" else name, [v for v in ins if not isinstance(v, Literal)],
+           outs, name == "pallas_call") for name, ins, outs, eqn in inlined_eqns(jaxpr)]
 
 
 def glue_per_pass(eqns):
