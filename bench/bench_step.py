@@ -346,27 +346,34 @@ def model_config(a):
     return slice_config(cfg, a.layers) if a.layers else cfg
 
 
+# flags whose 0 means None (main normalises them after parsing; a --baseline-set value is normalised the same way)
+ZERO_IS_NONE = ("moe_fp8_n_tokens", "moe_fp8_split_k")
+
+
 def parse_baseline_set(ap, a, spec: str) -> dict:
-    """--baseline-set "flag=value,..." -> {dest: value}, each value parsed as its flag's own type (an unknown flag or
-    a value its type does not take is an argparse error; 0 means None for the two fp8 MoE sizes, as their flags)."""
+    """--baseline-set "flag=value,..." -> {dest: value}, each value parsed by its flag's own argparse action (its
+    type and choices; a switch takes 1/0, true/false, on/off): an unknown flag or a value it does not take is an
+    argparse error."""
+    actions = {act.dest: act for act in ap._actions if not act.dest.startswith("baseline")}
     out = {}
     for item in spec.split(","):
         key, eq, raw = item.partition("=")
         key = key.strip().lstrip("-").replace("-", "_")
-        if not eq or key not in vars(a) or key.startswith("baseline"):
+        act = actions.get(key)
+        if not eq or act is None or key == "help":
             ap.error(f"--baseline-set {item!r}: expected FLAG=VALUE with FLAG one of this script's flags")
-        old = getattr(a, key)
-        try:
-            val = (raw.lower() in ("1", "true", "on") if isinstance(old, bool) else
-                   int(raw) if key in ("moe_fp8_n_tokens", "moe_fp8_split_k") or isinstance(old, int) else raw)
-        except ValueError:
-            ap.error(f"--baseline-set {item!r}: {raw!r} is not a value of {key} ({type(old).__name__})")
-        if isinstance(old, bool) and raw.lower() not in ("1", "true", "on", "0", "false", "off"):
-            ap.error(f"--baseline-set {item!r}: {key} is a switch (1/0, true/false, on/off)")
-        choices = next((act.choices for act in ap._actions if act.dest == key), None)
-        if choices is not None and val not in choices:
-            ap.error(f"--baseline-set {item!r}: {raw!r} is not one of {key}'s choices {tuple(choices)}")
-        out[key] = (val or None) if key in ("moe_fp8_n_tokens", "moe_fp8_split_k") else val
+        if act.nargs == 0:  # store_true / store_false
+            if raw.lower() not in ("1", "true", "on", "0", "false", "off"):
+                ap.error(f"--baseline-set {item!r}: {key} is a switch (1/0, true/false, on/off)")
+            val = raw.lower() in ("1", "true", "on")
+        else:
+            try:
+                val = act.type(raw) if act.type else raw
+            except ValueError:
+                ap.error(f"--baseline-set {item!r}: {raw!r} is not a value of {key} ({act.type.__name__})")
+            if act.choices is not None and val not in act.choices:
+                ap.error(f"--baseline-set {item!r}: {raw!r} is not one of {key}'s choices {tuple(act.choices)}")
+        out[key] = (val or None) if key in ZERO_IS_NONE else val
     return out
 
 
@@ -568,8 +575,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None):
     ap = build_parser()
     a = ap.parse_args(argv)
-    a.moe_fp8_n_tokens = a.moe_fp8_n_tokens or None  # 0: the bf16 kernel's --moe-n-tokens
-    a.moe_fp8_split_k = a.moe_fp8_split_k or None    # 0: the tiles' split
+    for key in ZERO_IS_NONE:  # moe_fp8_n_tokens 0: the bf16 kernel's --moe-n-tokens; moe_fp8_split_k 0: the tiles'
+        setattr(a, key, getattr(a, key) or None)
     if a.model and a.layers:
         ap.error("--layers slices a preset; --model loads a whole checkpoint")
     if a.spec_parts and a.quantization:
@@ -577,6 +584,9 @@ def main(argv=None):
     if sum(map(bool, (a.baseline_kernels, a.baseline_fused_linear, a.baseline_moe_fp8, a.baseline_set))) > 1:
         ap.error("one baseline per run: --baseline-kernels, --baseline-fused-linear, --baseline-moe-fp8 or "
                  "--baseline-set")
+    if a.baseline_moe_fp8:  # the same kernels with another fp8 MoE form: a --baseline-set of its two flags
+        scheme, _, n = a.baseline_moe_fp8.partition(":")
+        a.baseline_set = f"moe_fp8_scheme={scheme},moe_fp8_n_tokens={n or 0}"
     if a.baseline_set:
         a.baseline_set = parse_baseline_set(ap, a, a.baseline_set)
     tp = a.tp or len(jax.devices())
@@ -605,11 +615,6 @@ def run_all(a, cfg, tp, mesh, rules):
     if a.baseline_fused_linear:
         flip = (not fl[0], not fl[1])  # the fused projections against XLA's, bf16 and fp8 weights alike
         base = [(m, K, p, dv, a.kernels, flip) for m, K, p, dv in programs(a, cfg, mesh, rules, a.kernels, flip)]
-    if a.baseline_moe_fp8:  # the same kernels with another fp8 MoE form; labelled through the kernels field
-        scheme, _, n = a.baseline_moe_fp8.partition(":")
-        b = argparse.Namespace(**{**vars(a), "moe_fp8_scheme": scheme, "moe_fp8_n_tokens": int(n) if n else None})
-        label = f"{a.kernels}, moe_fp8_scheme={scheme}, moe_fp8_n_tokens={n or None}"
-        base = [(m, K, p, dv, label, fl) for m, K, p, dv in programs(b, cfg, mesh, rules, a.kernels, fl)]
     if a.baseline_set:  # the same kernels with some flags changed; labelled through the kernels field
         b = argparse.Namespace(**{**vars(a), **a.baseline_set})
         label = f"{a.kernels}, " + ", ".join(f"{k}={v}" for k, v in a.baseline_set.items())
