@@ -3,9 +3,10 @@ with and without a join, on the demo model (NEXTN 3, the batching server's defau
 
 At concurrency 8 the serving sweep's decode steps take ~1.4 ms (median ITL) but its output rate implies ~1.8 ms a
 step: the rest is the turns in which a request is admitted, because the group waits for them. A join is, in the
-scheduler's thread (ling_jax.batching._Turns): reset the staging slot (reset_fn), one prefill program per chunk
-(runner.Generator.prefill_fn; a 128-token prompt is one chunk of the 128 bucket), then into the group (insert_fn
-into a dead position, or regroup_fn into the next row bucket), and that turn's step.
+scheduler (ling_jax.batching._Turns): in the stager thread, the start program (the new request's empty state and its
+first prefill chunk in one program, start_fn) and one prefill program per later chunk (runner.Generator.prefill_fn;
+a 128-token prompt is one chunk of the 128 bucket); in the scheduler thread, into the group (insert_fn into a dead
+position, or regroup_fn into the next row bucket), and that turn's step.
 
 Rows (ms, median of --reps, each call's outputs waited for, warm-up excluded):
   program alone   each join program called back to back (device + host dispatch: the demo model is host-bound);
@@ -73,14 +74,11 @@ def programs_alone(bg: BatchGenerator, rows: int, prompt_len: int, reps: int) ->
     group = bg.regroup_fn()(box["staging"], None, np.zeros(rows, np.int32))
     box["group"] = group
     step = bg.batch_step_fn(rows, True, False)
-    reset, prefill, insert, regroup = bg.reset_fn(), gen.prefill_fn(True), bg.insert_fn(), bg.regroup_fn()
+    start, prefill, insert, regroup = bg.start_fn(True), gen.prefill_fn(True), bg.insert_fn(), bg.regroup_fn()
 
-    def run_reset():
-        box["staging"] = reset(box["staging"], greedy, key)
-        return box["staging"]
-
-    def run_prefill():  # every chunk of the prompt (one for a prompt within the largest bucket)
-        for c in chunks:
+    def run_start():  # the empty state and the first chunk, then the later chunks (none within the largest bucket)
+        box["staging"], first, _ = start(gen.params, box["staging"], greedy, key, *chunks[0])
+        for c in chunks[1:]:
             box["staging"], first, _ = prefill(gen.params, box["staging"], *c)
         return first
 
@@ -108,8 +106,8 @@ def programs_alone(bg: BatchGenerator, rows: int, prompt_len: int, reps: int) ->
         census_of[name]["top_kernels"] = c.get("top_kernels", [])[:15]
         print(f"  census {name}: {c.get('kernels_per_step_per_device')} kernels, "
               f"{c.get('kernel_us_per_step_all_streams')} us of kernels a call {c.get('error', '')}", flush=True)
-    for name, fn in (("reset (staging slot)", run_reset), (f"prefill ({len(chunks)} chunk(s) for {prompt_len} "
-                     f"tokens, buckets {gen.buckets})", run_prefill), ("insert (dead position)", run_insert),
+    for name, fn in ((f"start + prefill ({len(chunks)} chunk(s) for {prompt_len} tokens, buckets {gen.buckets})",
+                      run_start), ("insert (dead position)", run_insert),
                      ("regroup (next bucket)", run_regroup), (f"decode step, {rows} rows", run_step)):
         whole, dispatch = timed(fn, reps)
         out.append({"name": name, "rows": rows, "program_ms": whole, "dispatch_ms": dispatch,

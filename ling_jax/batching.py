@@ -1,8 +1,12 @@
 """Continuous batching: up to `max_running` requests decode together in one group of device state.
 
-Staging. A request is prefilled, one chunk per scheduler turn while the group keeps decoding, by the batch-1
-prefill programs into the staging slot: one batch-1 SpecState / PlainState (KDA state, MLA and draft caches,
-sampling state) of --context-length rows, reset (every leaf overwritten) before each prefill.
+Staging. A request is prefilled, one chunk per scheduler turn while the group keeps decoding, into the staging
+slot: one batch-1 SpecState / PlainState (KDA state, MLA and draft caches, sampling state) of --context-length
+rows. Its first chunk's program also makes the request's empty state, in the old slot's buffers (start_fn); the
+later chunks run the batch-1 prefill program. The chunks are dispatched from a second thread, the stager
+(BatchGenerator.stage), while the scheduler thread dispatches and reads the group's steps: a prefill chunk is
+hundreds of kernels, whose host dispatch (~1.6 ms for 128 demo tokens on the H200) would otherwise stall every
+decoding row's turn; XLA releases the GIL while it enqueues, so the two threads' dispatches overlap.
 
 The group. The requests that decode hold the rows of ONE state, kept across steps:
   * one request: its prefilled state itself (the staging slot becomes the group; the next prefill gets a fresh
@@ -30,7 +34,8 @@ caches per 1k context, per row; at Ling-3.0-flash size, KDA 73 MB per row, a re-
 caches, ~0.2 ms of H200 bandwidth, still rare). A re-form briefly holds the old and the new group: up to
 max_running + the next bucket down + the staging slot rows (serve.launch_server.request_rows counts that peak).
 
-Host. One scheduler thread: admit -> one prefill chunk (the last one joins the group) -> dispatch the step ->
+Host. One scheduler thread (and the stager for prefill chunks): admit -> take the chunk the stager finished
+dispatching and hand it the next (after the last one the row joins the group) -> dispatch the step ->
 read the previous dispatch's outputs and the new rows' first tokens (ONE device_get, one dispatch late, as
 Generator.stream: the device is busy with the dispatch just queued) -> hand each row its tokens, to its Consumer,
 right there in this thread (`stream` wraps a queue.Queue for a caller's thread; the server's consumer does the
@@ -55,6 +60,7 @@ consumer as one chunk. Generator.reserved_rows covers the 2 N steps' rows a row 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import functools
 import logging
 import queue
@@ -145,7 +151,9 @@ class BatchGenerator:
         self.inbox: queue.Queue[_Row] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._start = threading.Lock()
+        # the staging slot; while the stager thread dispatches a chunk into it, the stager holds it (None here)
         self.staging = self.fresh_slot()
+        self._stager = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="batch-prefill")
 
     def __getattr__(self, name):
         return getattr(self.gen, name)
@@ -157,10 +165,33 @@ class BatchGenerator:
 
     # ---- compiled programs ----------------------------------------------------------------------------------
     @functools.lru_cache(maxsize=None)
-    def reset_fn(self):
-        """(old slot state, sampling, key) -> the empty state of a new request, in the old one's buffers."""
-        init = self.gen.init_fn(False)
-        return jax.jit(lambda old, sampling, key: init(sampling, key), donate_argnums=(0,))
+    def start_fn(self, is_greedy: bool):
+        """(run_params, old slot state, sampling, key, *first chunk) -> (state, first, logprobs): a new request's
+        empty state (the sampled layout) and its first prefill chunk in ONE program, written into the old slot's
+        buffers (donated; every leaf is overwritten, none is read). One dispatch fewer per join than a reset
+        program then the chunk's (bench/join_overlap_probe.py: 0.7 ms of the scheduler's host time on the H200)."""
+        init, chunk = self.gen.init_fn(False), self.gen.prefill_chunk(is_greedy)
+        return jax.jit(lambda pp, old, sampling, key, *first: chunk(pp, init(sampling, key), *first),
+                       donate_argnums=(1,))
+
+    def stage(self, is_greedy: bool, chunk: tuple, start: tuple | None = None) -> concurrent.futures.Future:
+        """Dispatch one prefill chunk into the staging slot from the stager thread, so its host dispatch (~1.6 ms
+        for a 128-token chunk of the demo model on the H200) overlaps the scheduler's decode turns: XLA releases
+        the GIL while it enqueues a program (bench/join_overlap_probe.py: a join costs the decoding rows 2.0 ms
+        instead of 5.1). -> a Future of (staging state, first token, logprobs). The stager holds the slot until
+        the future resolves (self.staging is None meanwhile; the scheduler puts the result back). start:
+        (sampling, key) of a new request, whose empty state the chunk's program makes (start_fn, into the old
+        slot) or, with no slot left (the last one became a lone group), init does."""
+        old, self.staging = self.staging, None
+        return self._stager.submit(self._prefill_chunk, is_greedy, old, chunk, start)
+
+    def _prefill_chunk(self, is_greedy, state, chunk, start):
+        gen = self.gen
+        if start is not None and state is not None:
+            return self.start_fn(is_greedy)(gen.run_params, state, *start, *chunk)
+        if start is not None:
+            state = gen.init_fn(False)(*start)
+        return gen.prefill_fn(is_greedy)(gen.run_params, state, *chunk)
 
     @functools.lru_cache(maxsize=None)
     def batch_step_fn(self, rows: int, is_greedy: bool, with_logprobs: bool):
@@ -192,16 +223,19 @@ class BatchGenerator:
         return jax.jit(regroup)
 
     def warm_up_batches(self, progress=None):
-        """Compile every program a group can need, before traffic, on fresh states (their results dropped): the
-        staging reset, the greedy prefill chunks and batch-1 steps on the staging slot's sampled layout (runner's
-        warm_up builds them on the greedy layout); per bucket > 1 the re-form that grows the full bucket below it
-        by one row, the step (greedy / sampled, with / without logprobs), the insert, and the compactions into
-        each smaller bucket."""
+        """Compile every program a group can need, before traffic, on fresh states (their results dropped): per
+        greedy / sampled and prefill bucket the start program and the later chunks' on the staging slot's sampled
+        layout (runner's warm_up builds the greedy ones on the greedy layout); the batch-1 steps on that layout;
+        per bucket > 1 the re-form that grows the full bucket below it by one row, the step (greedy / sampled,
+        with / without logprobs), the insert, and the compactions into each smaller bucket."""
         gen = self.gen
         neutral = SamplingOptions().device(gen.cfg.vocab_size)
-        self.staging = self.reset_fn()(self.staging, neutral, jax.random.key(0))
-        for prompt in warm_up_prompts(gen):
-            self.staging = gen.prefill(prompt, neutral, jax.random.key(0), True, state=self.staging)[0]
+        for is_greedy in (True, False):
+            for prompt in warm_up_prompts(gen):
+                chunk = gen.prefill_chunks(prompt)[0]  # the prompt is one chunk of its bucket
+                self.staging = self.start_fn(is_greedy)(gen.run_params, self.staging, neutral, jax.random.key(0),
+                                                        *chunk)[0]
+                self.staging = gen.prefill_fn(is_greedy)(gen.run_params, self.staging, *chunk)[0]
         for lp in (False, True):
             self.staging, out = self.batch_step_fn(1, True, lp)(gen.params, self.staging)
             jax.block_until_ready(out)
@@ -275,6 +309,7 @@ class BatchGenerator:
                     row.put(RuntimeError(f"batched decoding failed: {e}"))
                     row.end("abort")
                 turns.flush()
+                turns.settle()
                 turns = _Turns(self)
                 self.staging = self.fresh_slot()
 
@@ -289,6 +324,7 @@ class _Turns:
         self.group = None  # the decoding rows' state: batch-1 (one position) or joined ([bucket] positions)
         self.members: list[_Row | None] = []  # the group's request per position; None or a done row: dead
         self.prefilling: _Row | None = None
+        self.staged: concurrent.futures.Future | None = None  # the prefilling row's chunk the stager dispatches
         self.firsts: list = []  # (row, (first token, logprobs | None)), read at the next read
         self.in_flight = None  # (host copies of the dispatch's outputs, [(position, row)] they are read for)
         self.flushes: dict = {}  # the rows' flush callables (BatchGenerator.submit), each called once per turn
@@ -315,7 +351,8 @@ class _Turns:
                 row.end(None)
         self._admit()
         if self.prefilling is not None:
-            self._prefill_chunk()
+            # wait for the stager only when no row decodes (the turn would spin on the future otherwise)
+            self._prefill(block=not self._decoding())
         elif not self.waiting:
             self._compact()
         dispatched = self._dispatch()
@@ -334,6 +371,12 @@ class _Turns:
     def flush(self):
         for flush in self.flushes.values():
             flush()
+
+    def settle(self):
+        """Wait until the stager holds no chunk (after a failure, before the staging slot is replaced)."""
+        if self.staged is not None:
+            concurrent.futures.wait([self.staged])
+            self.staged = None
 
     def _take(self, block: bool):
         if not block and self.bg.inbox.empty():  # the usual turn: nothing new (a put racing this is taken next turn)
@@ -359,18 +402,21 @@ class _Turns:
                 continue
             sp, key = row.device_inputs or (row.options.device(bg.gen.cfg.vocab_size), jax.random.key(row.seed))
             row.device_inputs = None
-            if bg.staging is None:  # the last staging slot became a lone group
-                bg.staging = bg.gen.init_fn(False)(sp, key)
-            else:
-                bg.staging = bg.reset_fn()(bg.staging, sp, key)
             row.chunks = bg.gen.prefill_chunks(row.prompt)
             self.prefilling = row
+            self.staged = bg.stage(row.options.is_greedy, row.chunks.pop(0), start=(sp, key))
 
-    def _prefill_chunk(self):
+    def _prefill(self, block: bool):
+        """Once the stager has dispatched the prefilling row's chunk: stage the next one (one chunk per turn, so
+        a long prompt's chunks interleave with the group's steps on the device), or after the last one join the
+        row to the group. A failed chunk raises here (the scheduler fails the rows in flight)."""
+        if not (block or self.staged.done()):
+            return
         bg, row = self.bg, self.prefilling
-        run = bg.gen.prefill_fn(row.options.is_greedy)
-        bg.staging, first, lp = run(bg.gen.params, bg.staging, *row.chunks.pop(0))
+        staged, self.staged = self.staged, None
+        bg.staging, first, lp = staged.result()
         if row.chunks:
+            self.staged = bg.stage(row.options.is_greedy, row.chunks.pop(0))
             return
         self.prefilling = None
         lp = lp if row.top_logprobs is not None else None
@@ -410,12 +456,16 @@ class _Turns:
         self.group = bg.regroup_fn()(self.group, bg.staging if new is not None else None, np.array(idx, np.int32))
         self.members = rows + [None] * (bucket - len(rows))
 
+    def _decoding(self) -> list:
+        """[(position, row)] of the group's rows that need more tokens (the next dispatch is for them)."""
+        return [(j, r) for j, r in enumerate(self.members)
+                if r is not None and not r.done and r.emitted + r.unread < r.max_new]
+
     def _dispatch(self):
         """Dispatch one program of the group (decode_steps steps) when a row needs more tokens; returns (outputs,
         [(position, row)] they are read for)."""
         bg, n = self.bg, self.n
-        rows = [(j, r) for j, r in enumerate(self.members)
-                if r is not None and not r.done and r.emitted + r.unread < r.max_new]
+        rows = self._decoding()
         if not rows:
             return None
         is_greedy = all(r.options.is_greedy for _, r in rows)

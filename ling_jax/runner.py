@@ -156,19 +156,22 @@ class Generator:
             return jax.jit(functools.partial(spec_init, steps=self.K, is_greedy=is_greedy, **kw))
         return jax.jit(functools.partial(plain_init, **kw))
 
-    @functools.lru_cache(maxsize=None)
-    def prefill_fn(self, is_greedy: bool):
-        """(params, state, tokens int32[1, C], next_token int32[1], n_prompt int32[1]) -> (state, first, logprobs);
-        the state is donated."""
+    def prefill_chunk(self, is_greedy: bool):
+        """The prefill chunk function (run_params, state, tokens int32[1, C], next_token int32[1], n_prompt int32[1])
+        -> (state, first, logprobs), not jitted (the batcher's start program wraps it with the init)."""
         kw = dict(cfg=self.cfg, is_greedy=is_greedy, opts=self.opts)
         if self.spec.is_dspark:
             chunk = functools.partial(dspark_prefill_chunk, dcfg=self.dcfg, **kw)
-            return jax.jit(lambda pp, state, *a: chunk(pp[0], pp[1], state, *a), donate_argnums=(1,))
+            return lambda pp, state, *a: chunk(pp[0], pp[1], state, *a)
         if self.spec.enabled:
-            return jax.jit(functools.partial(spec_prefill_chunk, **kw), donate_argnums=(1,))
+            return functools.partial(spec_prefill_chunk, **kw)
         chunk = functools.partial(plain_prefill_chunk, **kw)
-        return jax.jit(lambda params, state, tokens, next_token, n_prompt: chunk(params, state, tokens, n_prompt),
-                       donate_argnums=(1,))
+        return lambda params, state, tokens, next_token, n_prompt: chunk(params, state, tokens, n_prompt)
+
+    @functools.lru_cache(maxsize=None)
+    def prefill_fn(self, is_greedy: bool):
+        """prefill_chunk as one jitted program; the state is donated."""
+        return jax.jit(self.prefill_chunk(is_greedy), donate_argnums=(1,))
 
     def step(self, is_greedy: bool, with_logprobs: bool):
         """The step function (run_params, state) -> (state, StepOutput), not jitted (the batched programs wrap it)."""

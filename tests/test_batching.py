@@ -3,6 +3,7 @@ alone through the batch-1 Generator (greedy tokens; seeded samples; logprobs), w
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import re
 import threading
@@ -186,6 +187,10 @@ def test_group_membership_changes_keep_every_row_exact(gens):
                     GenerationStats()) for p, kw in zip(prompts, kws)]
     turns, sizes = _Turns(bg), []
 
+    def staged():  # wait for the stager's chunk in flight
+        if turns.staged is not None:
+            concurrent.futures.wait([turns.staged])
+
     def run_until(done):
         while not done():
             turns.turn()
@@ -195,9 +200,13 @@ def test_group_membership_changes_keep_every_row_exact(gens):
     run_until(lambda: a.emitted > 1)
     assert turns.members == [a] and not turns.group.key.shape  # alone: the batch-1 state
     turns.waiting.append(b)
+    turns.turn()  # B admitted: its prefill goes to the stager thread; A's turns go on meanwhile
+    staged()  # (compiling B's start program, on a CPU, outlasts A's 60 tokens)
     run_until(lambda: b.done)
     assert turns.members == [a, b] and not a.done
     turns.waiting.append(c)
+    turns.turn()
+    staged()
     run_until(lambda: c.done)
     assert turns.members == [a, c] and not a.done  # C took B's position: put there, not re-formed
     run_until(lambda: a.done)
@@ -233,3 +242,21 @@ def test_plain_decoding_batches_match_one_at_a_time():
     together = _concurrently(bg, reqs)
     assert [t for t, _ in together] == [a for a, _ in alone]
     np.testing.assert_allclose(together[0][1].token_logprobs, alone[0][1].token_logprobs, rtol=1e-5, atol=1e-5)
+
+
+def test_a_failed_prefill_chunk_fails_its_request_and_the_next_ones_decode_exactly(gens, monkeypatch):
+    """A chunk that raises in the stager thread reaches the request as the error (the scheduler fails the rows in
+    flight and starts over on a fresh staging slot); the next request decodes as it does alone."""
+    gen, bg = gens
+    (prompt, kw), = _requests(gen.cfg, 1)
+    alone, _ = gen.generate(prompt, stop_token_ids=(), **kw)
+    real = bg._prefill_chunk
+
+    def broken(*a):
+        raise FloatingPointError("a chunk that fails")
+
+    monkeypatch.setattr(bg, "_prefill_chunk", broken)
+    with pytest.raises(RuntimeError, match="batched decoding failed: a chunk that fails"):
+        bg.generate(prompt, stop_token_ids=(), **kw)
+    monkeypatch.setattr(bg, "_prefill_chunk", real)
+    assert bg.generate(prompt, stop_token_ids=(), **kw)[0] == alone
