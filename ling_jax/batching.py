@@ -402,6 +402,8 @@ class _Turns:
                 continue
             sp, key = row.device_inputs or (row.options.device(bg.gen.cfg.vocab_size), jax.random.key(row.seed))
             row.device_inputs = None
+            if not self.live():
+                self._drop_group()
             row.chunks = bg.gen.prefill_chunks(row.prompt)
             self.prefilling = row
             self.staged = bg.stage(row.options.is_greedy, row.chunks.pop(0), start=(sp, key))
@@ -442,9 +444,16 @@ class _Turns:
         """Nothing waits: move the live rows into the smallest bucket that holds them (or drop an ended group)."""
         live = self.live()
         if not live:
-            self.group, self.members = None, []
+            self._drop_group()
         elif next(b for b in self.bg.row_buckets if b >= len(live)) < len(self.members):
             self._regroup(live, None)
+
+    def _drop_group(self):
+        """The group's rows all ended: drop it; a batch-1 group's buffers become the staging slot when there is
+        none (the lone request took it), so the next start program writes over them instead of a new init."""
+        if self.bg.staging is None and self.group is not None and not is_joined(self.group):
+            self.bg.staging = self.group
+        self.group, self.members = None, []
 
     def _regroup(self, keep: list[int], new: _Row | None):
         """A group of the smallest bucket holding the rows at positions `keep` (in order) and the staged `new`."""
