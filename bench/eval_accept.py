@@ -35,6 +35,7 @@ from ling_jax.runner import Generator
 from ling_jax.spec import SpecConfig
 from ling_jax.train import corpus, trainer
 from ling_jax.train.data import fixed_windows
+from ling_jax.train.data import prompt_windows as make_prompts  # also imported from here by other benches
 from ling_jax.train.step import StepConfig, eval_step
 from ling_jax.weights import load_params
 
@@ -52,18 +53,6 @@ def heldout_tokens(data: str, model: str) -> np.ndarray:
         tok = load_tokenizer(model)
         corpus.tokenize_splits(corpus.load(data), tok, data, tok.eos_ids[0])
     return np.load(path)
-
-
-def make_prompts(tokens: np.ndarray, n: int, length: int, eos: int) -> list[list[int]]:
-    """n prompts of `length` tokens at evenly spaced offsets, each inside one file (no EOS inside)."""
-    out, starts = [], np.linspace(0, len(tokens) - length - 1, 4 * n).astype(int)
-    for s in starts:
-        w = tokens[s : s + length]
-        if eos not in w:
-            out.append([int(t) for t in w])
-        if len(out) == n:
-            break
-    return out
 
 
 def repeated_ngram_share(ids: list[int], n: int = 4) -> float:
