@@ -33,9 +33,10 @@ mean accept length up to the bf16/fp32 greedy text).
 Per step (one jitted program, the draft's params only are differentiated):
     target:  forward(prefill) over the windows with target_layer_ids captured -> features [B, T, C], logits z [B, T, V]
              (stop_gradient; nothing is cached on disk)
-    blocks:  N distinct anchors a per window, uniform in [0, T-1-G] or the --anchor-window; block [x_a, MASK...] at positions a..a+G-1 reads the
-             context rows t < a (ling_jax.dspark.block_hidden, the inference function); slot k predicts x_{a+k+1}
-             with logits lm_head(h_k) + W2 W1[x_{a+k}] (teacher-forced Markov input), q_k = softmax
+    blocks:  N distinct anchors a per window, uniform in [0, T-1-G] or the --anchor-window; block [x_a, MASK...]
+             at positions a..a+G-1 reads the context rows t < a (ling_jax.dspark.block_hidden, the inference
+             function); slot k predicts x_{a+k+1} with logits lm_head(h_k) + W2 W1[x_{a+k}] (teacher-forced
+             Markov input), q_k = softmax
     loss (DeepSpec's config, position weights w_k = exp(-k / --decay-gamma (4)), normalised over the slots):
         0.1 CE(q_k, x_{a+k+1}) + 0.9 L1 = sum_v |q_k - p_k|   (p_k = softmax z_{a+k}, the target's row)
         + kl_weight KL(p_k || q_k)   (off by default; the CLI's --ce/--l1/--kl-weight set the three)
