@@ -35,6 +35,7 @@ from ling_jax.runner import Generator
 from ling_jax.spec import SpecConfig
 from ling_jax.train import corpus, trainer
 from ling_jax.train.data import fixed_windows
+from ling_jax.train.data import prompt_windows as make_prompts  # also imported from here by other benches
 from ling_jax.train.step import StepConfig, eval_step
 from ling_jax.weights import load_params
 
@@ -52,18 +53,6 @@ def heldout_tokens(data: str, model: str) -> np.ndarray:
         tok = load_tokenizer(model)
         corpus.tokenize_splits(corpus.load(data), tok, data, tok.eos_ids[0])
     return np.load(path)
-
-
-def make_prompts(tokens: np.ndarray, n: int, length: int, eos: int) -> list[list[int]]:
-    """n prompts of `length` tokens at evenly spaced offsets, each inside one file (no EOS inside)."""
-    out, starts = [], np.linspace(0, len(tokens) - length - 1, 4 * n).astype(int)
-    for s in starts:
-        w = tokens[s : s + length]
-        if eos not in w:
-            out.append([int(t) for t in w])
-        if len(out) == n:
-            break
-    return out
 
 
 def repeated_ngram_share(ids: list[int], n: int = 4) -> float:
@@ -125,13 +114,15 @@ def plot(rows, path, title):
     a1.plot([r["steps"] for r in spec], [r["mean_accept_length"] for r in spec], "o-", label="NEXTN")
     for r in rows:
         if r.get("algorithm") == "DSPARK":
-            a1.plot([r["steps"]], [r["mean_accept_length"]], "s", label=f"DSPARK {r['dspark_verify']}")
+            a1.plot([r["steps"]], [r["mean_accept_length"]], "s",
+                    label=f"DSPARK {os.path.basename(r.get('dspark_draft', ''))} {r['dspark_verify']}")
     a1.legend(fontsize=7)
     a1.set_xlabel("--speculative-num-steps")
     a1.set_ylabel("mean accept length (incl. bonus)")
     a1.grid(alpha=0.3)
     for r in spec + [r for r in rows if r.get("algorithm") == "DSPARK"]:
-        name = f"steps={r['steps']}" if r["algorithm"] == "NEXTN" else f"DSPARK {r['dspark_verify']}"
+        name = (f"steps={r['steps']}" if r["algorithm"] == "NEXTN"
+                else f"DSPARK {os.path.basename(r.get('dspark_draft', ''))} {r['dspark_verify']}")
         a2.plot(range(1, r["steps"] + 1), r["acceptance_rate_per_position"], "o-", label=name)
     a2.set_xlabel("draft position j")
     a2.set_ylabel("P(draft j accepted)")
@@ -172,7 +163,9 @@ def main(argv=None):
                         "GEMM's input quantised per token and 128 columns; the report is eval-fp8-dynamic-*)")
     p.add_argument("--quantization", choices=["fp8"], default=None,
                    help="fp8: also evaluate the weights quantised to block fp8 and compare with the unquantised run")
-    p.add_argument("--dspark", default=None, help="DSpark draft dir: also measure DSPARK (block = its block_size)")
+    p.add_argument("--dspark", default=None,
+                   help="DSpark draft dir(s), comma-separated: also measure DSPARK with each (block = its block_size; "
+                        "one run: the same prompts, plain greedy and NEXTN rows for all)")
     p.add_argument("--dspark-verify", default="static,confidence", help="DSpark verify modes to measure")
     p.add_argument("--dspark-threshold", type=float, default=0.5, help="survival threshold of the confidence mode")
     p.add_argument("--out", default="bench/results")
@@ -290,15 +283,16 @@ def evaluate(a, cfg, params, on_row=None, fp8_activations: str = "none") -> dict
         from ling_jax import dspark as ds
         from ling_jax.spec import spec_from_flags
 
-        for mode in a.dspark_verify.split(","):
-            spec, dcfg = spec_from_flags("DSPARK", None, None, None, a.dspark, mode, a.dspark_threshold)
-            draft = (dcfg, ds.load_params(dcfg, a.dspark, params["embed"].dtype))
+        for path, mode in [(d, m) for d in a.dspark.split(",") for m in a.dspark_verify.split(",")]:
+            spec, dcfg = spec_from_flags("DSPARK", None, None, None, path, mode, a.dspark_threshold)
+            draft = (dcfg, ds.load_params(dcfg, path, params["embed"].dtype))
             row, outs = run_steps(cfg, params, prompts, spec.num_steps, a.new_tokens, max_len, a.target_rows, spec,
                                   draft, fp8_activations)
+            row["dspark_draft"] = path
             row["lossless_prompts"] = sum(o == b for o, b in zip(outs, base_outs))
             row["speedup_vs_plain"] = row["decode_tokens_per_s"] / base["decode_tokens_per_s"]
             add(row, outs)
-            print(f"DSPARK block {spec.num_steps} {mode}: accept {row['mean_accept_length']:.3f}, per-position "
+            print(f"DSPARK {path} block {spec.num_steps} {mode}: accept {row['mean_accept_length']:.3f}, per-position "
                   f"{[round(x, 3) for x in row['acceptance_rate_per_position']]}, {row['decode_tokens_per_s']:.1f} "
                   f"tok/s, lossless {row['lossless_prompts']}/{len(prompts)}", flush=True)
     return snapshot()

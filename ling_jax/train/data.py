@@ -31,3 +31,16 @@ def fixed_windows(tokens: np.ndarray, seq: int, max_windows: int | None = None) 
         n = min(n, max_windows)
     idx = np.arange(n)[:, None] * seq + np.arange(seq + 1)[None, :]
     return np.asarray(tokens, np.int32)[idx]
+
+
+def prompt_windows(tokens: np.ndarray, n: int, length: int, eos: int) -> list[list[int]]:
+    """Up to n prompts of `length` tokens: the first n of 4 n evenly spaced windows of the stream that hold no EOS
+    (each inside one file). bench.eval_accept's held-out prompts, and the DSpark trainer's eval-anchor metric."""
+    out, starts = [], np.linspace(0, len(tokens) - length - 1, 4 * n).astype(int)
+    for s in starts:
+        w = tokens[s : s + length]
+        if eos not in w:
+            out.append([int(t) for t in w])
+        if len(out) == n:
+            break
+    return out

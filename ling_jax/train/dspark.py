@@ -15,16 +15,29 @@ steps on the decode state; ONE compiled program of --distill-batch rows or fewer
 the held-out prompts; kept in memory, not on disk), and
 --distill-fraction of every batch's windows are rows of that pool. A greedy DSpark step accepts exactly the
 target's greedy tokens, so this is the text whose features, Markov inputs and labels inference sees (the demo
-target's greedy output repeats itself, which corpus windows never teach the draft to copy). The held-out metrics
-are reported on corpus windows (heldout_*) and on the target's greedy continuation of them (heldout_greedy_*).
+target's greedy output repeats itself, which corpus windows never teach the draft to copy).
+
+Anchors (--anchor-window N): the training anchors of every window lie in [P, P + N), P = --distill-prompt: the first
+N generated positions of a pool text, where bench.eval_accept verifies (its 200 new tokens after a 64-token
+prompt: --distill-prompt 64 --anchor-window 200, --seq >= 64 + 200 + block; a shorter --seq also makes the pool
+and each step cheaper). 0 (default): anywhere in [0, T - G), i.e. mostly deep in the target's greedy loops.
+
+Held-out metrics (final, in metrics.json): heldout_* on corpus windows and heldout_greedy_* on the target's greedy
+continuation of their first P tokens (random anchors anywhere, as in training by default); heldout_eval_* with the
+eval's anchors (ling_jax.train.dspark_eval): bench.eval_accept's own held-out prompts (--eval-prompts 16 of P
+tokens), the teacher-forced accept at every anchor of the first --eval-new-tokens (200) generated positions
+(heldout_eval_greedy_accept) and along the verify steps a real greedy step takes there (heldout_eval_walk_accept:
+the real step's accept equals the teacher-forced one at the same anchors, so this predicts eval_accept's static
+mean accept length up to the bf16/fp32 greedy text).
 
 Per step (one jitted program, the draft's params only are differentiated):
     target:  forward(prefill) over the windows with target_layer_ids captured -> features [B, T, C], logits z [B, T, V]
              (stop_gradient; nothing is cached on disk)
-    blocks:  N distinct anchors a per window in [0, T-1-G]; block [x_a, MASK...] at positions a..a+G-1 reads the
-             context rows t < a (ling_jax.dspark.block_hidden, the inference function); slot k predicts x_{a+k+1}
-             with logits lm_head(h_k) + W2 W1[x_{a+k}] (teacher-forced Markov input), q_k = softmax
-    loss (DeepSpec's config, position weights w_k = exp(-k / 4), normalised over the slots):
+    blocks:  N distinct anchors a per window, uniform in [0, T-1-G] or the --anchor-window; block [x_a, MASK...]
+             at positions a..a+G-1 reads the context rows t < a (ling_jax.dspark.block_hidden, the inference
+             function); slot k predicts x_{a+k+1} with logits lm_head(h_k) + W2 W1[x_{a+k}] (teacher-forced
+             Markov input), q_k = softmax
+    loss (DeepSpec's config, position weights w_k = exp(-k / --decay-gamma (4)), normalised over the slots):
         0.1 CE(q_k, x_{a+k+1}) + 0.9 L1 = sum_v |q_k - p_k|   (p_k = softmax z_{a+k}, the target's row)
         + kl_weight KL(p_k || q_k)   (off by default; the CLI's --ce/--l1/--kl-weight set the three)
         + BCE(c_k, alpha_k), alpha_k = 1 - TV(q_k, p_k) = sum_v min(q_k, p_k)  (stop_gradient target: the
@@ -62,7 +75,8 @@ from ling_jax import dspark
 from ling_jax.config import ModelConfig, load_config
 from ling_jax.model import forward, lm_logits
 from ling_jax.state import init_state
-from ling_jax.train.data import fixed_windows, random_windows, to_device
+from ling_jax.train.data import fixed_windows, prompt_windows, random_windows, to_device
+from ling_jax.train.dspark_eval import eval_anchor_metrics, window_accepts
 from ling_jax.train.run_control import Deadline, GracefulStop, steps_in_budget
 from ling_jax.train.step import training_options
 from ling_jax.train.trainer import lr_at
@@ -84,6 +98,8 @@ class DSparkTrainConfig:
     accept_weight: float = 0.5
     decay_gamma: float = 4.0
     distill_fraction: float = 0.0
+    anchor_start: int = 0
+    anchor_window: int = 0
     compute_dtype: str = "bfloat16"
 
     def __post_init__(self):
@@ -91,6 +107,11 @@ class DSparkTrainConfig:
             raise ValueError(f"batch={self.batch}, seq={self.seq}, anchors={self.anchors}: need >= 1, >= 2, >= 1")
         if not 0.0 <= self.distill_fraction <= 1.0:
             raise ValueError(f"distill_fraction={self.distill_fraction} must be in [0, 1]")
+        if self.anchor_start < 0 or self.anchor_window < 0 or 0 < self.anchor_window < self.anchors:
+            raise ValueError(f"anchor window [{self.anchor_start}, +{self.anchor_window}) must be >= 0 and hold at "
+                             f"least anchors={self.anchors} positions (0: anchors anywhere)")
+        if self.decay_gamma <= 0:
+            raise ValueError(f"decay_gamma={self.decay_gamma} must be > 0")
         if min(self.ce_weight, self.l1_weight, self.kl_weight, self.confidence_weight, self.accept_weight) < 0:
             raise ValueError(f"loss weights ce={self.ce_weight} l1={self.l1_weight} kl={self.kl_weight} "
                              f"confidence={self.confidence_weight} accept={self.accept_weight} must be >= 0")
@@ -99,6 +120,18 @@ class DSparkTrainConfig:
     def pool_rows(self) -> int:
         """Windows of each batch drawn from the self-distillation pool (the rest from the corpus)."""
         return int(round(self.distill_fraction * self.batch))
+
+    def anchor_range(self, T: int, G: int) -> tuple[int, int]:
+        """[lo, hi): the training anchors of a window of T tokens, block G. anchor_window 0: anywhere in
+        [0, T-G) (every slot's label x_{a+G} inside the window); else [anchor_start, anchor_start + window), the
+        first `window` generated positions of a pool text whose prompt is anchor_start tokens (the eval's anchors:
+        bench.eval_accept verifies the first --new-tokens after a --prompt-len prompt)."""
+        if not self.anchor_window:
+            return 0, T - G
+        lo, hi = self.anchor_start, self.anchor_start + self.anchor_window
+        if hi > T - G:
+            raise ValueError(f"anchor window [{lo}, {hi}) with block {G} needs --seq >= {hi + G}, got {T}")
+        return lo, hi
 
 
 def target_features(params, tokens, cfg: ModelConfig, dcfg: dspark.DSparkConfig):
@@ -128,12 +161,23 @@ def greedy_continuations(params, prompts, n_new: int, cfg: ModelConfig):
     return jnp.concatenate([prompts, toks.T, last[:, None]], axis=1)
 
 
-def sample_anchors(key, B: int, T: int, N: int, G: int):
-    """N distinct sorted anchors per row in [0, T-1-G] (so every slot's label x_{a+G} is inside the window)."""
-    n_cand = T - G
+def sample_anchors(key, B: int, T: int, N: int, G: int, lo: int = 0, hi: int | None = None):
+    """N distinct sorted anchors per row, uniform in [lo, hi) (default [0, T-G): every slot's label x_{a+G} is
+    inside the window; hi <= T - G)."""
+    hi = T - G if hi is None else hi
+    if not 0 <= lo < hi <= T - G:
+        raise ValueError(f"anchors in [{lo}, {hi}) of seq {T} with block {G}: need 0 <= lo < hi <= {T - G}")
+    n_cand = hi - lo
     if n_cand < N:
         raise ValueError(f"seq {T} leaves {n_cand} anchor positions for block {G}, fewer than anchors={N}")
-    return jnp.sort(jnp.argsort(jax.random.uniform(key, (B, n_cand)), axis=1)[:, :N], axis=1).astype(jnp.int32)
+    order = jnp.argsort(jax.random.uniform(key, (B, n_cand)), axis=1)[:, :N]
+    return (lo + jnp.sort(order, axis=1)).astype(jnp.int32)
+
+
+def train_anchors(key, tc: DSparkTrainConfig, B: int, T: int, G: int):
+    """The training step's anchors int32[B, tc.anchors], uniform over tc.anchor_range(T, G) in every window."""
+    lo, hi = tc.anchor_range(T, G)
+    return sample_anchors(key, B, T, tc.anchors, G, lo, hi)
 
 
 def block_logits(dp, params, tokens, anchors, cfg: ModelConfig, dcfg: dspark.DSparkConfig):
@@ -154,13 +198,13 @@ def block_logits(dp, params, tokens, anchors, cfg: ModelConfig, dcfg: dspark.DSp
     return logits, h, prev, take(z, idx)
 
 
-def losses(dp, params, tokens, key, cfg: ModelConfig, dcfg: dspark.DSparkConfig, tc: DSparkTrainConfig):
-    """tokens int32[B, T] -> (loss, metrics dict of f32 scalars / [G] vectors)."""
+def losses(dp, params, tokens, anchors, cfg: ModelConfig, dcfg: dspark.DSparkConfig, tc: DSparkTrainConfig):
+    """tokens int32[B, T], anchors int32[B, N] (a + G < T) -> (loss, metrics dict of f32 scalars / [G] vectors;
+    accept_by_anchor int32[B, N]: each block's teacher-forced greedy accept length, 1 + the leading slots whose
+    argmax is the target's)."""
     dt = jnp.dtype(tc.compute_dtype)
     dp = jax.tree.map(lambda a: a.astype(dt), dp)
-    B, T = tokens.shape
     G = dcfg.block_size
-    anchors = sample_anchors(key, B, T, tc.anchors, G)  # [B, N]
     logits, h, prev, z = block_logits(dp, params, tokens, anchors, cfg, dcfg)
     labels = jax.vmap(lambda row, i: row[i])(tokens, anchors[..., None] + jnp.arange(G) + 1)
     log_q = jax.nn.log_softmax(logits, axis=-1)
@@ -184,7 +228,9 @@ def losses(dp, params, tokens, key, cfg: ModelConfig, dcfg: dspark.DSparkConfig,
         m["confidence_bce"] = wmean(bce)
         m["confidence_abs_error"] = jnp.mean(jnp.abs(jax.nn.sigmoid(c_logit) - alpha))
     match = (jnp.argmax(logits, -1) == jnp.argmax(p, -1)).astype(jnp.float32)
-    m["greedy_accept"] = 1.0 + jnp.mean(jnp.sum(jnp.cumprod(match, axis=-1), axis=-1))  # teacher-forced estimate
+    accept = 1 + jnp.sum(jnp.cumprod(match, axis=-1), axis=-1).astype(jnp.int32)  # [B, N]
+    m["greedy_accept"] = jnp.mean(accept.astype(jnp.float32))  # teacher-forced estimate
+    m["accept_by_anchor"] = accept
     m["top1_by_slot"] = jnp.mean(match, axis=(0, 1))
     m["loss"] = loss
     return loss, m
@@ -248,7 +294,9 @@ def train_step(dp, opt_state, params, tokens_all, pool, key, lr, cfg, dcfg, tc, 
     if n_pool:
         picked = pool[jax.random.randint(k_pool, (n_pool,), 0, pool.shape[0])]
         windows = jnp.concatenate([picked, windows], axis=0)
-    (_, m), grads = jax.value_and_grad(losses, has_aux=True)(dp, params, windows, k_anchor, cfg, dcfg, tc)
+    anchors = train_anchors(k_anchor, tc, windows.shape[0], windows.shape[1], dcfg.block_size)
+    (_, m), grads = jax.value_and_grad(losses, has_aux=True)(dp, params, windows, anchors, cfg, dcfg, tc)
+    del m["accept_by_anchor"]  # per block: the logged rows keep the means
     updates, opt_state = tx.update(grads, opt_state, dp)
     m["grad_norm"] = optax.tree.norm(grads)
     m["lr"] = lr
@@ -293,8 +341,22 @@ def build_parser():
     p.add_argument("--distill-prompt", type=int, default=64, help="corpus tokens before each greedy continuation")
     p.add_argument("--distill-batch", type=int, default=256, help="windows generated per program")
     p.add_argument("--distill-fraction", type=float, default=0.5, help="share of each batch from the pool")
+    p.add_argument("--anchor-window", type=int, default=0,
+                   help="N > 0: training anchors uniform in [--distill-prompt, --distill-prompt + N) of every window, "
+                        "i.e. the first N generated positions of a pool text, where bench.eval_accept verifies "
+                        "(--prompt-len 64 --new-tokens 200: --distill-prompt 64 --anchor-window 200; needs --seq >= "
+                        "prompt + N + block, e.g. 280); 0: anywhere in [0, seq - block) (the old default)")
+    p.add_argument("--decay-gamma", type=float, default=4.0,
+                   help="slot k's loss weight exp(-k / gamma) (DFlash: 7 for block 16, 4 for block 8)")
     p.add_argument("--compute-dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    p.add_argument("--eval-windows", type=int, default=32)
+    p.add_argument("--eval-windows", type=int, default=32,
+                   help="held-out windows of the heldout_* (corpus) and heldout_greedy_* metrics (random anchors)")
+    p.add_argument("--eval-prompts", type=int, default=16,
+                   help="the heldout_eval_* metrics: the teacher-forced accept at every anchor of the first "
+                        "--eval-new-tokens generated positions after bench.eval_accept's held-out prompts (this many, "
+                        "of --distill-prompt tokens, the same selection; 16 x 64 = that bench's defaults), and the "
+                        "accept of the verify steps a real greedy step takes there (walk_accept); 0: off")
+    p.add_argument("--eval-new-tokens", type=int, default=200, help="generated positions of the heldout_eval_* metrics")
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
     return p
@@ -318,14 +380,18 @@ def draft_config(a, cfg: ModelConfig) -> dspark.DSparkConfig:
         num_target_layers=cfg.num_hidden_layers, mask_token_id=cfg.pad_token_id, markov_rank=a.markov_rank)
 
 
-def evaluate(ev, dp, params, held: np.ndarray, batch: int, prefix: str = "heldout_", stop=None) -> dict:
-    """Mean metrics over the batches of held; stop (a GracefulStop): a second signal ends it between batches
-    (the metrics are then over the batches done)."""
+def evaluate(ev, dp, params, held: np.ndarray, batch: int, n_anchors: int, G: int, prefix: str = "heldout_",
+             stop=None) -> dict:
+    """Mean metrics over the batches of held, n_anchors random anchors anywhere in each window (batch i's from
+    key(i)); stop (a GracefulStop): a second signal ends it between batches (the metrics are then over the
+    batches done)."""
     sums, n = {}, 0
     for i in range(0, len(held) - batch + 1, batch):
         if stop is not None and stop.urgent:
             break
-        m = jax.device_get(ev(dp, params, jnp.asarray(held[i : i + batch]), jax.random.key(i)))
+        anchors = sample_anchors(jax.random.key(i), batch, held.shape[1], n_anchors, G)
+        m = jax.device_get(ev(dp, params, jnp.asarray(held[i : i + batch]), anchors))
+        del m["accept_by_anchor"]
         for k, v in m.items():
             sums[k] = sums.get(k, 0.0) + np.asarray(v, np.float64)
         n += 1
@@ -394,18 +460,26 @@ def lower_programs(params, dp, opt_state, tokens, held: np.ndarray, gen_rows: in
     """The run's three programs, lowered: the greedy texts, the training step and the evaluation."""
     pool = jax.ShapeDtypeStruct((a.distill_seqs, a.seq), jnp.int32) if a.distill_seqs else None
     step = jax.jit(functools.partial(train_step, cfg=cfg, dcfg=dcfg, tc=tc, tx=tx), donate_argnums=(0, 1))
-    ev = jax.jit(lambda dp, params, w, key: losses(dp, params, w, key, cfg, dcfg, tc)[1])
+    ev = jax.jit(lambda dp, params, w, anchors: losses(dp, params, w, anchors, cfg, dcfg, tc)[1])
+    eval_batch = min(a.batch, len(held))
     return {"greedy": greedy_program(params, gen_rows, prompt, a.seq, cfg),
             "train_step": step.lower(dp, opt_state, params, tokens, pool, jax.random.key(0), jnp.float32(0)),
-            "eval": ev.lower(dp, params, jnp.asarray(held[: min(a.batch, len(held))]), jax.random.key(0))}
+            "eval": ev.lower(dp, params, jnp.asarray(held[:eval_batch]),
+                             jax.ShapeDtypeStruct((eval_batch, tc.anchors), jnp.int32))}
 
 
-def eval_reserve(ev, dp, params, held: np.ndarray, batch: int) -> float:
-    """Seconds kept for the final evaluation (2 x the held-out batches, corpus and greedy text; one call timed,
-    x 1.5) and the save."""
+def eval_calls(n_held: int, n_eval_texts: int, window: int, batch: int, n_anchors: int) -> int:
+    """Eval program calls of the final evaluation: the held-out corpus and greedy windows (a batch each), and
+    window_accepts over the eval-anchor texts."""
+    return 2 * (n_held // batch) + (-(-n_eval_texts // batch) * -(-window // n_anchors) if n_eval_texts else 0)
+
+
+def eval_reserve(ev, dp, params, held: np.ndarray, batch: int, n_anchors: int, G: int, calls: int) -> float:
+    """Seconds kept for the final evaluation (`calls` eval calls; one timed, x 1.5) and the save."""
+    anchors = sample_anchors(jax.random.key(0), batch, held.shape[1], n_anchors, G)
     t0 = time.perf_counter()
-    jax.block_until_ready(ev(dp, params, jnp.asarray(held[:batch]), jax.random.key(0)))
-    return 1.5 * 2 * (len(held) // batch) * (time.perf_counter() - t0) + SAVE_RESERVE_S
+    jax.block_until_ready(ev(dp, params, jnp.asarray(held[:batch]), anchors))
+    return 1.5 * calls * (time.perf_counter() - t0) + SAVE_RESERVE_S
 
 
 def main(argv=None) -> dict:
@@ -418,9 +492,15 @@ def main(argv=None) -> dict:
     cfg = load_config(a.target)
     dcfg = draft_config(a, cfg)
     dcfg.check_target(cfg)
+    prompt = min(a.distill_prompt, a.seq - 1)
     tc = DSparkTrainConfig(batch=a.batch, seq=a.seq, anchors=a.anchors, ce_weight=a.ce_weight, l1_weight=a.l1_weight,
-                           kl_weight=a.kl_weight, accept_weight=a.accept_weight,
-                           distill_fraction=a.distill_fraction if a.distill_seqs else 0.0, compute_dtype=a.compute_dtype)
+                           kl_weight=a.kl_weight, accept_weight=a.accept_weight, decay_gamma=a.decay_gamma,
+                           distill_fraction=a.distill_fraction if a.distill_seqs else 0.0, anchor_start=prompt,
+                           anchor_window=a.anchor_window, compute_dtype=a.compute_dtype)
+    G = dcfg.block_size
+    tc.anchor_range(a.seq, G)  # a window that does not fit --seq fails here, before anything is loaded
+    if a.eval_prompts < 0 or a.eval_new_tokens < 1:
+        raise ValueError(f"--eval-prompts {a.eval_prompts} must be >= 0, --eval-new-tokens {a.eval_new_tokens} >= 1")
     if a.compile_threads < 1:
         raise ValueError(f"--compile-threads {a.compile_threads} must be >= 1")
     params = load_params(cfg, a.target, dtype=jnp.dtype(a.compute_dtype))
@@ -429,9 +509,19 @@ def main(argv=None) -> dict:
     held = fixed_windows(held_ids, a.seq - 1, a.eval_windows)
     clock = Deadline(a.time_budget)
     # one greedy program for the held-out prompts (the target's own text after each held-out window's first
-    # distill_prompt tokens: what inference verifies) and the pool's prompts
-    prompt = min(a.distill_prompt, a.seq - 1)
-    prompts = held[:, :prompt]
+    # distill_prompt tokens: what inference verifies), bench.eval_accept's held-out prompts (the eval-anchor
+    # metric) and the pool's prompts
+    eval_window = min(a.eval_new_tokens, a.seq - G - prompt)
+    eval_prompts = (np.asarray(prompt_windows(held_ids, a.eval_prompts, prompt, cfg.eos_token_id), np.int32)
+                    .reshape(-1, prompt) if a.eval_prompts else np.zeros((0, prompt), np.int32))
+    if a.eval_prompts and (len(eval_prompts) == 0 or eval_window < 1):
+        raise ValueError(f"--eval-prompts {a.eval_prompts}: {len(eval_prompts)} held-out prompts of {prompt} tokens "
+                         f"without EOS, a window of {eval_window} anchors in --seq {a.seq} (block {G})")
+    if a.eval_prompts and eval_window < a.eval_new_tokens:
+        print(f"warning: the eval-anchor metric covers the first {eval_window} of --eval-new-tokens "
+              f"{a.eval_new_tokens} generated positions (--seq {a.seq} >= {prompt + a.eval_new_tokens + G} covers all)",
+              flush=True)
+    prompts = np.concatenate([held[:, :prompt], eval_prompts])
     if a.distill_seqs:
         prompts = np.concatenate([prompts, distill_prompts(train_ids, a.distill_seqs, prompt, a.seq, a.seed)])
     gen_rows = program_rows(len(prompts), a.distill_batch)
@@ -445,14 +535,18 @@ def main(argv=None) -> dict:
     t0 = time.perf_counter()
     texts = continue_prompts(programs["greedy"], params, prompts, gen_rows)
     greedy_s = time.perf_counter() - t0
-    held_greedy, pool = texts[: len(held)], (jnp.asarray(texts[len(held) :]) if a.distill_seqs else None)
+    n_held, n_eval = len(held), len(eval_prompts)
+    held_greedy, eval_texts = texts[:n_held], texts[n_held : n_held + n_eval]
+    pool = jnp.asarray(texts[n_held + n_eval :]) if a.distill_seqs else None
     n_programs = -(-len(prompts) // gen_rows)
-    print(f"greedy texts: {len(held)} held-out" + (f" + self-distillation pool {a.distill_seqs}" if a.distill_seqs
-          else "") + f" x {a.seq} tokens ({prompt} corpus + greedy) in {greedy_s:.1f} s ({n_programs} programs of "
-          f"{gen_rows} rows, {1e3 * greedy_s / (n_programs * (a.seq - prompt)):.1f} ms per decode step; compile "
+    print(f"greedy texts: {len(held)} + {n_eval} held-out" +
+          (f" + self-distillation pool {a.distill_seqs}" if a.distill_seqs else "") +
+          f" x {a.seq} tokens ({prompt} corpus + greedy) in {greedy_s:.1f} s ({n_programs} programs of {gen_rows} "
+          f"rows, {1e3 * greedy_s / (n_programs * (a.seq - prompt)):.1f} ms per decode step; compile "
           f"{compile_s['greedy']:.1f} s)", flush=True)
     eval_batch = min(a.batch, len(held))
-    reserve_s = eval_reserve(programs["eval"], dp, params, held, eval_batch)
+    calls = eval_calls(n_held, n_eval, eval_window, eval_batch, tc.anchors)
+    reserve_s = eval_reserve(programs["eval"], dp, params, held, eval_batch, tc.anchors, G, calls)
     if clock.left() < reserve_s:
         print(f"warning: {clock.elapsed():.0f} s of the {a.time_budget:g} s budget spent before training", flush=True)
     with GracefulStop() as stop:
@@ -462,16 +556,24 @@ def main(argv=None) -> dict:
         train_s, t0 = time.perf_counter() - t0, time.perf_counter()
         final = {}
         if not stop.urgent:
-            final = evaluate(programs["eval"], dp, params, held, eval_batch, stop=stop)
-            final |= evaluate(programs["eval"], dp, params, held_greedy, eval_batch, "heldout_greedy_", stop)
-            print(json.dumps({k: v for k, v in final.items() if "top1_by_slot" not in k}), flush=True)
+            final = evaluate(programs["eval"], dp, params, held, eval_batch, tc.anchors, G, stop=stop)
+            final |= evaluate(programs["eval"], dp, params, held_greedy, eval_batch, tc.anchors, G,
+                              "heldout_greedy_", stop)
+            accept = (window_accepts(programs["eval"], dp, params, eval_texts, prompt, eval_window, eval_batch,
+                                     tc.anchors, stop) if n_eval else None)
+            if accept is not None:
+                final |= eval_anchor_metrics(accept, a.eval_new_tokens, G)
+            print(json.dumps({k: v for k, v in final.items() if "top1_by_slot" not in k and "by_prompt" not in k
+                              and "per_position" not in k}), flush=True)
         eval_s, t0 = time.perf_counter() - t0, time.perf_counter()
         dspark.save(dcfg, dp, a.out)
         report = {"command": "python -m ling_jax.train.dspark " + " ".join(argv if argv is not None else sys.argv[1:]),
                   "device": jax.devices()[0].device_kind, "jax_version": jax.__version__,
                   "date": time.strftime("%Y-%m-%d"), "target": a.target, "draft_params": dspark.param_count(dcfg),
                   "steps": steps, "interrupted": stop.requested, "final_eval_skipped": stop.urgent,
-                  "time_budget": a.time_budget, "compile_s": compile_s, "greedy_s": greedy_s,
+                  "time_budget": a.time_budget, "anchor_range": list(tc.anchor_range(a.seq, G)),
+                  "pool_epochs": steps * tc.pool_rows / a.distill_seqs if a.distill_seqs else None,
+                  "compile_s": compile_s, "greedy_s": greedy_s,
                   "reserve_s": reserve_s, "first_step_s": first_s, "train_s": train_s, "step_ms": 1e3 * step_s,
                   "eval_s": eval_s, "save_s": time.perf_counter() - t0, "run_s": clock.elapsed(), "final": final,
                   "rows": rows}
