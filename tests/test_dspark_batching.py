@@ -20,7 +20,7 @@ import pytest
 from ling_jax import dspark
 from ling_jax.batching import _END, BatchGenerator, _Row, _Turns
 from ling_jax.dspark_step import DSparkState, dspark_init
-from ling_jax.runner import GenerationStats, Generator
+from ling_jax.runner import GenerationStats, Generator, count_compiles, warm_up
 from ling_jax.sampling import SamplingOptions
 from ling_jax.slots import cat_rows, join_rows, put_row, split_rows, take_rows
 from ling_jax.spec import SpecConfig
@@ -176,9 +176,13 @@ def test_membership_changes_keep_every_dspark_row_exact(gens):
 
 
 def test_concurrent_dspark_requests_match_one_at_a_time(gens):
-    """Three requests at once through max_running=2 (the third waits for a position): greedy with top_logprobs,
-    seeded sampled with penalties and top_p, greedy; each gives exactly what it gives alone."""
+    """After the server's warm-up (runner.warm_up, then BatchGenerator.warm_up_batches on the (target, draft)
+    pair), three requests at once through max_running=2 (the third waits for a position): greedy with
+    top_logprobs, seeded sampled with penalties and top_p, greedy; each gives exactly what it gives alone, and
+    batching them compiles nothing."""
     gen, bg = gens
+    warm_up(gen)
+    bg.warm_up_batches()
     rng = np.random.default_rng(3)
     reqs = [(rng.integers(2, gen.cfg.vocab_size, int(rng.integers(3, 20))).tolist(),
              dict(max_new_tokens=int(rng.integers(8, 30)))) for _ in range(3)]
@@ -191,10 +195,12 @@ def test_concurrent_dspark_requests_match_one_at_a_time(gens):
         results[i] = bg.generate(prompt, stop_token_ids=(), **kw)
 
     threads = [threading.Thread(target=one, args=(i, p, kw)) for i, (p, kw) in enumerate(reqs)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
+    with count_compiles() as compiled:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+    assert compiled == [], compiled
     for (a, sa), (b, sb), (_, kw) in zip(alone, results, reqs):
         assert b == a, kw
         assert len(b) == kw["max_new_tokens"] and sb.finish_reason == "length"
