@@ -1,8 +1,8 @@
 """Continuous batching: up to `max_running` requests decode together in one group of device state.
 
 Staging. A request is prefilled, one chunk per scheduler turn while the group keeps decoding, into the staging
-slot: one batch-1 SpecState / PlainState (KDA state, MLA and draft caches, sampling state) of --context-length
-rows. Its first chunk's program also makes the request's empty state, in the old slot's buffers (start_fn); the
+slot: one batch-1 SpecState / DSparkState / PlainState (KDA state, MLA caches, the NEXTN draft cache or DSpark's
+draft context K/V, sampling state) of --context-length rows. Its first chunk's program also makes the request's empty state, in the old slot's buffers (start_fn); the
 later chunks run the batch-1 prefill program. The chunks are dispatched from a second thread, the stager
 (BatchGenerator.stage), while the scheduler thread dispatches and reads the group's steps: a prefill chunk is
 hundreds of kernels, whose host dispatch (~1.6 ms for 128 demo tokens on the H200) would otherwise stall every
@@ -16,8 +16,9 @@ The group. The requests that decode hold the rows of ONE state, kept across step
     max_running >= b), stepped in place (donated) by the B-row step program. Per row: lengths, accept lengths,
     sampling fields, keys (a row draws from its own key as it would alone) and greedy-or-sampled (a group with a
     sampled row runs the sampled program; its temperature-0 rows take the argmax and the greedy verdict there).
-A step is one dispatch of one state, whatever the row count: the program's buffers are the weights' and one
-state's, never one per row. Positions past the live rows are dead: a request that ended (EOS, stop, length,
+Every program takes the Generator's run_params (the target's weights; DSPARK: the (target, draft) pair, every
+row drafting its block in the one program). A step is one dispatch of one state, whatever the row count: the
+program's buffers are the weights' and one state's, never one per row. Positions past the live rows are dead: a request that ended (EOS, stop, length,
 abort), or padding; they step on (the step is row-independent, so they touch no live row) and their outputs are
 never read.
 Membership changes, and only then is state copied (each a small program, one dispatch):
@@ -144,8 +145,6 @@ class BatchGenerator:
     its own thread; one scheduler thread runs the device). Other attributes come from the wrapped Generator."""
 
     def __init__(self, gen: Generator, max_running: int):
-        if gen.spec.is_dspark:
-            raise ValueError(f"continuous batching steps NEXTN or plain decoding (got algorithm {gen.spec.algorithm})")
         self.gen, self.max_running = gen, max_running
         self.row_buckets = row_buckets(max_running)
         self.inbox: queue.Queue[_Row] = queue.Queue()
@@ -195,7 +194,7 @@ class BatchGenerator:
 
     @functools.lru_cache(maxsize=None)
     def batch_step_fn(self, rows: int, is_greedy: bool, with_logprobs: bool):
-        """(params, group of `rows` rows) -> (the group after one dispatch, StepOutput [rows, ...]; with
+        """(run_params, group of `rows` rows) -> (the group after one dispatch, StepOutput [rows, ...]; with
         decode_steps = N > 1 N steps in one program (runner.Generator.dispatch_step's lax.scan over the step), its
         outputs [N, rows, ...]); the group is donated (updated in place). rows = 1: the batch-1 program itself, on a
         batch-1 state."""
@@ -237,7 +236,7 @@ class BatchGenerator:
                                                         *chunk)[0]
                 self.staging = gen.prefill_fn(is_greedy)(gen.run_params, self.staging, *chunk)[0]
         for lp in (False, True):
-            self.staging, out = self.batch_step_fn(1, True, lp)(gen.params, self.staging)
+            self.staging, out = self.batch_step_fn(1, True, lp)(gen.run_params, self.staging)
             jax.block_until_ready(out)
         group, rows = self.fresh_slot(), 1
         for bucket in self.row_buckets[1:]:
@@ -245,7 +244,7 @@ class BatchGenerator:
             group, rows = self.regroup_fn()(group, self.staging, idx), bucket
             for is_greedy in (True, False):
                 for lp in (False, True):
-                    group, out = self.batch_step_fn(bucket, is_greedy, lp)(gen.params, group)
+                    group, out = self.batch_step_fn(bucket, is_greedy, lp)(gen.run_params, group)
                     jax.block_until_ready(out)
             group = self.insert_fn()(group, np.int32(bucket - 1), self.staging)
             for smaller in self.row_buckets[: self.row_buckets.index(bucket)]:
@@ -480,7 +479,9 @@ class _Turns:
         is_greedy = all(r.options.is_greedy for _, r in rows)
         with_lp = any(r.top_logprobs is not None for _, r in rows)
         with jax.transfer_guard("disallow"):
-            self.group, out = bg.batch_step_fn(len(self.members), is_greedy, with_lp)(bg.gen.params, self.group)
+            self.group, out = bg.batch_step_fn(len(self.members), is_greedy, with_lp)(bg.gen.run_params,
+                                                                                        self.group)
+        # only what is read goes to the host (DSpark's step carries logprobs whether asked for or not)
         out = (out.tokens, out.n_emit) + ((out.logprobs,) if with_lp else ())
         for a in jax.tree.leaves(out):
             a.copy_to_host_async()

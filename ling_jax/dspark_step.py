@@ -17,6 +17,9 @@ One step (ONE program):
            lossless rejection sampling) limited to m; KDA replay-commit of the n+1 rows (ling_jax.spec).
   project  context K/V of the G+1 verify rows written at rows L..L+G; rows past L+n are the rejected guesses',
            never read (the next block reads rows < L+n+1) and overwritten by the next step.
+Every function takes a batch-1 state (one key, scalar sampling fields, histograms [G+1]) or a joined one of
+continuous batching (ling_jax.slots: key[B], per-row sampling fields, histograms [B, G+1]); a joined row draws from
+its own key exactly as its batch-1 state would, and a batch-1 state runs the batch-1 math unchanged.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import jax.numpy as jnp
 from ling_jax.config import ModelConfig
 from ling_jax.dspark import DSparkConfig, block_hidden, confidence_logit, context_kv, markov_bias
 from ling_jax.model import RuntimeOptions, forward, lm_logits
-from ling_jax.sampling import SamplingParams, TokenHistory, adjust_logits, logprobs, pick
+from ling_jax.sampling import SamplingParams, TokenHistory, adjust_logits, fold_key, logprobs, pick, split_key
 from ling_jax.spec import SpecConfig, StepOutput, _row, chunk_rows, verify_and_commit
 from ling_jax.state import DecodeState, init_state
 
@@ -42,11 +45,13 @@ class DSparkState:
     target: DecodeState                 committed positions 0..L-1.
     bonus: int32[B]                     token L (emitted, not yet fed to the target): the next block's anchor.
     ctx_k, ctx_v: dtype[Ld, B, S, Hk, Dh]  draft context K/V by position (valid rows 0..L-1).
-    key: PRNG key                       advanced every step.
-    sampling: SamplingParams
+    key: PRNG key                       advanced every step; key[B] per row in a joined batch.
+    sampling: SamplingParams            scalars, or [B] per row in a joined batch (ling_jax/batching.py).
     history: TokenHistory               prompt tokens and output counts through the bonus (the penalties).
-    accept_hist: int32[G+1]             verify steps that accepted n = 0..G drafts (summed over batch).
-    length_hist: int32[G+1]             verify steps whose proposed length m was 0..G (the confidence schedule).
+    accept_hist: int32[G+1]             verify steps that accepted n = 0..G drafts (summed over batch); [B, G+1]
+                                        per row in a joined batch.
+    length_hist: int32[G+1]             verify steps whose proposed length m was 0..G (the confidence schedule);
+                                        [B, G+1] per row in a joined batch.
     """
 
     target: DecodeState
@@ -90,7 +95,7 @@ def dspark_prefill_chunk(params, dparams, state: DSparkState, tokens, next_token
     the chunk holding the prompt's last token picks the bonus. next_token is unused (the runner's one prefill
     signature: NEXTN's MTP rows need it). Returns (state, bonus int32[B], its Logprobs)."""
     del next_token
-    k_bonus, key = jax.random.split(state.key)
+    k_bonus, key = split_key(state.key, 2)
     start = state.target.lengths
     n_valid, live, last, ends = chunk_rows(start, n_prompt, tokens.shape[1])
     out = forward(params, tokens, state.target, cfg, mode="prefill", n_valid=n_valid, opts=opts,
@@ -114,7 +119,7 @@ def draft_block(params, dparams, state: DSparkState, dcfg: DSparkConfig, *, is_g
     h = block_hidden(dparams, params["embed"], tokens[:, None], state.target.lengths[:, None], state.ctx_k,
                      state.ctx_v, dcfg)[:, 0]  # [B, G, D]
     base = lm_logits(params, h, opts)  # [B, G, V]: the target's lm_head, read once for the block
-    keys = jax.random.split(jax.random.fold_in(state.key, 1), G)
+    keys = split_key(fold_key(state.key, 1), G)
     prev, history = state.bonus, state.history
     drafts, qs, conf = [], [], []
     for k in range(G):  # slot k predicts the token after prev = d_k (d_0 = the bonus)
@@ -149,8 +154,11 @@ def dspark_step_with_drafts(params, dparams, state: DSparkState, drafts, q, limi
     v = verify_and_commit(params, state, drafts, q, cfg, is_greedy=is_greedy, opts=opts,
                           capture=dcfg.target_layer_ids, limit=limit)
     state = project_context(dparams, state, v.layer_hidden, state.target.lengths, dcfg)
-    count = lambda x: jnp.zeros((G + 1,), jnp.int32).at[x].add(1)
-    state = state.replace(target=v.target, bonus=v.bonus, key=jax.random.fold_in(state.key, 4), history=v.history,
+    if state.accept_hist.ndim == 2:  # per row (a joined batch)
+        count = lambda x: jax.nn.one_hot(x, G + 1, dtype=jnp.int32)
+    else:
+        count = lambda x: jnp.zeros((G + 1,), jnp.int32).at[x].add(1)
+    state = state.replace(target=v.target, bonus=v.bonus, key=fold_key(state.key, 4), history=v.history,
                           accept_hist=state.accept_hist + count(v.n), length_hist=state.length_hist + count(limit))
     return state, StepOutput(v.committed, v.n + 1, v.logprobs)
 

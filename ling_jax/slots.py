@@ -1,10 +1,11 @@
 """Batch-1 decode states joined into one batch and split back (the continuous-batching step's data movement).
 
-A slot holds one request as a batch-1 SpecState / PlainState. Joining concatenates the slots' rows along each
-leaf's batch axis (DecodeState leaves are [layers, B, ...]: axis 1; the others [B, ...]: axis 0) and stacks the
-leaves a batch-1 state keeps per request without a batch axis (the PRNG key, the SamplingParams scalars and
-logit_bias, the accept histogram) into a new leading axis: the joined state carries per-row keys, sampling fields
-and histograms, which ling_jax.sampling / spec / decode treat row by row. split_rows(join_rows(s), n) == s.
+A slot holds one request as a batch-1 SpecState / DSparkState / PlainState. Joining concatenates the slots' rows
+along each leaf's batch axis (DecodeState leaves are [layers, B, ...] and DSpark's draft context K/V [Ld, B, ...]:
+axis 1; the others [B, ...]: axis 0) and stacks the leaves a batch-1 state keeps per request without a batch axis
+(the PRNG key, the SamplingParams scalars and logit_bias, the accept histogram and DSpark's verify-length
+histogram) into a new leading axis: the joined state carries per-row keys, sampling fields and histograms, which
+ling_jax.sampling / spec / dspark_step / decode treat row by row. split_rows(join_rows(s), n) == s.
 
 A joined state is also edited row by row (the continuous-batching group, ling_jax.batching): put_row overwrites
 one row with a batch-1 state (every leaf), take_rows gathers rows into a joined state of another size, and
@@ -17,13 +18,14 @@ import jax
 import jax.numpy as jnp
 
 from ling_jax.decode import PlainState
+from ling_jax.dspark_step import DSparkState
 from ling_jax.spec import SpecState
 from ling_jax.state import DecodeState
 
 STACKED = -1  # a leaf with no batch axis in a batch-1 state: joined along a new leading axis
 
 
-def batch_axes(state: SpecState | PlainState):
+def batch_axes(state: SpecState | DSparkState | PlainState):
     """The state's structure with each leaf replaced by the axis its rows lie on (STACKED: per request)."""
     each = lambda tree, axis: jax.tree.map(lambda _: axis, tree)
     common = dict(target=DecodeState(kda_recurrent=1, kda_conv=1, mla_cache=1, lengths=0), bonus=0, key=STACKED,
@@ -31,9 +33,11 @@ def batch_axes(state: SpecState | PlainState):
     if isinstance(state, SpecState):
         return SpecState(draft_cache=0, seed=0, draft_hidden=0, seed_q=None if state.seed_q is None else 0,
                          accept_hist=STACKED, **common)
+    if isinstance(state, DSparkState):
+        return DSparkState(ctx_k=1, ctx_v=1, accept_hist=STACKED, length_hist=STACKED, **common)
     if isinstance(state, PlainState):
         return PlainState(**common)
-    raise TypeError(f"join_rows takes SpecState or PlainState slots, got {type(state).__name__}")
+    raise TypeError(f"join_rows takes SpecState, DSparkState or PlainState slots, got {type(state).__name__}")
 
 
 def join_rows(states):

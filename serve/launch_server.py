@@ -57,9 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "running group runs N steps")
     # continuous batching (ling_jax/batching.py)
     p.add_argument("--max-running-requests", type=int, default=None,
-                   help="requests decoded together, each in a slot of --context-length rows reserved at start "
-                        f"(default {DEFAULT_MAX_RUNNING} on one host with --tp-size 1, else 1; 1 serves one request "
-                        "at a time through the batch-1 programs alone)")
+                   help="requests decoded together (plain, NEXTN or DSPARK rows), each in a slot of "
+                        "--context-length rows reserved at start (default "
+                        f"{DEFAULT_MAX_RUNNING} on one host with --tp-size 1, else 1; 1 serves one request at a time "
+                        "through the batch-1 programs alone)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--random-weights", action="store_true", help="random init even when --model-path is a dir")
@@ -155,16 +156,16 @@ def decode_steps(a: argparse.Namespace) -> int:
 
 def max_running(a: argparse.Namespace) -> int:
     """--max-running-requests, checked: batching runs on one host without tensor parallelism (the lockstep
-    protocol and the sharded programs are batch-1); with --num-continuous-decode-steps N each dispatch of the
-    group runs N steps (rows that end inside one are cut there, ling_jax.batching)."""
+    protocol and the sharded programs are batch-1), for plain, NEXTN and DSPARK decoding alike; with
+    --num-continuous-decode-steps N each dispatch of the group runs N steps (rows that end inside one are cut
+    there, ling_jax.batching)."""
     n = a.max_running_requests
     if n is not None and n < 1:
         raise ValueError(f"--max-running-requests must be >= 1, got {n}")
-    single = a.nnodes == 1 and a.tp_size == 1 and a.speculative_algorithm != "DSPARK"
+    single = a.nnodes == 1 and a.tp_size == 1
     if n is not None and n > 1 and not single:
-        raise ValueError(f"--max-running-requests {n}: continuous batching needs --nnodes 1, --tp-size 1 and no "
-                         f"DSPARK (got --nnodes {a.nnodes}, --tp-size {a.tp_size}, --speculative-algorithm "
-                         f"{a.speculative_algorithm}); use --max-running-requests 1")
+        raise ValueError(f"--max-running-requests {n}: continuous batching needs --nnodes 1 and --tp-size 1 (got "
+                         f"--nnodes {a.nnodes}, --tp-size {a.tp_size}); use --max-running-requests 1")
     decode_steps(a)  # checked with it
     return n if n is not None else (DEFAULT_MAX_RUNNING if single else 1)
 
@@ -179,16 +180,17 @@ def request_rows(a: argparse.Namespace) -> int:
     return n + row_buckets(n)[-2] + 1 if n > 1 else 1
 
 
-def memory_budget(a: argparse.Namespace, cfg, spec, context_length: int) -> dict:
-    """The state memory the slots reserve at start (ling_jax.memory.serving_budget); ValueError if it does not fit."""
+def memory_budget(a: argparse.Namespace, cfg, spec, context_length: int, dcfg=None) -> dict:
+    """The state memory the slots reserve at start (ling_jax.memory.serving_budget); ValueError if it does not fit.
+    dcfg: the DSpark draft's config (its weights, and per row its context K/V instead of an MTP cache)."""
     import jax.numpy as jnp
 
     from ling_jax.memory import device_memory_bytes, serving_budget
 
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[a.dtype]
     b = serving_budget(cfg, dtype, chunk_size(a), context_length, rows=request_rows(a),
-                       device_bytes=device_memory_bytes(), tp=a.tp_size, nextn=spec.enabled,
-                       quantization=a.quantization)
+                       device_bytes=device_memory_bytes(), tp=a.tp_size, nextn=spec.is_nextn,
+                       quantization=a.quantization, draft=dcfg)
     logging.info("memory: %d request slots x %d context = %.1f MiB per slot; %.2f GiB of %.2f GiB usable in all",
                  b["rows"], context_length, b["per_request_bytes"] / 2**20, b["total_bytes"] / 2**30,
                  b["limit_bytes"] / 2**30)
@@ -203,7 +205,7 @@ def chunk_size(a: argparse.Namespace) -> int:
     return a.chunked_prefill_size or DEFAULT_CHUNKED_PREFILL_SIZE
 
 
-def memory_context_length(a: argparse.Namespace, cfg, spec) -> int:
+def memory_context_length(a: argparse.Namespace, cfg, spec, dcfg=None) -> int:
     """--context-length's default: what one device's memory holds after its share of the weights."""
     import jax.numpy as jnp
 
@@ -211,7 +213,8 @@ def memory_context_length(a: argparse.Namespace, cfg, spec) -> int:
 
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[a.dtype]
     n = default_context_length(cfg, dtype, chunk_size(a), device_bytes=device_memory_bytes(), tp=a.tp_size,
-                               nextn=spec.enabled, quantization=a.quantization, rows=request_rows(a))
+                               nextn=spec.is_nextn, quantization=a.quantization, rows=request_rows(a),
+                               draft=dcfg)
     logging.info("--context-length not given: %d slots fit in memory (max_position_embeddings %d)", n,
                  cfg.max_position_embeddings)
     return n
@@ -356,11 +359,11 @@ def main(argv=None) -> int:
                             request_timeout_s=a.request_timeout, body_timeout_s=a.body_timeout)
         init_multi_host(a)
         mesh, shardings = tensor_parallel(cfg, a.tp_size, multi_host=a.nnodes > 1)
-        context_length = a.context_length or memory_context_length(a, cfg, spec)
+        context_length = a.context_length or memory_context_length(a, cfg, spec, dcfg)
         least = 2 * decode_steps(a) * spec.draft_tokens + 5  # warm-up: a 4-token prompt, 1 new token, 2 dispatches
         if context_length < least:
             raise ValueError(f"--context-length {context_length} is too small (at least {least})")
-        budget = memory_budget(a, cfg, spec, context_length)
+        budget = memory_budget(a, cfg, spec, context_length, dcfg)
     except (ValueError, KeyError, FileNotFoundError) as e:  # CheckpointError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2
