@@ -2,8 +2,8 @@
 
 Staging. A request is prefilled, one chunk per scheduler turn while the group keeps decoding, into the staging
 slot: one batch-1 SpecState / DSparkState / PlainState (KDA state, MLA caches, the NEXTN draft cache or DSpark's
-draft context K/V, sampling state) of --context-length rows. Its first chunk's program also makes the request's empty state, in the old slot's buffers (start_fn); the
-later chunks run the batch-1 prefill program. The chunks are dispatched from a second thread, the stager
+draft context K/V, sampling state) of --context-length rows. Its first chunk's program also makes the request's
+empty state, in the old slot's buffers (start_fn); the later chunks run the batch-1 prefill program. The chunks are dispatched from a second thread, the stager
 (BatchGenerator.stage), while the scheduler thread dispatches and reads the group's steps: a prefill chunk is
 hundreds of kernels, whose host dispatch (~1.6 ms for 128 demo tokens on the H200) would otherwise stall every
 decoding row's turn; XLA releases the GIL while it enqueues, so the two threads' dispatches overlap.
@@ -18,8 +18,8 @@ The group. The requests that decode hold the rows of ONE state, kept across step
     sampled row runs the sampled program; its temperature-0 rows take the argmax and the greedy verdict there).
 Every program takes the Generator's run_params (the target's weights; DSPARK: the (target, draft) pair, every
 row drafting its block in the one program). A step is one dispatch of one state, whatever the row count: the
-program's buffers are the weights' and one state's, never one per row. Positions past the live rows are dead: a request that ended (EOS, stop, length,
-abort), or padding; they step on (the step is row-independent, so they touch no live row) and their outputs are
+program's buffers are the weights' and one state's, never one per row. Positions past the live rows are dead: a
+request that ended (EOS, stop, length, abort), or padding; they step on (the step is row-independent, so they touch no live row) and their outputs are
 never read.
 Membership changes, and only then is state copied (each a small program, one dispatch):
   * a prefilled request joins: into a dead position, its staging row copied in (put_row, the group donated:
