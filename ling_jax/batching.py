@@ -3,15 +3,16 @@
 Staging. A request is prefilled, one chunk per scheduler turn while the group keeps decoding, into the staging
 slot: one batch-1 SpecState / DSparkState / PlainState (KDA state, MLA caches, the NEXTN draft cache or DSpark's
 draft context K/V, sampling state) of --context-length rows. Its first chunk's program also makes the request's
-empty state, in the old slot's buffers (start_fn); the later chunks run the batch-1 prefill program. The chunks are dispatched from a second thread, the stager
-(BatchGenerator.stage), while the scheduler thread dispatches and reads the group's steps: a prefill chunk is
-hundreds of kernels, whose host dispatch (~1.6 ms for 128 demo tokens on the H200) would otherwise stall every
-decoding row's turn; XLA releases the GIL while it enqueues, so the two threads' dispatches overlap.
+empty state, in the old slot's buffers (start_fn); the later chunks run the batch-1 prefill program. The chunks
+are dispatched from a second thread, the stager (BatchGenerator.stage), while the scheduler thread dispatches and
+reads the group's steps: a prefill chunk is hundreds of kernels, whose host dispatch (~1.6 ms for 128 demo tokens
+on the H200) would otherwise stall every decoding row's turn; XLA releases the GIL while it enqueues, so the two
+threads' dispatches overlap.
 
 The group. The requests that decode hold the rows of ONE state, kept across steps:
   * one request: its prefilled state itself (the staging slot becomes the group; the next prefill gets a fresh
-    one), stepped in place by the batch-1 step program: a lone request runs exactly the program it ran before
-    batching and nothing is copied;
+    one, or this one's buffers once its request ended), stepped in place by the batch-1 step program: a lone
+    request runs exactly the program it ran before batching and nothing is copied;
   * b > 1 requests: a joined [bucket]-row state (ling_jax.slots; bucket: the smallest of 2, 4, 8, ...,
     max_running >= b), stepped in place (donated) by the B-row step program. Per row: lengths, accept lengths,
     sampling fields, keys (a row draws from its own key as it would alone) and greedy-or-sampled (a group with a
@@ -19,8 +20,8 @@ The group. The requests that decode hold the rows of ONE state, kept across step
 Every program takes the Generator's run_params (the target's weights; DSPARK: the (target, draft) pair, every
 row drafting its block in the one program). A step is one dispatch of one state, whatever the row count: the
 program's buffers are the weights' and one state's, never one per row. Positions past the live rows are dead: a
-request that ended (EOS, stop, length, abort), or padding; they step on (the step is row-independent, so they touch no live row) and their outputs are
-never read.
+request that ended (EOS, stop, length, abort), or padding; they step on (the step is row-independent, so they
+touch no live row) and their outputs are never read.
 Membership changes, and only then is state copied (each a small program, one dispatch):
   * a prefilled request joins: into a dead position, its staging row copied in (put_row, the group donated:
     one row's bytes); into a full group, the group is re-formed in the next bucket (its live rows + the new one
