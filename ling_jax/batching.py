@@ -482,7 +482,6 @@ class _Turns:
         with jax.transfer_guard("disallow"):
             self.group, out = bg.batch_step_fn(len(self.members), is_greedy, with_lp)(bg.gen.run_params,
                                                                                         self.group)
-        # only what is read goes to the host (DSpark's step carries logprobs whether asked for or not)
         out = (out.tokens, out.n_emit) + ((out.logprobs,) if with_lp else ())
         for a in jax.tree.leaves(out):
             a.copy_to_host_async()

@@ -147,12 +147,12 @@ def verify_length(conf, spec: SpecConfig):
 
 
 def dspark_step_with_drafts(params, dparams, state: DSparkState, drafts, q, limit, cfg: ModelConfig,
-                            dcfg: DSparkConfig, *, is_greedy: bool, opts=RuntimeOptions()):
+                            dcfg: DSparkConfig, *, is_greedy: bool, opts=RuntimeOptions(), with_logprobs: bool = True):
     """verify -> verdict -> commit -> project for given drafts and proposed lengths limit int32[B] (tests inject
     drafts here). Returns (state, StepOutput)."""
     G = dcfg.block_size
     v = verify_and_commit(params, state, drafts, q, cfg, is_greedy=is_greedy, opts=opts,
-                          capture=dcfg.target_layer_ids, limit=limit)
+                          capture=dcfg.target_layer_ids, limit=limit, with_logprobs=with_logprobs)
     state = project_context(dparams, state, v.layer_hidden, state.target.lengths, dcfg)
     if state.accept_hist.ndim == 2:  # per row (a joined batch)
         count = lambda x: jax.nn.one_hot(x, G + 1, dtype=jnp.int32)
@@ -164,9 +164,10 @@ def dspark_step_with_drafts(params, dparams, state: DSparkState, drafts, q, limi
 
 
 def dspark_step(params, dparams, state: DSparkState, cfg: ModelConfig, dcfg: DSparkConfig, spec: SpecConfig, *,
-                is_greedy: bool, opts=RuntimeOptions()):
-    """One DSpark step: draft the block -> choose the verify length -> verify -> commit -> project context."""
+                is_greedy: bool, opts=RuntimeOptions(), with_logprobs: bool = True):
+    """One DSpark step: draft the block -> choose the verify length -> verify -> commit -> project context.
+    with_logprobs=False: StepOutput.logprobs is None (no log-softmax and top-k over the G+1 verify rows)."""
     drafts, q, conf = draft_block(params, dparams, state, dcfg, is_greedy=is_greedy, opts=opts)
     limit = verify_length(conf, spec)
     return dspark_step_with_drafts(params, dparams, state, drafts, q, limit, cfg, dcfg, is_greedy=is_greedy,
-                                   opts=opts)
+                                   opts=opts, with_logprobs=with_logprobs)

@@ -175,9 +175,9 @@ class Generator:
 
     def step(self, is_greedy: bool, with_logprobs: bool):
         """The step function (run_params, state) -> (state, StepOutput), not jitted (the batched programs wrap it)."""
-        if self.spec.is_dspark:  # its StepOutput always carries logprobs
+        if self.spec.is_dspark:
             dspark = functools.partial(dspark_step, cfg=self.cfg, dcfg=self.dcfg, spec=self.spec, is_greedy=is_greedy,
-                                       opts=self.opts)
+                                       opts=self.opts, with_logprobs=with_logprobs)
             return lambda pp, state: dspark(pp[0], pp[1], state)  # run_params = (target, draft)
         kw = dict(cfg=self.cfg, is_greedy=is_greedy, opts=self.opts, with_logprobs=with_logprobs)
         if self.spec.enabled:

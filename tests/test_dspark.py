@@ -96,6 +96,21 @@ def test_block4_greedy_equals_plain_greedy_in_one_program_per_step():
     assert stats.verify_steps >= 1
 
 
+def test_greedy_logprobs_equal_plain_decoding_and_the_step_without_them_emits_the_same():
+    """With top_logprobs the DSpark step's logprobs of its emitted tokens are plain decoding's (the oracle: the
+    same target, one token a step); without, the step is compiled without them and emits the same tokens."""
+    plain, ds = generator(0), generator(4)
+    want, want_st = plain.generate(PROMPTS[1], max_new_tokens=24, stop_token_ids=(), top_logprobs=2)
+    got, got_st = ds.generate(PROMPTS[1], max_new_tokens=24, stop_token_ids=(), top_logprobs=2)
+    assert got == want and len(got_st.token_logprobs) == len(got_st.top_logprobs) == 24
+    np.testing.assert_allclose(got_st.token_logprobs, want_st.token_logprobs, rtol=1e-5, atol=1e-5)
+    assert [[t for t, _ in row] for row in got_st.top_logprobs] == [[t for t, _ in row] for row in want_st.top_logprobs]
+    bare, bare_st = ds.generate(PROMPTS[1], max_new_tokens=24, stop_token_ids=())
+    assert bare == want and bare_st.token_logprobs == []
+    state = ds.init_fn(True)(SamplingOptions().device(ds.cfg.vocab_size), jax.random.key(0))
+    assert jax.eval_shape(ds.step(True, False), ds.run_params, state)[1].logprobs is None
+
+
 def test_block8_greedy_equals_plain_greedy():
     out, stats = generator(8).generate(PROMPTS[1], max_new_tokens=48, stop_token_ids=())
     assert out == plain(1, 48)
