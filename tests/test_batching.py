@@ -17,7 +17,7 @@ from compile.stages import slice_config
 from ling_jax.batching import _END, BatchGenerator, _Row, _Turns, row_buckets
 from ling_jax.config import get_preset
 from ling_jax.model import Numerics, RuntimeOptions
-from ling_jax.runner import GenerationStats, Generator
+from ling_jax.runner import GenerationStats, Generator, count_compiles, warm_up
 from ling_jax.sampling import SamplingOptions
 from ling_jax.slots import cat_rows, join_rows, put_row, split_rows, take_rows
 from ling_jax.spec import SpecConfig, deterministic_rows, spec_init
@@ -260,3 +260,22 @@ def test_a_failed_prefill_chunk_fails_its_request_and_the_next_ones_decode_exact
         bg.generate(prompt, stop_token_ids=(), **kw)
     monkeypatch.setattr(bg, "_prefill_chunk", real)
     assert bg.generate(prompt, stop_token_ids=(), **kw)[0] == alone
+
+
+def test_a_warmed_batcher_compiles_nothing_alone_after_alone_or_together(gens):
+    """After the server's warm-up (runner.warm_up, then warm_up_batches): a lone greedy request, a lone sampled one
+    after it (its prefill starts in the first one's recycled buffers), then two together (a re-form, steps of the
+    2-row bucket, a compaction) compile no program, and each gives what it gives alone."""
+    gen, _ = gens
+    bg = BatchGenerator(gen, max_running=2)
+    warm_up(gen)
+    bg.warm_up_batches()
+    (pa, ka), (pb, kb) = _requests(gen.cfg, 2)
+    kb = dict(kb, temperature=0.9, seed=3)
+    alone = [gen.generate(p, stop_token_ids=(), **k)[0] for p, k in ((pa, ka), (pb, kb))]
+    with count_compiles() as compiled:
+        first = bg.generate(pa, stop_token_ids=(), **ka)[0]
+        second = bg.generate(pb, stop_token_ids=(), **kb)[0]
+        together = [t for t, _ in _concurrently(bg, [(pa, ka), (pb, kb)])]
+    assert compiled == [], compiled
+    assert [first, second] == alone and together == alone
