@@ -146,6 +146,15 @@ class KernelCalls:
       reduce over a [1, AP] tile there vs onehot's [16, AP], associated by each tile's lane layout). Every router
       program now adds the picks' columns left to right (router.normalised_weights, the model's topk_weight_sum
       order; tests/test_kernels_router_invariance.py): off until the GPU shows T = 1 equal too.
+    moe_shared_segments: a shared expert whose width Is is a multiple n > 1 of the routed width I (the v2 demo:
+      192 = 3 x 64) runs inside the Triton MoE kernels as n chunks of the shared segment (pallas_kernels/moe.py:
+      n - 1 more up / down programs over the shared slot's rows, the columns [c I, (c + 1) I) of its weights,
+      the chunks' fp32 products added in the combine) instead of through the model's shared_expert in XLA (its
+      gate / up / down dots and SwiGLU: 2-3 XLA kernels per MoE layer pass on the GPU; at T = 6 the two
+      gemm_fusion kernels of ~2.9 us each in the 2026-12-02 census). Both the router-tables chain (routed_moe)
+      and `moe`. Its numerics are the kernels' (g, u, silu(g) and the shared product kept in fp32 where the model
+      rounds them to bf16: a bf16 rounding apart, as the width-I shared segment always was). Off until timed on
+      the GPU (bench_step --moe-shared-segments --baseline-set moe_shared_segments=0).
     moe_n_tokens: the Mosaic MoE's token columns N (16, 32 or a multiple of 64; a call with more tokens uses
       64, and Triton above that). Every weight tile is multiplied with an [N, BK] x tile, so N = 64 at T = 1 streams
       as many activation bytes through SMEM as the up kernel's weight rows (and the down kernel's h' tiles
@@ -233,6 +242,7 @@ class KernelCalls:
     moe_router_tables: bool = True
     moe_router_norm: bool = False
     moe_router_scatter: bool = True
+    moe_shared_segments: bool = False
     moe_n_tokens: int = 64
     moe_tiles: _moe_mosaic.MosaicMoeConfig | None = None
     fused_linear: bool = False
@@ -384,7 +394,7 @@ class KernelCalls:
         # The Triton chain of `moe`, its alignment in the router's launch: the same kernels on the same tables
         w_gate, w_up, w_down = (dense(w, rows.dtype) for w in experts)
         dense_shared = None if shared is None else tuple(dense(w, rows.dtype) for w in shared)
-        in_kernel = dense_shared is not None and dense_shared[0].shape[0] == w_gate.shape[1]
+        in_kernel = dense_shared is not None and self._shared_in_triton(dense_shared, w_gate)
         fold_norm = (self.moe_router_norm and isinstance(x, Normed) and len(x.parts) == 1
                      and _router_segments.takes_norm(*rows.shape, gate_w.shape[0], rc))
         if fold_norm:  # the post-attention RMSNorm in the router's program: its xn is the MoE's input
@@ -400,6 +410,12 @@ class KernelCalls:
         if shared is not None and not in_kernel:  # as `moe`: a shared width other than I through the model
             y = y + shared_expert(xn, shared, shared_limit)
         return y, r.ids
+
+    def _shared_in_triton(self, shared, w_gate) -> bool:
+        """Whether the Triton MoE kernels run this shared expert: its width is the routed width I, or (with
+        moe_shared_segments) a multiple of it, as chunks of the shared segment."""
+        width, i = shared[0].shape[0], w_gate.shape[1]
+        return width == i or (self.moe_shared_segments and width % i == 0)
 
     def _routed_moe_mosaic(self, x, gate_w, expert_bias, experts, shared, live_rows, route_kw, *, limit: float,
                            shared_limit: float):
@@ -466,7 +482,10 @@ class KernelCalls:
         fp8_activations (Numerics.fp8_activations "dynamic"): fp8 weights run the kernel's w8a8 form, and a call
         it does not take runs the model's moe_experts with the same quantisation (not the bf16 kernels)."""
         # (e.g. under EP: each device's experts are full width, its slice of the shared expert is not)
-        if shared is not None and shared[0].shape[0] != w_gate.shape[1]:
+        chunked = (shared is not None and shared[0].shape[0] != w_gate.shape[1] and not fp8_activations
+                   and not _any_fp8((w_gate, w_up, w_down), shared) and self.moe_kernel(x, w_gate) == "triton"
+                   and self._shared_in_triton(shared, w_gate))  # moe_shared_segments: its chunks in the kernels
+        if shared is not None and shared[0].shape[0] != w_gate.shape[1] and not chunked:
             routed = self._moe_kernels(x, ids, weights, w_gate, w_up, w_down, limit=limit, shared=None,
                                        shared_limit=0.0, fp8_activations=fp8_activations)
             return routed + shared_expert(x, shared, shared_limit, fp8_activations=fp8_activations)

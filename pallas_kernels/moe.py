@@ -29,7 +29,12 @@ Kernel plan (no host sync, no limit on E):
      A of y.reshape(T, A, D) (an XLA reduce that fuses into its consumer, no gather).
 `moe` aligns the ids itself (step 1); `moe_segments` takes the tables from the router's own launch
 (pallas_kernels/router_segments.py): router -> up -> down.
-The shared expert rides as one extra segment (all T tokens, weight 1) when Is == I.
+The shared expert rides as one extra segment (all T tokens, weight 1) when Is == I. A shared expert of width
+Is = n I (n > 1, the v2 demo's 192 = 3 x 64) rides as n chunks of that segment: the tables still carry ONE
+shared slot P (rows P + t), and the up / down grids have n - 1 more programs (slots P + c) that read the slot's
+rows but the columns [c I, (c + 1) I) of the shared gate / up (and of the shared down's reduction axis) and keep
+their h / y rows at P + c T + t (SwiGLU is per column of Is, so the n chunks' down products sum to the whole
+expert's: out[t] += sum_c y[P + c T + t] in fp32, chunk order). No XLA dot is left for the shared expert.
 Empty segment slots load nothing.
 
 Batch invariance of the fused combine: token t's accumulator gets exact zeros from rows of
@@ -254,8 +259,9 @@ def _dot_t(a, b):
   return plt.dot(a, b, trans_b=True, precision=prec)
 
 
-def _up_body(x_ref, tok_ref, wg, wu, h_ref, start, length, col0, *, cfg, d, limit):
-  """h[start:start+length, col0:col0+BI] = SwiGLU(x[tok] @ wg.T, x[tok] @ wu.T).
+def _up_body(x_ref, tok_ref, wg, wu, h_ref, start, length, col0, *, cfg, d, limit, h_off=0):
+  """h[h_off + start:h_off + start+length, col0:col0+BI] = SwiGLU(x[tok] @ wg.T, x[tok] @ wu.T), tok the table's
+  rows [start, start + length) (h_off: a shared chunk's rows past the tables', see the module docstring).
 
   wg, wu: callables kb -> [BI, BK] weight tiles of this segment's expert.
   """
@@ -277,7 +283,7 @@ def _up_body(x_ref, tok_ref, wg, wu, h_ref, start, length, col0, *, cfg, d, limi
     zero = jnp.zeros((bm, cfg.block_i), jnp.float32)
     g, u = lax.fori_loop(0, d // bk, k_step, (zero, zero))
     h = _swiglu(g, u, limit).astype(h_ref.dtype)
-    plt.store(h_ref.at[pl.ds(r0, bm), pl.ds(col0, cfg.block_i)], h,
+    plt.store(h_ref.at[pl.ds(r0 + h_off, bm), pl.ds(col0, cfg.block_i)], h,
               mask=jnp.broadcast_to(mask, h.shape))
     return carry
 
@@ -285,13 +291,14 @@ def _up_body(x_ref, tok_ref, wg, wu, h_ref, start, length, col0, *, cfg, d, limi
 
 
 def _up_kernel(seg_ref, tok_ref, x_ref, wg_ref, wu_ref, *rest, cfg, d, limit, shared_limit,
-               n_routed_slots, has_shared):
+               n_routed_slots, has_shared, i=0):
   if has_shared:
     swg_ref, swu_ref, h_ref = rest
   else:
     (h_ref,) = rest
   s, ib = pl.program_id(0), pl.program_id(1)
-  start, length, e = seg_ref[0, s], seg_ref[1, s], seg_ref[2, s]
+  st = jnp.minimum(s, n_routed_slots) if has_shared else s   # a shared chunk's program reads slot P's entries
+  start, length, e = seg_ref[0, st], seg_ref[1, st], seg_ref[2, st]
   col0 = ib * cfg.block_i
   cols, bk = pl.ds(col0, cfg.block_i), cfg.block_k
   body = functools.partial(_up_body, x_ref, tok_ref, cfg=cfg, d=d)
@@ -303,11 +310,13 @@ def _up_kernel(seg_ref, tok_ref, x_ref, wg_ref, wu_ref, *rest, cfg, d, limit, sh
          h_ref, start, length, col0, limit=limit)
 
   if has_shared:
-    @pl.when(s == n_routed_slots)
+    @pl.when(s >= n_routed_slots)
     def _shared():
-      body(lambda kb: swg_ref[cols, pl.ds(kb * bk, bk)],
-           lambda kb: swu_ref[cols, pl.ds(kb * bk, bk)],
-           h_ref, start, length, col0, limit=shared_limit)
+      c = s - n_routed_slots                                           # chunk c: columns [c I, (c + 1) I)
+      scols = pl.ds(c * i + col0, cfg.block_i)
+      body(lambda kb: swg_ref[scols, pl.ds(kb * bk, bk)],
+           lambda kb: swu_ref[scols, pl.ds(kb * bk, bk)],
+           h_ref, start, length, col0, limit=shared_limit, h_off=c * length)
 
 
 def _down_rows(h_ref, wd, r0, mask, *, bn, bk, i):
@@ -331,9 +340,10 @@ def _down_rows(h_ref, wd, r0, mask, *, bn, bk, i):
   return lax.fori_loop(0, i // bk, k_step, acc)
 
 
-def _down_body(h_ref, wd, w_ref, y_ref, start, length, col0, *, cfg, i, order_ref=None):
+def _down_body(h_ref, wd, w_ref, y_ref, start, length, col0, *, cfg, i, order_ref=None, h_off=0):
   """v1: y[dst, col0:col0+BD] = w[row] * (h[rows] @ wd.T) for one segment; dst = order[row] (the pair's row:
-  y comes out in pair order t*A + a) or, order_ref None (the shared expert's rows), the row itself."""
+  y comes out in pair order t*A + a) or, order_ref None (the shared expert's rows), the row itself; a shared
+  chunk's h and y rows are h_off past the table's (w: the table's row)."""
   bm = cfg.block_m
   rows = lax.broadcasted_iota(jnp.int32, (bm, 1), 0)
   cols = lax.broadcasted_iota(jnp.int32, (1, cfg.block_d), 1) + col0
@@ -341,10 +351,10 @@ def _down_body(h_ref, wd, w_ref, y_ref, start, length, col0, *, cfg, i, order_re
   def m_block(mb, carry):
     r0 = start + mb * bm
     mask = rows + mb * bm < length
-    acc = _down_rows(h_ref, wd, r0, mask, bn=cfg.block_d, bk=cfg.block_kd, i=i)
+    acc = _down_rows(h_ref, wd, r0 + h_off, mask, bn=cfg.block_d, bk=cfg.block_kd, i=i)
     w = plt.load(w_ref.at[pl.ds(r0, bm)], mask=mask[:, 0], other=0.0)   # [M]
     if order_ref is None:
-      dst = y_ref.at[pl.ds(r0, bm), pl.ds(col0, cfg.block_d)]
+      dst = y_ref.at[pl.ds(r0 + h_off, bm), pl.ds(col0, cfg.block_d)]
     else:
       pair = plt.load(order_ref.at[pl.ds(r0, bm)], mask=mask[:, 0], other=0)[:, None]   # [M, 1]
       # masked lanes store nothing on the GPU; the interpreter writes their old values back, so each gets its
@@ -363,7 +373,8 @@ def _down_kernel(seg_ref, order_ref, h_ref, w_ref, wd_ref, *rest, cfg, i, n_rout
   else:
     (y_ref,) = rest
   s, db = pl.program_id(0), pl.program_id(1)
-  start, length, e = seg_ref[0, s], seg_ref[1, s], seg_ref[2, s]
+  st = jnp.minimum(s, n_routed_slots) if has_shared else s   # a shared chunk's program reads slot P's entries
+  start, length, e = seg_ref[0, st], seg_ref[1, st], seg_ref[2, st]
   col0 = db * cfg.block_d
   cols, bk = pl.ds(col0, cfg.block_d), cfg.block_kd
   body = functools.partial(_down_body, h_ref, cfg=cfg, i=i)
@@ -373,9 +384,11 @@ def _down_kernel(seg_ref, order_ref, h_ref, w_ref, wd_ref, *rest, cfg, i, n_rout
     body(lambda kb: wd_ref[e, cols, pl.ds(kb * bk, bk)], w_ref, y_ref, start, length, col0, order_ref=order_ref)
 
   if has_shared:
-    @pl.when(s == n_routed_slots)
+    @pl.when(s >= n_routed_slots)
     def _shared():
-      body(lambda kb: swd_ref[cols, pl.ds(kb * bk, bk)], w_ref, y_ref, start, length, col0)
+      c = s - n_routed_slots                                           # chunk c: reduction columns [c I, (c + 1) I)
+      body(lambda kb: swd_ref[cols, pl.ds(c * i + kb * bk, bk)], w_ref, y_ref, start, length, col0,
+           h_off=c * length)
 
 
 def _combine_segment(h_ref, w_ref, tok_ref, wd, acc, start, length, *, cfg, i):
@@ -470,8 +483,9 @@ def _rows(topk_ids, topk_weights, cfg, has_shared):
 def moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, limit=0.0, shared=None,
         shared_limit=0.0, config=None):
   """Pallas (Triton) MoE: x [T, D], topk_ids / topk_weights [T, A], experts [E, I, D] / [E, D, I], shared (gate
-  [I, D], up [I, D], down [D, I]) or None -> [T, D] in x.dtype; the reference is the model's
-  ling_jax.layers.moe.moe_experts, rounded to x.dtype."""
+  [Is, D], up [Is, D], down [D, Is], Is a multiple of I: n chunks, see the module docstring; the fused combine
+  takes Is == I only) or None -> [T, D] in x.dtype; the reference is the model's ling_jax.layers.moe.moe_experts,
+  rounded to x.dtype."""
   cfg = config or MoeConfig()
   order, seg, tok, w_rows = _rows(topk_ids, topk_weights, cfg, shared is not None)
   return _moe_rows(x, order, seg, tok, w_rows, w_gate, w_up, w_down, limit=limit, shared=shared,
@@ -497,18 +511,26 @@ def _moe_rows(x, order, seg, tok, w_rows, w_gate, w_up, w_down, *, limit, shared
   assert d2 == d and w_up.shape == w_gate.shape and w_down.shape == (e, d, i) and p == t * a, (
       x.shape, w_gate.shape, w_up.shape, w_down.shape, order.shape)
   cfg.check(d, i)
-  if shared is not None and shared[0].shape != (i, d):
-    raise ValueError(f"shared expert width {shared[0].shape}: the kernels run it as one more segment of the "
-                     f"routed width I={i} (ling_jax.kernel_calls runs another width through the model)")
+  n_chunks = 0 if shared is None else shared[0].shape[0] // i
+  if shared is not None and (shared[0].shape[0] % i or shared[0].shape[1:] != (d,) or shared[1].shape != shared[0].shape
+                             or shared[2].shape != (d, shared[0].shape[0])):
+    raise ValueError(f"shared expert {shared[0].shape} / {shared[2].shape}: the kernels run it as segments of the "
+                     f"routed width I={i}, so its width must be a multiple of I (ling_jax.kernel_calls runs another "
+                     f"width through the model)")
+  if n_chunks > 1 and cfg.fuse_combine:
+    raise ValueError(f"shared expert width {shared[0].shape[0]} = {n_chunks} x I: the fused combine takes one shared "
+                     f"segment of width I (fuse_combine=False runs the chunks)")
 
   has_shared = shared is not None
-  n_slots, rows = seg.shape[1], tok.shape[0]
+  # a shared expert of n chunks: n - 1 more programs (slots P + 1 ..) and their h / y rows past the tables'
+  extra_slots = max(n_chunks - 1, 0)
+  n_slots, rows = seg.shape[1] + extra_slots, tok.shape[0] + extra_slots * t
   pad = cfg.block_m              # h rows: every masked [M, *] block stays inside the buffer
   params = plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
   up = functools.partial(_up_kernel, cfg=cfg, d=d, limit=float(limit),
                          shared_limit=float(shared_limit), n_routed_slots=p,
-                         has_shared=has_shared)
+                         has_shared=has_shared, i=i)
   extra_up = (shared[0], shared[1]) if has_shared else ()
   h = pl.pallas_call(
       up, grid=(n_slots, i // cfg.block_i),
@@ -539,8 +561,9 @@ def _moe_rows(x, order, seg, tok, w_rows, w_gate, w_up, w_down, *, limit, shared
       compiler_params=params, interpret=cfg.interpret, name="moe_down",
   )(seg, order, h, w_rows, w_down, *extra_down)
 
-  # Combine: pair t*A + a sits at row t*A + a (the down kernel stored it there), the shared expert's at P + t.
+  # Combine: pair t*A + a sits at row t*A + a (the down kernel stored it there), the shared expert's chunk c at
+  # P + c T + t (one chunk where Is == I), added in chunk order.
   out = y[:p].reshape(t, a, d).sum(axis=1)                            # [T, D] fp32
-  if has_shared:
-    out = out + y[p:p + t]
+  for c in range(n_chunks):
+    out = out + y[p + c * t:p + (c + 1) * t]
   return out.astype(x.dtype)
