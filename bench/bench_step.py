@@ -400,7 +400,7 @@ def programs(a, cfg, mesh, rules, kernels, fused: tuple[bool, bool] = (False, Tr
     calls = (kernel_calls(kernels, kda_impl=a.kda_impl, fused_linear=fused[0], fused_linear_fp8=fused[1],
                           p2p_allreduce=a.p2p_allreduce,
                           moe_router_tables=a.moe_router_tables, moe_router_norm=a.moe_router_norm,
-                          moe_router_scatter=a.moe_router_scatter,
+                          moe_router_scatter=a.moe_router_scatter, moe_shared_segments=a.moe_shared_segments,
                           mla_live_prefix=a.mla_live_prefix, moe_fp8_scheme=a.moe_fp8_scheme,
                           moe_n_tokens=a.moe_n_tokens, moe_fp8_n_tokens=a.moe_fp8_n_tokens,
                           moe_fp8_split_k=a.moe_fp8_split_k, fp8_linear_scale=a.fp8_linear_scale)
@@ -520,6 +520,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-moe-router-scatter", dest="moe_router_scatter", action="store_false",
                     help="KernelCalls.moe_router_scatter=False: router_segments' 'onehot' program (the default "
                     "before 2026-12-03)")
+    ap.add_argument("--moe-shared-segments", action="store_true", help="KernelCalls.moe_shared_segments=True: a "
+                    "shared expert of width n x I (the v2 demo: 192 = 3 x 64) inside the Triton MoE kernels as n "
+                    "chunks instead of XLA's dots (off by default; A/B: --baseline-set moe_shared_segments=0)")
     ap.add_argument("--mla-live-prefix", action="store_true", help="KernelCalls.mla_live_prefix=True: decode/verify "
                     "MLA attention over the live prefix only (pallas_kernels/mla_attention.py; off by default)")
     ap.add_argument("--p2p-allreduce", action="store_true", help="KernelCalls.p2p_allreduce=True (--tp >= 2): each "
@@ -639,7 +642,7 @@ def run_all(a, cfg, tp, mesh, rules):
     extra.update(kernels=a.kernels, fused_linear=fused, fused_linear_fp8=a.fused_linear_fp8,
                  p2p_allreduce=a.p2p_allreduce,
                  moe_router_tables=a.moe_router_tables, moe_router_norm=a.moe_router_norm,
-                 moe_router_scatter=a.moe_router_scatter,
+                 moe_router_scatter=a.moe_router_scatter, moe_shared_segments=a.moe_shared_segments,
                  mla_live_prefix=a.mla_live_prefix, moe_fp8_scheme=a.moe_fp8_scheme, moe_n_tokens=a.moe_n_tokens,
                  moe_fp8_n_tokens=a.moe_fp8_n_tokens, moe_fp8_split_k=a.moe_fp8_split_k,
                  fp8_linear_scale=a.fp8_linear_scale, fp8_activations=a.fp8_activations,
@@ -652,6 +655,7 @@ def run_all(a, cfg, tp, mesh, rules):
     prefix += "" if a.moe_router_tables else "-nomrt"
     prefix += "-rnorm" if a.moe_router_norm else ""
     prefix += "" if a.moe_router_scatter else "-onehot"
+    prefix += "-mss" if a.moe_shared_segments else ""
     prefix += "-live" if a.mla_live_prefix else ""
     prefix += "" if a.moe_fp8_scheme == KernelCalls.moe_fp8_scheme else f"-moe{a.moe_fp8_scheme}"
     prefix += "" if a.moe_n_tokens == 64 else f"-n{a.moe_n_tokens}"

@@ -113,9 +113,10 @@ def test_model_route_matches_numpy():
 
 def test_kernel_calls_choice_and_shared_width_fallback():
   """The one kernel-choosing object routes CPU to the jnp model; and where the shared expert's width is not the
-  routed width I (the kernels take it only as one more segment of width I), KernelCalls.moe runs the routed
-  experts in the kernel and the shared expert through the model's shared_expert, summed in fp32 as the model sums
-  them (the kernels themselves reject that call)."""
+  routed width I (the kernels take it only as segments of width I: one, or n chunks of a width n x I), KernelCalls.moe
+  by default (moe_shared_segments off) runs the routed experts in the kernel and the shared expert through the
+  model's shared_expert, summed in fp32 as the model sums them (the kernels themselves reject a width that is no
+  multiple of I)."""
   from ling_jax.kernel_calls import kernel_calls
   assert kernel_calls("auto") is None and kernel_calls("reference") is None   # CPU: the model's jnp
   calls = kernel_calls("interpret")
@@ -123,8 +124,9 @@ def test_kernel_calls_choice_and_shared_width_fallback():
   x, ids, w, wg, wu, wd, _ = make(9, 3, 256, 16, 64, jnp.float32, shared=False)
   *_, sh = make(10, 3, 256, 16, 128, jnp.float32)                             # Is = 128 != I = 64
   kw = dict(limit=0.3, shared=sh, shared_limit=0.4)
-  with pytest.raises(ValueError, match="shared expert width"):
-    moe(x, ids, w, wg, wu, wd, config=CFG, **kw)
+  *_, sh96 = make(10, 3, 256, 16, 96, jnp.float32)                           # Is = 96: no multiple of I
+  with pytest.raises(ValueError, match="multiple of I"):
+    moe(x, ids, w, wg, wu, wd, config=CFG, **{**kw, "shared": sh96})
   out = calls.moe(x, ids, w, wg, wu, wd, **kw)
   assert out.dtype == jnp.float32 and rel_err(out, moe_model(x, ids, w, wg, wu, wd, **kw)) <= 1e-5
   assert rel_err(out, moe_model(x, ids, w, wg, wu, wd, limit=0.3)) > 1e-2      # the shared expert is in
