@@ -174,6 +174,27 @@ def test_joining_leaving_and_closing_change_nothing_for_the_others(gens):
     assert bg.generate(long_req[0], stop_token_ids=(), **long_req[1])[0] == expect
 
 
+class TurnDriver:
+    """The scheduler's turns driven from the test's thread: sizes holds the group's positions after each turn."""
+
+    def __init__(self, bg: BatchGenerator):
+        self.turns, self.sizes = _Turns(bg), []
+
+    def admit(self, row: _Row):
+        """Queue `row`, run the turn that admits it (its prefill goes to the stager thread; the group's turns go on
+        meanwhile) and wait for the stager's chunk (compiling the start program, on a CPU, outlasts a row's 60
+        tokens)."""
+        self.turns.waiting.append(row)
+        self.turns.turn()
+        if self.turns.staged is not None:
+            concurrent.futures.wait([self.turns.staged])
+
+    def run_until(self, done):
+        while not done():
+            self.turns.turn()
+            self.sizes.append(len(self.turns.members))
+
+
 def test_group_membership_changes_keep_every_row_exact(gens):
     """The scheduler driven turn by turn: A decodes alone (the batch-1 state), B joins (re-formed into a 2-row
     group) and ends, sampled C is put into B's dead position, C ends and the group is compacted back to A alone;
@@ -185,28 +206,16 @@ def test_group_membership_changes_keep_every_row_exact(gens):
     a, b, c = [_Row(p, kw["max_new_tokens"], frozenset(), None,
                     SamplingOptions(**{k: v for k, v in kw.items() if k == "temperature"}), kw.get("seed", 0),
                     GenerationStats()) for p, kw in zip(prompts, kws)]
-    turns, sizes = _Turns(bg), []
-
-    def staged():  # wait for the stager's chunk in flight
-        if turns.staged is not None:
-            concurrent.futures.wait([turns.staged])
-
-    def run_until(done):
-        while not done():
-            turns.turn()
-            sizes.append(len(turns.members))
+    drive = TurnDriver(bg)
+    turns, sizes, run_until = drive.turns, drive.sizes, drive.run_until
 
     turns.waiting.append(a)
     run_until(lambda: a.emitted > 1)
     assert turns.members == [a] and not turns.group.key.shape  # alone: the batch-1 state
-    turns.waiting.append(b)
-    turns.turn()  # B admitted: its prefill goes to the stager thread; A's turns go on meanwhile
-    staged()  # (compiling B's start program, on a CPU, outlasts A's 60 tokens)
+    drive.admit(b)
     run_until(lambda: b.done)
     assert turns.members == [a, b] and not a.done
-    turns.waiting.append(c)
-    turns.turn()
-    staged()
+    drive.admit(c)
     run_until(lambda: c.done)
     assert turns.members == [a, c] and not a.done  # C took B's position: put there, not re-formed
     run_until(lambda: a.done)

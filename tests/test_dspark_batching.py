@@ -8,7 +8,6 @@ lengths differ from step to step and from row to row."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import threading
 
@@ -18,12 +17,13 @@ import numpy as np
 import pytest
 
 from ling_jax import dspark
-from ling_jax.batching import _END, BatchGenerator, _Row, _Turns
+from ling_jax.batching import _END, BatchGenerator, _Row
 from ling_jax.dspark_step import DSparkState, dspark_init
 from ling_jax.runner import GenerationStats, Generator, count_compiles, warm_up
 from ling_jax.sampling import SamplingOptions
 from ling_jax.slots import cat_rows, join_rows, put_row, split_rows, take_rows
 from ling_jax.spec import SpecConfig
+from tests.test_batching import TurnDriver
 from tests.test_dspark import draft_config, model
 
 BLOCK = 4
@@ -137,28 +137,16 @@ def test_membership_changes_keep_every_dspark_row_exact(gens):
            dict(max_new_tokens=6, temperature=1.0, seed=5, top_logprobs=2)]
     alone = [gen.generate(p, stop_token_ids=(), **kw) for p, kw in zip(prompts, kws)]
     a, b, c = [_row(p, kw.pop("max_new_tokens"), kw.pop("top_logprobs", None), **kw) for p, kw in zip(prompts, kws)]
-    turns, sizes = _Turns(bg), []
-
-    def staged():  # wait for the stager's chunk in flight
-        if turns.staged is not None:
-            concurrent.futures.wait([turns.staged])
-
-    def run_until(done):
-        while not done():
-            turns.turn()
-            sizes.append(len(turns.members))
+    drive = TurnDriver(bg)
+    turns, sizes, run_until = drive.turns, drive.sizes, drive.run_until
 
     turns.waiting.append(a)
     run_until(lambda: a.emitted > 1)
     assert turns.members == [a] and not turns.group.key.shape  # alone: the batch-1 state
-    turns.waiting.append(b)
-    turns.turn()
-    staged()
+    drive.admit(b)
     run_until(lambda: b.done)
     assert turns.members == [a, b] and not a.done and isinstance(turns.group, DSparkState)
-    turns.waiting.append(c)
-    turns.turn()
-    staged()
+    drive.admit(c)
     run_until(lambda: c.done)
     assert turns.members == [a, c] and not a.done  # C took B's position: put there, not re-formed
     run_until(lambda: a.done)

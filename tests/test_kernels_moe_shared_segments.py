@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 
 from ling_jax.kernel_calls import KernelCalls
-from ling_jax.layers.moe import moe_layer, shared_expert
+from ling_jax.layers.moe import shared_expert
 from pallas_kernels import moe as M
 from pallas_kernels import router as R
 from pallas_kernels import router_segments as RS
 from tests.cuda_lowering import lower_cuda
 from tests.kernel_oracles import moe as moe_model
-from tests.test_kernels_router_segments import (DEMO, OUTSIDE, demo_layer_pass, flat_eqns, inputs, layer_params,
+from tests.test_kernels_router_segments import (DEMO, OUTSIDE, demo_layer_pass, demo_moe_layer, flat_eqns, inputs,
                                                 pallas_names, route_kw)
 
 BF = jnp.bfloat16
@@ -90,12 +90,7 @@ def test_moe_layer_with_shared_segments_matches_model(dtype, t, live, tol):
   down only, vs the model's jnp moe_layer (fp32 <= 1e-5, bf16 <= 1e-2) and the same expert load; the kernels'
   routed part equals the default chain's (the shared expert through XLA) minus its shared expert, within the
   shared expert's one bf16 rounding."""
-  cfg = DEMO
-  p = layer_params(0, cfg, dtype)
-  x = jax.random.normal(jax.random.key(1), (1, t, cfg.hidden_size), jnp.float32).astype(dtype)
-  live_rows = None if live is None else jnp.asarray(live, jnp.int32)
-  kw = dict(routed_limit=0.5, shared_limit=0.7, router_fp32=False, live_rows=live_rows, return_load=True)
-  layer = lambda kernels: lambda p, x: moe_layer(p, x, cfg, kernels=kernels, **kw)
+  p, x, layer = demo_moe_layer(dtype, t, live)
   assert pallas_names(layer(SEGMENTS), p, x) == ["router_segments", "moe_up_swiglu", "moe_down"]
   y, load = layer(SEGMENTS)(p, x)
   ref, ref_load = layer(None)(p, x)

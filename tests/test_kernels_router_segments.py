@@ -183,18 +183,23 @@ BEFORE = KernelCalls(interpret=True, moe_router_tables=False)
 TABLES_SCATTER = KernelCalls(interpret=True, moe_router_tables=True, moe_router_scatter=True)
 
 
+def demo_moe_layer(dtype, t: int, live):
+  """A demo MoE layer's params, an input of t rows (live: the live rows or None) and layer(kernels) -> the
+  (params, x) -> (y, expert load) function with those kernels (None: the model's jnp)."""
+  p = layer_params(0, DEMO, dtype)
+  x = jax.random.normal(jax.random.key(1), (1, t, DEMO.hidden_size), jnp.float32).astype(dtype)
+  live_rows = None if live is None else jnp.asarray(live, jnp.int32)
+  kw = dict(routed_limit=0.5, shared_limit=0.7, router_fp32=False, live_rows=live_rows, return_load=True)
+  return p, x, lambda kernels: lambda p, x: moe_layer(p, x, DEMO, kernels=kernels, **kw)
+
+
 @pytest.mark.parametrize("dtype,t,live,tol,tables", [(BF, 6, (4,), 1e-2, TABLES), (jnp.float32, 3, None, 1e-5, TABLES),
                                                      (BF, 6, (4,), 1e-2, TABLES_SCATTER)])
 def test_moe_layer_through_router_tables_matches_model(dtype, t, live, tol, tables):
   """moe_layer at the v2 demo's dims (shared width 192 != I 64: the shared expert through the model's XLA) through
   router_segments -> up -> down, vs the model's jnp moe_layer (bf16 <= 1e-2, fp32 <= 1e-5), bitwise equal to the
   chain of before, the same expert load. Both router_segments programs (KernelCalls.moe_router_scatter)."""
-  cfg = DEMO
-  p = layer_params(0, cfg, dtype)
-  x = jax.random.normal(jax.random.key(1), (1, t, cfg.hidden_size), jnp.float32).astype(dtype)
-  live_rows = None if live is None else jnp.asarray(live, jnp.int32)
-  kw = dict(routed_limit=0.5, shared_limit=0.7, router_fp32=False, live_rows=live_rows, return_load=True)
-  layer = lambda kernels: lambda p, x: moe_layer(p, x, cfg, kernels=kernels, **kw)
+  p, x, layer = demo_moe_layer(dtype, t, live)
   assert pallas_names(layer(tables), p, x) == ["router_segments", "moe_up_swiglu", "moe_down"]
   assert pallas_names(layer(BEFORE), p, x) == ["router_scores", "router_topk", "moe_up_swiglu", "moe_down"]
   y, load = layer(tables)(p, x)
