@@ -344,13 +344,14 @@ class KernelCalls:
                    live_rows=None, rows_per_seq: int = 0, fp8_activations: bool = False):
         """Router and MoE with the alignment inside the router's launch -> (y [T, D] f32, ids [T, A]), or None
         where no such chain applies (the caller routes and calls `moe`): on the Triton MoE, moe_router_tables
-        (T <= its MAX_TOKENS), not where the router tiles do not fit; the Mosaic MoE has none. live_rows int32[B] with rows_per_seq = T / B: padding rows
-        borrow routing (as ling_jax.layers.moe.borrow_routing).
+        (T <= its MAX_TOKENS), not where the router tiles do not fit; the Mosaic MoE has none. live_rows int32[B]
+        with rows_per_seq = T / B: padding rows borrow routing (as ling_jax.layers.moe.borrow_routing).
         x: the MoE's input rows [T, D], or a layers.linear.Normed of the residual stream [..., D] (one input; T
         its rows): where moe_router_tables serves the call and moe_router_norm (router_segments.takes_norm), the
         router's program computes that RMSNorm and the MoE reads its xn; otherwise the model's norm
         (Normed.value(), then the rows).
-        fp8_activations with fp8 weights: None (the chain does not quantise activations: `moe` runs the w8a8 kernel)."""
+        fp8_activations with fp8 weights: None (the chain does not quantise activations: `moe` runs the w8a8
+        kernel)."""
         if fp8_activations and _any_fp8(experts, shared):
             return None
         rows = jax.ShapeDtypeStruct((math.prod(x.shape[:-1]), x.shape[-1]), x.dtype)  # what the choices read
