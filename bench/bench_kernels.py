@@ -224,7 +224,7 @@ def main():
   ap.add_argument("--out", default="bench/results")
   ap.add_argument("--only", default="moe,kda", help="comma list of: moe, kda (this file's Triton v1 MoE and "
                   "KDA verify/commit), mosaic (Mosaic GPU MoE), moe_triton (fused-combine/align MoE), router, "
-                  "kda2 (KDA verify/commit/decode, profiler timing), prefill (chunked KDA)")
+                  "kda2 (KDA verify/commit/decode, profiler timing)")
   ap.add_argument("--tag", default="", help="suffix of the JSON file name (keeps earlier runs' files)")
   ap.add_argument("--moe-triton-configs", default="v1+align,fused+align dc16 split2,fused+align dc16 prefetch kd256")
   ap.add_argument("--small", action="store_true", help="CPU smoke test: tiny dims, interpret")
@@ -256,12 +256,10 @@ def main():
     only = args.only.split(",")
     if "moe" in only:
       bench_moe(rows, bw, key, moe_cfgs)
-    from bench import kernels_kda, kernels_kda_prefill, kernels_moe_mosaic, kernels_moe_triton
+    from bench import kernels_kda, kernels_moe_mosaic, kernels_moe_triton
     extra = [("mosaic", lambda: kernels_moe_mosaic.bench(rows, bw, key, small=args.small)),
              ("router", lambda: kernels_moe_triton.bench_router(rows, bw, key, small=args.small)),
              ("kda2", lambda: kernels_kda.bench(rows, bw, key, small=args.small, ts=(1, 6))),
-             ("prefill", lambda: kernels_kda_prefill.bench(rows, bw, key, small=args.small,
-                                                           lengths=None if args.small else (2048, 8192))),
              ("moe_triton", lambda: kernels_moe_triton.bench_moe(rows, bw, key, small=args.small,
                                                                  names=args.moe_triton_configs.split(",")))]
     for name, run in extra:

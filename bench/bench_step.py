@@ -397,7 +397,7 @@ def programs(a, cfg, mesh, rules, kernels, fused: tuple[bool, bool] = (False, Tr
     NEXTN --steps, then each NEXTN --steps again with --draft-vocab. fused: KernelCalls (fused_linear,
     fused_linear_fp8)."""
     out = []
-    calls = (kernel_calls(kernels, kda_impl=a.kda_impl, fused_linear=fused[0], fused_linear_fp8=fused[1],
+    calls = (kernel_calls(kernels, fused_linear=fused[0], fused_linear_fp8=fused[1],
                           p2p_allreduce=a.p2p_allreduce,
                           moe_router_tables=a.moe_router_tables, moe_router_norm=a.moe_router_norm,
                           moe_router_scatter=a.moe_router_scatter, moe_shared_segments=a.moe_shared_segments,
@@ -444,7 +444,7 @@ def time_ttft(a, cfg, params, kernels) -> list[dict]:
     from ling_jax.runner import Generator
     from ling_jax.spec import SpecConfig
 
-    calls = kernel_calls(kernels, kda_impl=a.kda_impl) if kernels != "reference" else None
+    calls = kernel_calls(kernels) if kernels != "reference" else None
     rows, prompt = [], np.random.default_rng(0).integers(2, cfg.vocab_size, a.ttft).tolist()
     sp, key = SamplingOptions().device(cfg.vocab_size), jax.random.key(0)
     for chunk in map(int, a.ttft_chunks.split(",")):
@@ -506,7 +506,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dump-hlo", action="store_true", help="write each step's optimised HLO (gzip) to --out")
     ap.add_argument("--kernels", default="auto", help="RuntimeOptions.kernels (auto: Pallas on GPU, run per "
                     "device under shard_map over TP)")
-    ap.add_argument("--kda-impl", default="verify", choices=("chain", "verify"), help="KernelCalls.kda_impl")
     ap.add_argument("--fused-linear", action="store_true", help="KernelCalls.fused_linear=True: the layers' "
                     "projections through pallas_kernels/fused_linear.py instead of XLA (off by default)")
     ap.add_argument("--no-fused-linear-fp8", dest="fused_linear_fp8", action="store_false", help="KernelCalls."
@@ -648,7 +647,8 @@ def run_all(a, cfg, tp, mesh, rules):
                  fp8_linear_scale=a.fp8_linear_scale, fp8_activations=a.fp8_activations,
                  baseline_set=a.baseline_set, tree=tree_of(a.tree),
                  multi_step=a.multi_step, reps=a.reps)
-    prefix = "step" + ("-" + os.path.basename(os.path.normpath(a.model)) if a.model else "") + f"-kda{a.kda_impl}"
+    # "-kdaverify": the name the step files had while a second KDA path (the deleted KDA chain) existed
+    prefix = "step" + ("-" + os.path.basename(os.path.normpath(a.model)) if a.model else "") + "-kdaverify"
     prefix += (f"-{a.quantization}" if a.quantization else "") + ("-fl" if fused else "")
     prefix += "-nofl8" if a.quantization and not a.fused_linear_fp8 else ""
     prefix += "-p2p" if a.p2p_allreduce else ""

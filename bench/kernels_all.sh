@@ -3,7 +3,7 @@
 # and exits non-zero on a mismatch). Usage: bash bench/kernels_all.sh $OUT [seconds per bench]
 set -u
 out=${1:?out dir}; lim=${2:-150}
-for b in kernels_fused_linear kernels_kda_chain kernels_head_mla kernels_moe_fp8; do
+for b in kernels_fused_linear kernels_head_mla kernels_moe_fp8; do
   echo "== $b"; PYTHONUNBUFFERED=1 timeout -s INT "$lim" python3 -m bench.$b --out "$out" 2>&1 \
     | grep -v "^WARNING\|^I0000\|^W0000" | tail -40 || echo "FAILED ($?): $b"
 done

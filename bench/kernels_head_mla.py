@@ -1,14 +1,13 @@
-"""GPU bench: fused lm_head + argmax and live-prefix MLA attention at Ling-3.0-flash dims vs XLA's path.
+"""GPU bench: live-prefix MLA attention at Ling-3.0-flash dims vs XLA's path.
 
   python3 -m bench.kernels_head_mla --out $OUT       (GPU; writes kernels-head-mla-<device>-<date>.json)
 
-Checks first (a mismatch raises): lm_head_argmax tokens == argmax(lm_logits) and max logit <= 1e-5 rel;
-the attention path q_lat = q_nope W_uk -> mla_attention -> W_uv equals the model's attend_absorbed
-(<= 1e-2 rel); a row alone vs in the batch (bit-identical, reported). Then times, cold inputs (bench_kernels.
-timeit: profiler span of one program over the input sets): lm_head at T = 1, 6 (the 805 MB weight streams
-past the 60 MB L2 every call) against lm_logits + jnp.argmax; attention at T = 1, 6, 17 for live = 1024
-and 8192 with S = 8192 + 64, 12 caches (114 MB) rotated, against attend_absorbed over all S slots.
-Fractions are of CEILING = 4.3 TB/s on the bytes each path must move.
+Checks first (a mismatch raises): the attention path q_lat = q_nope W_uk -> mla_attention -> W_uv equals the
+model's attend_absorbed (<= 1e-2 rel); a row alone vs in the batch (bit-identical, reported). Then times, cold
+inputs (bench_kernels.timeit: profiler span of one program over the input sets): attention at T = 1, 6, 17 for
+live = 1024 and 8192 with S = 8192 + 64, 12 caches (114 MB) rotated, against attend_absorbed over all S slots.
+Fractions are of CEILING = 4.3 TB/s on the bytes each path must move. (The file name keeps the lm_head + argmax
+kernel it also timed until that kernel was deleted: kernels-head-mla-h200-2026-12-01.json has its rows.)
 """
 from __future__ import annotations
 
@@ -21,20 +20,16 @@ import numpy as np
 from bench import bench_kernels as bk
 from ling_jax.config import get_preset
 from ling_jax.layers.mla import attend_absorbed
-from ling_jax.model import lm_logits
-from pallas_kernels.lm_head_argmax import LmHeadConfig, lm_head_argmax
 from pallas_kernels.mla_attention import MlaAttentionConfig, mla_attention
 
 BF, F32 = jnp.bfloat16, jnp.float32
 CEILING = 4.3e12
 CFG = get_preset("ling3-flash")
-V, D, H, LR, R, P, VH = (CFG.vocab_size, CFG.hidden_size, CFG.num_attention_heads, CFG.kv_lora_rank,
-                         CFG.qk_rope_head_dim, CFG.qk_nope_head_dim, CFG.v_head_dim)
+H, LR, R, P, VH = (CFG.num_attention_heads, CFG.kv_lora_rank, CFG.qk_rope_head_dim, CFG.qk_nope_head_dim,
+                   CFG.v_head_dim)
 S = 8192 + 64
-T_LM, T_ATT, LIVES, SWEEP_LIVE = (1, 6), (1, 6, 17), (1024, 8192), 8192   # all ATT_CONFIGS at SWEEP_LIVE
+T_ATT, LIVES, SWEEP_LIVE = (1, 6, 17), (1024, 8192), 8192   # all ATT_CONFIGS at SWEEP_LIVE
 SCALE = CFG.qk_head_dim ** -0.5
-LM_CONFIGS = [("v128k128s4", LmHeadConfig()), ("v64k128s4", LmHeadConfig(block_v=64)),
-              ("v256k64s4", LmHeadConfig(block_v=256, block_k=64))]
 ATT_CONFIGS = [("s64sb8l128", MlaAttentionConfig()),        # the others only at SWEEP_LIVE, ctx only
                ("s32sb16l128st3", MlaAttentionConfig(block_s=32, split_blocks=16, stages=3)),
                ("s64sb4l128", MlaAttentionConfig(split_blocks=4))]
@@ -45,33 +40,6 @@ def row(rows, name, t_us, nbytes, **kw):
   rows.append(dict(name=name, time_us=t_us, bytes=nbytes, floor_us=floor, fraction_of_floor=floor / t_us,
                    **kw))
   print(f"{name:58s} {t_us:9.1f} us {nbytes / 1e6:8.2f} MB {floor / t_us:6.2f} of 4.3 TB/s", flush=True)
-
-
-def bench_lm_head(rows, key):
-  w = (jax.random.normal(key, (V, D), F32) * D ** -0.5).astype(BF)
-  xla = jax.jit(lambda h, w: (lambda lg: (jnp.argmax(lg, -1).astype(jnp.int32), jnp.max(lg, -1)))(
-      lm_logits({"lm_head": w}, h)))
-  for t in T_LM:
-    sets = [(jax.random.normal(jax.random.fold_in(key, 10 * t + j), (t, D), F32).astype(BF),)
-            for j in range(4)]
-    ref_tok, ref_max = xla(sets[0][0], w)
-    # chained: call j+1 reads call j's max (x 0), so XLA cannot merge the calls into one GEMM over a shared w
-    t_xla = bk.timeit(xla, sets, (w,), chain=lambda prev, s: (s[0] + (prev[1][:, None] * 0).astype(BF),))
-    row(rows, f"lm_head T={t} XLA lm_logits + argmax", t_xla, V * D * 2 + 2 * t * V * 4 + t * D * 2,
-        baseline="-", baseline_time_us=None)
-    for name, cfg in LM_CONFIGS:
-      f = jax.jit(lambda h, w, cfg=cfg: lm_head_argmax(h, w, config=cfg))
-      tok, mx = f(sets[0][0], w)
-      err = float(jnp.max(jnp.abs(mx - ref_max) / jnp.abs(ref_max)))
-      if not (np.array_equal(np.asarray(tok), np.asarray(ref_tok)) and err <= 1e-5):
-        raise AssertionError(f"lm_head {name} T={t}: tokens {tok} vs {ref_tok}, max rel err {err:.2e}")
-      alone = f(sets[0][0][-1:], w)
-      inv = bool(int(alone[0][0]) == int(tok[-1]) and np.asarray(alone[1])[0] == np.asarray(mx)[-1])
-      nt = -(-V // cfg.block_v)
-      row(rows, f"lm_head T={t} mosaic {name}", bk.timeit(f, sets, (w,)),
-          V * D * 2 + t * D * 2 + 2 * nt * cfg.n_tokens * 4, baseline="XLA lm_logits + argmax (same run)",
-          baseline_time_us=t_xla, max_rel_err=err, batch_invariant=inv, config=str(cfg))
-  del w
 
 
 def attention_sets(key, t, live, n=12):
@@ -127,15 +95,11 @@ def bench_attention(rows, key):
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--out", default=os.environ.get("OUT") or "bench/results")
-  ap.add_argument("--only", default="lm_head,mla", help="comma list of: lm_head, mla")
   args = ap.parse_args()
   rows = [dict(name="ceiling", time_us=None, bytes=None, bw_bytes_per_s=CEILING)]
   key = jax.random.key(0)
   try:  # SIGINT still writes what was measured; a check mismatch propagates (fails loudly)
-    if "lm_head" in args.only.split(","):
-      bench_lm_head(rows, jax.random.fold_in(key, 1))
-    if "mla" in args.only.split(","):
-      bench_attention(rows, jax.random.fold_in(key, 2))
+    bench_attention(rows, jax.random.fold_in(key, 2))
   except KeyboardInterrupt:
     print("interrupted: writing partial results", flush=True)
   print(f"wrote {bk.write_result(args.out, 'kernels-head-mla', rows, bk.hbm_ceiling())}")

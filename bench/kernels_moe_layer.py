@@ -1,18 +1,17 @@
-"""The MoE layer pass at Ling-3.0-flash dims, cold weights: the chain of before vs the router-built slot tables.
+"""The MoE layer pass at Ling-3.0-flash dims, cold weights: the Mosaic MoE chain at its token columns and grids.
 
-  python3 bench/kernels_moe_layer.py --out $OUT     (GPU, ~2-3 min, 11 variants; writes kernels-moe-layer-<device>-<date>.json)
+  python3 bench/kernels_moe_layer.py --out $OUT     (GPU, ~1-2 min, 8 variants; writes kernels-moe-layer-<device>-<date>.json)
   python3 bench/kernels_moe_layer.py --small        (CPU smoke: tiny dims, interpret mode)
 
 One call = residual + moe_layer(x) as the verify / decode path runs it (live_rows given, the Pallas router, the
-Mosaic MoE): "before" = KernelCalls(moe_slots=False): router scores, router top-k, the routing borrow, ~10 XLA
-kernels of alignment and padding, up, down, the split-K sum + residual; "slots" = KernelCalls(moe_slots=True):
-router scores (+ padded x), top-k + slot tables, up, down, the split-K sum + residual. Each variant also runs at
-the Mosaic MoE's token columns N = 16 / 32 where T fits (KernelCalls.moe_n_tokens) with the default tiles, and at
-T = 1 the TILES grids (KernelCalls.moe_tiles): the T = 1 bandwidth A/B.
+Mosaic MoE): router scores, router top-k, the routing borrow, ~10 XLA kernels of alignment and padding, up, down,
+the split-K sum + residual. It runs at N = 64 token columns, at the Mosaic MoE's N = 16 / 32 where T fits
+(KernelCalls.moe_n_tokens) with the default tiles, and at T = 1 the TILES grids (KernelCalls.moe_tiles): the
+T = 1 bandwidth A/B. (Its "slots" variants went with KernelCalls.moe_slots: kernels-moe-layer-h200-2026-12-01-
+partial.json has their rows.)
 
-Checks before timing, on set 0: rel err vs the model's jnp moe_layer (kernels=None), `equal_to_before` (bitwise
-vs the chain of before at the same N), `batch_invariant` (row 0 alone = row 0 in the batch), `equal_to_n64`
-(bitwise vs the same chain at N = 64). Timing: bench_kernels.timeit (profiler span per call of a program of
+Checks before timing, on set 0: rel err vs the model's jnp moe_layer (kernels=None), `batch_invariant` (row 0
+alone = row 0 in the batch), `equal_to_n64` (bitwise vs the same chain at N = 64). Timing: bench_kernels.timeit (profiler span per call of a program of
 `nsets` dependent calls, residual <- previous output; each set's x routes to other experts of 6 GB of expert
 weights: cold), `kernels_per_call` from the same trace. Bytes: the distinct experts of the sets' routing + the
 shared expert (3 x I x D bf16 each) + the router's gate weight; fraction = floor / time at the run's ceiling and
@@ -45,14 +44,14 @@ TILES = [("ks6", mm.MosaicMoeConfig(split_k=6)), ("up6 ks6", mm.MosaicMoeConfig(
 
 
 def variants(t, small):
-  """(name, KernelCalls) for T tokens: before / slots at N = 64; slots at the smallest N in (16, 32) that fits,
-  with the default tiles and the TILES candidates."""
-  base = KernelCalls(interpret=True, moe_impl="mosaic", moe_slots=True) if small else KernelCalls(moe_slots=True)
-  out = [("before n64", dataclasses.replace(base, moe_slots=False)), ("slots n64", base)]
+  """(name, KernelCalls) for T tokens: N = 64; the smallest N in (16, 32) that fits, with the default tiles and
+  the TILES candidates."""
+  base = KernelCalls(interpret=True, moe_impl="mosaic") if small else KernelCalls()
+  out = [("n64", base)]
   n = next((n for n in (16, 32) if t <= n), None)
   if n is not None:
-    out += [(f"slots n{n}", dataclasses.replace(base, moe_n_tokens=n))]
-    out += [] if small or t > 1 else [(f"slots n{n} {name}", dataclasses.replace(base, moe_n_tokens=n, moe_tiles=tiles))
+    out += [(f"n{n}", dataclasses.replace(base, moe_n_tokens=n))]
+    out += [] if small or t > 1 else [(f"n{n} {name}", dataclasses.replace(base, moe_n_tokens=n, moe_tiles=tiles))
                                       for name, tiles in TILES]  # the grid A/B where the bandwidth is lost: T = 1
   return out
 
@@ -94,17 +93,14 @@ def bench(rows, bw, key, small=False, nsets=8):
         out = jax.jit(fn)(x0, r0, live0, p)
         alone = jax.jit(fn)(x0[:, :1], r0[:, :1], jnp.array([1], jnp.int32), p)
         outs[name] = np.asarray(out, np.float32)
-        n = name.split()[1]
         detail = {}
         tk = bk.timeit(fn, sets, (p,), chain=lambda prev, s: (s[0], prev, s[2]), detail=detail)
-        before = outs.get(f"before {n}")
         rows.append(dict(
             name=f"moe layer T={t} {name}", time_us=tk, bytes=nbytes, floor_us=floor,
             fraction_of_floor=floor / tk if tk else None, fraction_of_4_29=1e6 * nbytes / DAY_CEILING / tk if tk else None,
             rel_err=bk.rel(out, ref), distinct_experts=distinct, nsets=nsets,
-            equal_to_before=None if before is None or name.startswith("before") else bool(np.array_equal(before, outs[name])),
             batch_invariant=bool(np.array_equal(np.asarray(alone, np.float32), outs[name][:, :1])),
-            equal_to_n64=None if n == "n64" else bool(np.array_equal(outs[name], outs["slots n64"])),
+            equal_to_n64=None if name == "n64" else bool(np.array_equal(outs[name], outs["n64"])),
             **detail))
         print(rows[-1], flush=True)
       except Exception as ex:  # one failing variant must not cost the run
@@ -126,11 +122,11 @@ def main():
     print("interrupted: writing partial results", flush=True)
   path = bk.write_result(args.out, "kernels-moe-layer", rows, ceiling)
   print(f"\nwrote {path}\n{'name':36s} {'us':>8s} {'floor':>7s} {'frac':>6s} {'f4.29':>6s} {'kern':>5s} "
-        f"{'err':>8s} {'=before':>7s} {'inv':>5s} {'=n64':>5s}")
+        f"{'err':>8s} {'inv':>5s} {'=n64':>5s}")
   for r in rows[1:]:
     print(f"{r['name']:36s} {r['time_us']:8.1f} {r['floor_us']:7.1f} {r['fraction_of_floor'] or 0:6.2f} "
           f"{r['fraction_of_4_29'] or 0:6.2f} {r.get('kernels_per_call') or 0:5.1f} {r['rel_err']:8.1e} "
-          f"{str(r['equal_to_before']):>7s} {str(r['batch_invariant']):>5s} {str(r['equal_to_n64']):>5s}")
+          f"{str(r['batch_invariant']):>5s} {str(r['equal_to_n64']):>5s}")
 
 
 if __name__ == "__main__":

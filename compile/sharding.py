@@ -28,8 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from ling_jax.config import ModelConfig
 from ling_jax.kernel_calls import KernelCalls
 from ling_jax.weights import ArrayInfo, array_spec
-from pallas_kernels.kda_chain import KdaChainOut
-from pallas_kernels.kda_verify import KdaCommitInputs, KdaRows
+from pallas_kernels.kda_verify import KdaRows
 
 TP = "tp"
 
@@ -294,7 +293,7 @@ class ShardedKernelCalls(KernelCalls):
         return f(rec_state, conv_window, KdaRows(*pending), n_accept)
 
     def routed_moe(self, x, gate_w, expert_bias, cfg, experts, shared, **kw):
-        """Not under shard_map yet: each device's slot tables would have to cover its own experts only, so the
+        """Not under shard_map yet: each device's alignment tables would have to cover its own experts only, so the
         sharded model routes and calls `moe` as before (the layer falls back on None)."""
         return None
 
@@ -321,24 +320,6 @@ class ShardedKernelCalls(KernelCalls):
         return f(q_raw, k_raw, v_raw, f_raw, b_raw, A_log, dt_bias, q_conv_w, k_conv_w, v_conv_w, conv_window,
                  rec_state)
 
-    def kda_chain(self, proj, b_raw, A_log, dt_bias, conv_w, o_norm, conv_window, rec_state, *, lower_bound: float,
-                  eps: float, advance: bool):
-        """Heads split over "tp": every head-indexed operand is sliced, the V norm is per head (no collective)."""
-        base = super()
-
-        def kernel(*a):  # the written state only exists with advance: return a tuple of the leaves there are
-            r = base.kda_chain(*a, lower_bound=lower_bound, eps=eps, advance=advance)
-            return (r.o, r.commit) + ((r.rec_state, r.conv_window) if advance else ())
-
-        bthk, state, window = (None, None, "heads", None), (None, "heads", None, None), (None, None, None, "heads")
-        in_axes = ((None, None, None, "heads"), (None, None, "heads"), ("heads",), ("heads",),
-                   (None, "heads", None, None), (None,), window, state)
-        commit = KdaCommitInputs(bthk, bthk, bthk, (None, None, "heads"))
-        out_axes = ((None, None, "heads"), commit) + ((state, window) if advance else ())
-        f = shard_kernel(kernel, self.mesh, in_axes, out_axes, self.rules)
-        o, ci, *written = f(proj, b_raw, A_log, dt_bias, conv_w, o_norm, conv_window, rec_state)
-        return KdaChainOut(o, ci, *(written or (None, None)))
-
     def mla_context(self, q_lat, q_rope, cache, positions, *, scale: float, layer: int | None = None):
         """Heads split over "tp" (the queries), the latent cache replicated: each device attends its heads."""
         base = super()
@@ -349,13 +330,6 @@ class ShardedKernelCalls(KernelCalls):
         f = shard_kernel(lambda a, b, c, d: base.mla_context(a, b, c, d, scale=scale, layer=layer), self.mesh,
                          (q_axes, q_axes, rep, rep), q_axes, self.rules)
         return f(q_lat, q_rope, cache, positions)
-
-    def kda_prefill(self, q, k, v, g, beta, state):
-        base = super()
-        bthk, st = (None, None, "heads", None), (None, "heads", None, None)
-        in_axes = (bthk, bthk, bthk, bthk, (None, None, "heads"), st)
-        f = shard_kernel(lambda *a: base.kda_prefill(*a), self.mesh, in_axes, (bthk, st), self.rules)
-        return f(q, k, v, g, beta, state)
 
 
 def kernel_calls_for(opts, mesh: Mesh, rules: ShardingRules = ShardingRules()):

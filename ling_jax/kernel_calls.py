@@ -26,10 +26,8 @@ Shapes (per call, the layers' view; a subclass sees its per-device slices inside
               or None when the Pallas router does not fit the dims (the caller routes in jnp)
   routed_moe: route's arguments (x: or a layers.linear.Normed of the residual rows [T, D]), the experts (w_gate,
               w_up, w_down), shared, live_rows [B] or None               -> (y [T, D] f32, ids [T, A]) or None
-              (the router's launch also aligns the experts: moe_slots on Mosaic, moe_router_tables on Triton;
-              moe_router_norm: the norm of a Normed in that launch too)
-  kda_prefill: q, k [B, T, H, K] (q scaled), v [B, T, H, V], g [B, T, H, K], beta [B, T, H], state
-              [B, H, K, V]                                                -> (o [B, T, H, V] f32, state)
+              (the router's launch also aligns the experts: moe_router_tables on Triton; moe_router_norm: the
+              norm of a Normed in that launch too)
   norm_linear: h a layers.linear.Normed of x [B, T, D] (or of a tuple of inputs), projections of weights
               [*N_s, D] (swiglu: (gate, up) [F, D])                        -> (y_s [B, T, *N_s], ...) or None
   linear_residual: o [B, T, K], w [N, K], residual [B, T, N]             -> [B, T, N], or None
@@ -53,9 +51,7 @@ from ling_jax.layers.norms import add_rms_norm
 from ling_jax import quant
 from ling_jax.quant import Fp8Weight, dense
 from pallas_kernels import allreduce as _allreduce
-from pallas_kernels import kda_chain as _kda_chain
 from pallas_kernels import kda_decode as _kda_decode
-from pallas_kernels import kda_prefill as _kda_prefill
 from pallas_kernels import fused_linear as _fused_linear
 from pallas_kernels import fused_linear_fp8 as _fused_linear_fp8
 from pallas_kernels import kda_verify as _kda_verify
@@ -70,7 +66,6 @@ CHOICES = ("auto", "pallas", "reference", "interpret")
 MOE_IMPLS = ("auto", "mosaic", "triton")
 MOE_FP8_SCHEMES = ("weight", "partial", "partial-bits")  # the weight-only forms (w8a8: Numerics.fp8_activations)
 FP8_LINEAR_SCALES = ("partial", "weight")  # the weight-only forms of fused_linear_fp8 (e4m3: the same)
-KDA_IMPLS = ("chain", "verify")
 
 
 @dataclass(frozen=True)
@@ -81,29 +76,17 @@ class KernelCalls:
       the wiring).
     moe_impl: "auto" (Mosaic GPU for bf16/f16 at T <= 64 whenever its tiles divide the dims: 1.0-1.2x faster than
       Triton on H200, bench/results/kernels-h200-2026-11-30-run4.json; Triton otherwise), "mosaic" or "triton".
-    kda_impl: decode/verify KDA as "verify" (kda_verify + kda_commit kernels, the output epilogue in XLA; the
-      default: each layer's verify reads the fused projection, conv_w and its layer of the stacked states in place
-      and writes its rows into one stack, and ONE kda_commit call then advances every layer's state and conv window
-      in place, in decode as in NEXTN's commit: no XLA slice, scatter or copy around them) or "chain"
-      (pallas_kernels/kda_chain.py: conv, norms, gates, delta rule and the output RMSNorm + gate in one kernel per
-      layer; decode advances the state in the same kernel). Measured on H200
-      (2026-12-01): one layer at T = 1 (decode) 12.2 us chain-advance vs 21.1 us verify + epilogue + commit,
-      but at T = 6 110.5 us vs 26.9 us (one program per head spills registers; 32 programs on 132 SMs); the
-      12-layer slice's NEXTN5 step 5487 us with chain vs 4759 us with verify. Verify stays the default.
-    kda_fused_decode: with kda_impl="verify", decode (T = 1) runs one fused KDA kernel (conv + delta rule + state update in place) instead
+    Decode / verify KDA runs the kda_verify + kda_commit kernels (the output epilogue in XLA): each layer's verify
+      reads the fused projection, conv_w and its layer of the stacked states in place and writes its rows into one
+      stack, and ONE kda_commit call then advances every layer's state and conv window in place, in decode as in
+      NEXTN's commit: no XLA slice, scatter or copy around them.
+    kda_fused_decode: decode (T = 1) runs one fused KDA kernel (conv + delta rule + state update in place) instead
       of verify + commit. Off by default: its output uses S^T(e q) + u (k.q) for S'^T q, equal in exact arithmetic
       but not bitwise equal to the verify kernel's row, and plain greedy must match NEXTN's.
     mla_live_prefix: decode/verify MLA attention through pallas_kernels/mla_attention.py (reads the live prefix
       only). Off by default: on H200 it beats XLA's attention over every slot at a live length of 1024 (28 vs
       34 us at T = 1, 25 vs 46 us at T = 6) but loses at 8192 with T >= 6 (53 vs 46 us at T = 6, 114 vs 56 us at
       T = 17; bench/results/kernels-head-mla-h200-2026-12-01.json): its blocks are re-read per 128-column slice.
-    kda_pallas_prefill: chunked prefill runs the Pallas chunked kernel instead of the model's jnp form. Off by
-      default: on H200 it took 5.6 ms at T=2048 against XLA's 3.3 ms (bench/results/kernels-h200-*-run4).
-    moe_slots: where the Mosaic MoE serves a bf16 call, the router's top-k launch also builds its slot tables
-      (pallas_kernels.router.route_slots -> moe_mosaic.moe_slots): router scores, router top-k + tables, up,
-      down and one fusion (split-K sum + residual add), instead of ~10 XLA kernels of alignment and padding
-      between them. Off by default: on the H200 (2026-12-01, bench/kernels_moe_layer.py, Ling dims) the layer at
-      T = 1 took 57.4 us with it against 49.7 us without (4.1 vs 9.3 kernels per call), bitwise equal outputs.
     moe_router_tables: where the Triton MoE serves a decode / verify call (T <= router_segments.MAX_TOKENS = 32),
       the router is ONE launch that also emits the MoE's alignment tables (pallas_kernels.router_segments ->
       moe.moe_segments): router, up, down, and the shared expert's XLA fusions where its width is not I (the v2
@@ -234,11 +217,8 @@ class KernelCalls:
 
     interpret: bool = False
     moe_impl: str = "auto"
-    kda_impl: str = "verify"
     kda_fused_decode: bool = False
-    kda_pallas_prefill: bool = False
     mla_live_prefix: bool = False
-    moe_slots: bool = False
     moe_router_tables: bool = True
     moe_router_norm: bool = False
     moe_router_scatter: bool = True
@@ -279,11 +259,6 @@ class KernelCalls:
             raise ValueError(f"moe_fp8_scheme={self.moe_fp8_scheme!r} not in {MOE_FP8_SCHEMES}")
         if self.moe_impl not in MOE_IMPLS:
             raise ValueError(f"moe_impl={self.moe_impl!r} not in {MOE_IMPLS}")
-        if self.kda_impl not in KDA_IMPLS:
-            raise ValueError(f"kda_impl={self.kda_impl!r} not in {KDA_IMPLS}")
-        if self.kda_fused_decode and self.kda_impl != "verify":
-            raise ValueError(f"kda_fused_decode=True needs kda_impl='verify' (kda_impl={self.kda_impl!r} decodes "
-                             "through its own kernel)")
 
     # ---- choices -------------------------------------------------------------------------------------------
 
@@ -368,29 +343,28 @@ class KernelCalls:
     def routed_moe(self, x, gate_w, expert_bias, cfg, experts, shared, *, limit: float, shared_limit: float,
                    live_rows=None, rows_per_seq: int = 0, fp8_activations: bool = False):
         """Router and MoE with the alignment inside the router's launch -> (y [T, D] f32, ids [T, A]), or None
-        where no such chain applies (the caller routes and calls `moe`): on the Mosaic MoE, moe_slots (bf16
-        weights, a shared expert of width I); on the Triton MoE, moe_router_tables (T <= its MAX_TOKENS).
-        Neither where the router tiles do not fit. live_rows int32[B] with rows_per_seq = T / B: padding rows
-        borrow routing (as ling_jax.layers.moe.borrow_routing).
+        where no such chain applies (the caller routes and calls `moe`): on the Triton MoE, moe_router_tables
+        (T <= its MAX_TOKENS), not where the router tiles do not fit; the Mosaic MoE has none. live_rows int32[B]
+        with rows_per_seq = T / B: padding rows borrow routing (as ling_jax.layers.moe.borrow_routing).
         x: the MoE's input rows [T, D], or a layers.linear.Normed of the residual stream [..., D] (one input; T
         its rows): where moe_router_tables serves the call and moe_router_norm (router_segments.takes_norm), the
-        router's program computes that RMSNorm and the MoE reads its xn; every other chain runs the model's norm
+        router's program computes that RMSNorm and the MoE reads its xn; otherwise the model's norm
         (Normed.value(), then the rows).
-        fp8_activations with fp8 weights: None (neither chain quantises activations: `moe` runs the w8a8 kernel)."""
+        fp8_activations with fp8 weights: None (the chain does not quantise activations: `moe` runs the w8a8
+        kernel)."""
         if fp8_activations and _any_fp8(experts, shared):
             return None
         rows = jax.ShapeDtypeStruct((math.prod(x.shape[:-1]), x.shape[-1]), x.dtype)  # what the choices read
         rc = self._router_config(rows, gate_w.shape[0], cfg)
         if rc is None:
             return None
+        if self._fp8_mosaic(rows, experts, shared) or self.moe_kernel(rows, experts[0]) == "mosaic":
+            return None
+        if not self.moe_router_tables or rows.shape[0] > _router_segments.MAX_TOKENS:
+            return None
         route_kw = dict(n_group=cfg.n_group, topk_group=cfg.topk_group, top_k=cfg.num_experts_per_tok,
                         routed_scaling_factor=cfg.routed_scaling_factor, norm_topk_prob=cfg.norm_topk_prob,
                         rows_per_seq=rows_per_seq if live_rows is not None else 0, config=rc)
-        if self._fp8_mosaic(rows, experts, shared) or self.moe_kernel(rows, experts[0]) == "mosaic":
-            return self._routed_moe_mosaic(_normed(x, rows.shape), gate_w, expert_bias, experts, shared, live_rows,
-                                           route_kw, limit=limit, shared_limit=shared_limit)
-        if not self.moe_router_tables or rows.shape[0] > _router_segments.MAX_TOKENS:
-            return None
         # The Triton chain of `moe`, its alignment in the router's launch: the same kernels on the same tables
         w_gate, w_up, w_down = (dense(w, rows.dtype) for w in experts)
         dense_shared = None if shared is None else tuple(dense(w, rows.dtype) for w in shared)
@@ -416,21 +390,6 @@ class KernelCalls:
         moe_shared_segments) a multiple of it, as chunks of the shared segment."""
         width, i = shared[0].shape[0], w_gate.shape[1]
         return width == i or (self.moe_shared_segments and width % i == 0)
-
-    def _routed_moe_mosaic(self, x, gate_w, expert_bias, experts, shared, live_rows, route_kw, *, limit: float,
-                           shared_limit: float):
-        """moe_slots: router.route_slots -> moe_mosaic.moe_slots, or None (off, fp8 weights, no shared expert of
-        width I)."""
-        w_gate, w_up, w_down = experts
-        dense_weights = not any(isinstance(w, Fp8Weight) for w in (*experts, *(shared or ())))
-        if not self.moe_slots or not dense_weights or shared is None or shared[0].shape != w_gate.shape[1:]:
-            return None
-        mcfg = self._mosaic_moe_config(x.shape[0], w_gate)
-        r = _router.route_slots(x, gate_w, expert_bias, live_rows, n_tokens=mcfg.n_tokens, has_shared=True,
-                                **route_kw)
-        y = _moe_mosaic.moe_slots(r.x_pad, r.meta, r.wc, w_gate, w_up, w_down, t=x.shape[0], limit=limit,
-                                  shared=tuple(shared), shared_limit=shared_limit, config=mcfg)
-        return y.astype(jnp.float32), r.ids
 
     def _fp8_mosaic(self, x, experts, shared, fp8_activations: bool = False) -> bool:
         """Whether the fp8-weight Mosaic kernel serves this call: every weight block fp8, the bf16 Mosaic kernel's
@@ -549,14 +508,6 @@ class KernelCalls:
         except ValueError:
             return None
         return cfg
-
-    def kda_chain(self, proj, b_raw, A_log, dt_bias, conv_w, o_norm, conv_window, rec_state, *, lower_bound: float,
-                  eps: float, advance: bool):
-        """The KDA chain of one layer (see pallas_kernels/kda_chain.py): -> KdaChainOut(o [B, T, H*V], commit
-        inputs, rec_state / conv_window when advance)."""
-        cfg = _kda_chain.KdaChainConfig(interpret=True) if self.interpret else None
-        return _kda_chain.kda_chain(proj, b_raw, A_log, dt_bias, conv_w, o_norm, conv_window, rec_state,
-                                    lower_bound=lower_bound, eps=eps, advance=advance, config=cfg)
 
     def _linear_config(self, k_parts: tuple[int, ...]):
         """The fused projections' tiles for inputs of reduction widths k_parts (the kernel tiles each input
@@ -679,12 +630,6 @@ class KernelCalls:
         y = self.moe(x, ids, weights, w_gate, w_up, w_down, limit=limit, shared=shared, shared_limit=shared_limit,
                      fp8_activations=fp8_activations)
         return add_rms_norm(residual, y, norm_weight, eps)
-
-    def kda_prefill(self, q, k, v, g, beta, state):
-        config = None
-        if self.interpret:
-            config = _kda_prefill.KdaPrefillConfig(block_v=min(32, v.shape[-1]), interpret=True)
-        return _kda_prefill.kda_prefill(q, k, v, g, beta, state, config=config)
 
 
 def _any_fp8(experts, shared) -> bool:

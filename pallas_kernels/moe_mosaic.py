@@ -13,8 +13,7 @@ Math (the reference is the model's ling_jax.layers.moe.moe_experts; clamp L > 0 
 Kernel plan (the weights are the wgmma M side, the few tokens the N side; no host sync, no limit on E):
   0. align, no sort: each distinct expert id gets a slot s < n_active in ascending expert order
      (an expert picked by several tokens, or twice, is read once); wc [S, N] is a one-hot
-     reduction (no scatter, no atomics). `moe`: in XLA (`_align`, ~6 small kernels + the pad of
-     x); `moe_slots`: the tables come from the router's top-k launch (router.route_slots).
+     reduction (no scatter, no atomics), in XLA (`_align`, ~6 small kernels + the pad of x).
   1. `moe_mgpu_up`, grid (S, I/BI): slot s streams its expert's [BI, D] gate and up rows once
      through a TMA pipeline; epilogue SwiGLU(+clamp) * wc -> h' [S, I, N] bf16. Empty slots exit.
   2. `moe_mgpu_down`, grid (D/BD, KS): one accumulator [BD, N] runs over every active slot in
@@ -532,38 +531,16 @@ def moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, limit=0.0, shared=No
   return run_kernels(x, meta, wc, w_gate, w_up, w_down, shared, limit=limit, shared_limit=shared_limit, cfg=cfg)
 
 
-def moe_slots(x_pad, meta, wc, w_gate, w_up, w_down, *, t, limit=0.0, shared=None, shared_limit=0.0,
-              config=None):
-  """The MoE on slot tables the router already built (pallas_kernels.router.route_slots): x_pad [N, D]
-  (x with zero rows past T), meta [1 + P], wc [P + 1, N] -> [T, D] in x's dtype; the up and down
-  launches and one XLA fusion (the split-K sum, transposed), nothing before them. The shared expert's
-  width must equal I (it rides as slot P)."""
-  cfg = config or MosaicMoeConfig()
-  n, d = x_pad.shape
-  e, i, _ = w_gate.shape
-  if n != cfg.n_tokens or wc.shape != (meta.shape[0], n):
-    raise ValueError(f"x_pad {x_pad.shape}, meta {meta.shape}, wc {wc.shape}: expected N = n_tokens = "
-                     f"{cfg.n_tokens} rows and wc [1 + P, N]")
-  if x_pad.dtype not in (jnp.bfloat16, jnp.float16) or w_gate.dtype != x_pad.dtype:
-    raise ValueError(f"x {x_pad.dtype} / weights {w_gate.dtype}: the wgmma path takes bf16 or f16")
-  if shared is not None and shared[0].shape != (i, d):
-    raise ValueError(f"shared gate {shared[0].shape}: slot P needs the routed width I={i}")
-  cfg.check(t, d, i)
-  return run_kernels(None, meta, wc, w_gate, w_up, w_down, shared, limit=limit, shared_limit=shared_limit,
-                     cfg=cfg, x_pad=x_pad, t=t)
-
-
 def run_kernels(x, meta, wc, w_gate, w_up, w_down, shared, *, limit, shared_limit, cfg, scales=None,
-                x_pad=None, t=None, x_scales=None):
+                x_scales=None):
   """The up and down launches and the fixed-order sum of the split-K partials, on checked operands.
   scales (fp8 weights, see moe_mosaic_fp8.scale_tables): (up [S, I/128, R, W], down [D/128, KS, R', W]) f32.
-  x [T, D] is padded here, or x_pad [N, D] comes padded (with t = T).
+  x [T, D] is padded here to N rows.
   x_scales (fp8 weights with fp8_activations): x is e4m3 and x_scales [T, D/128] f32 its per-token group scales
   (ling_jax.quant.quantize_activations); the result is bf16."""
   n = cfg.n_tokens
-  if x_pad is None:
-    t = x.shape[0]
-    x_pad = jnp.pad(x, ((0, n - t), (0, 0)))                          # [N, D]
+  t = x.shape[0]
+  x_pad = jnp.pad(x, ((0, n - t), (0, 0)))                          # [N, D]
   d = x_pad.shape[1]
   e, i, _ = w_gate.shape
   has_shared, p = shared is not None, wc.shape[0] - 1

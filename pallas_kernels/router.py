@@ -16,14 +16,9 @@ the 2.6 MB gate matvec wants many CTAs, the top-k wants all E scores of a token 
   1. `router_scores`, grid (E/BE): s[T, BE tile] = sigmoid(x @ gate_w[tile].T), fp32.
   2. `router_topk`, grid (T,): per token, on the [G, EG] score tile: group top-2 sums, keep
      topk_group groups, top_k over the kept experts by repeated argmax, normalised weights.
-`route_slots` (the MoE layer's router on the Mosaic MoE path): the same scores launch, which
-also writes x zero-padded to the MoE's N token columns, then ONE program `router_topk_slots`
-for all T tokens ([T', G, EG] tiles, the same selection ops row by row) that also builds the
-Mosaic MoE's slot tables (meta, wc; see _topk_slots_kernel) and applies the routing borrow of
-padding rows: router -> up -> down with no XLA kernel between them. `slots_from_logits` is
-its second launch alone, for a caller that computed the logits in its own kernel.
-The Triton MoE's counterpart, with its segment tables and (when the gate is one score tile) the
-scores in the same one program, is pallas_kernels/router_segments.py.
+The MoE layer's router on the Triton MoE path, with its segment tables and (when the gate is one
+score tile) the scores in the same one program, is pallas_kernels/router_segments.py (it reuses
+gate_logits, topk_rows / topk_columns and source_rows from here).
 Tie rule (same as lax.top_k, which returns the lower index first among equal values): every
 selection (the top-2 inside a group, the kept groups, the final experts) takes the LOWEST
 index among equal values; ids come out in descending score order.
@@ -35,8 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -56,7 +49,7 @@ class RouterConfig:
     block_k: reduction tile over D.
     num_warps, num_stages: Triton launch parameters of the score kernel.
     topk_warps: num_warps of the per-token top-k kernel.
-    slots_warps: num_warps of route_slots' one-program top-k + slot-table kernel.
+    slots_warps: num_warps of router_segments' one-program top-k + table kernels.
     segments: router_segments' program: "onehot" (per pair column [rows, T'] one-hot sums, the K loop
       pipelined) or "scatter" (the K tiles' loads issued at once, the selection as argmaxes, the tables
       stored where they go: router_segments._scatter_kernel); the same outputs bit for bit.
@@ -123,17 +116,15 @@ def check_groups(e, n_group, topk_group, top_k):
                      f"n_group={n_group}, E={e}")
 
 
-def gate_logits(x_ref, g_ref, e0, *, t, tp, be, bk, d, on_x_tile=None, x_tile=None):
+def gate_logits(x_ref, g_ref, e0, *, t, tp, be, bk, d, x_tile=None):
   """logits [T', BE] = x @ gate_w[e0:e0+BE].T: [T', BK] x [BE, BK] tiles over D, fp32 accumulation; rows >= T
-  of x read as 0. on_x_tile(kb, xb): called with each K step's x tile (route_slots copies it out). x_tile(kb, xb)
-  -> the tile the gate multiplies in place of xb (router_segments: the RMSNorm of x's rows)."""
+  of x read as 0. x_tile(kb, xb) -> the tile the gate multiplies in place of xb (router_segments: the RMSNorm of
+  x's rows)."""
   rows = lax.broadcasted_iota(jnp.int32, (tp, 1), 0) < t               # [T', 1]
 
   def k_step(kb, acc):
     xb = plt.load(x_ref.at[pl.ds(0, tp), pl.ds(kb * bk, bk)],
                   mask=jnp.broadcast_to(rows, (tp, bk)), other=0.0)
-    if on_x_tile is not None:
-      on_x_tile(kb, xb)
     if x_tile is not None:
       xb = x_tile(kb, xb)
     gb = g_ref[pl.ds(e0, be), pl.ds(kb * bk, bk)]                      # [BE, BK]
@@ -148,24 +139,12 @@ def sigmoid(z):
   return 1.0 / (1.0 + jnp.exp(-z))
 
 
-def _scores_kernel(x_ref, g_ref, s_ref, *x_pad, t, tp, cfg, d):
-  """s[:, tile] = sigmoid(x @ gate_w[tile].T): [T', BK] x [BE, BK] tiles, fp32 accumulate.
-  x_pad (route_slots): the programs also copy x, zero-padded to N rows, out (the MoE kernels' TMA operand);
-  K step kb is copied by program kb mod (E/BE), so no one program writes all N x D."""
+def _scores_kernel(x_ref, g_ref, s_ref, *, t, tp, cfg, d):
+  """s[:, tile] = sigmoid(x @ gate_w[tile].T): [T', BK] x [BE, BK] tiles, fp32 accumulate."""
   be, bk = cfg.block_e, cfg.block_k
   e0 = pl.program_id(0) * be
   rows = lax.broadcasted_iota(jnp.int32, (tp, 1), 0) < t               # [T', 1]
-  copy_x = None
-  if x_pad:  # (program_id is read here: the interpreter does not discharge it inside the loop body)
-    n, pid, nprog = x_pad[0].shape[0], pl.program_id(0), pl.num_programs(0)
-    below = lambda kb, m: (lax.broadcasted_iota(jnp.int32, (tp, bk), 0) < m) & (lax.rem(kb, nprog) == pid)
-
-    def copy_x(kb, xb):  # rows T..T'-1 are the zeros the masked load gave
-      plt.store(x_pad[0].at[pl.ds(0, tp), pl.ds(kb * bk, bk)], xb, mask=below(kb, n))
-      for r0 in range(tp, n, tp):                                     # rows T'..N-1
-        plt.store(x_pad[0].at[pl.ds(r0, tp), pl.ds(kb * bk, bk)], jnp.zeros_like(xb), mask=below(kb, n - r0))
-
-  s = sigmoid(gate_logits(x_ref, g_ref, e0, t=t, tp=tp, be=be, bk=bk, d=d, on_x_tile=copy_x))
+  s = sigmoid(gate_logits(x_ref, g_ref, e0, t=t, tp=tp, be=be, bk=bk, d=d))
   plt.store(s_ref.at[pl.ds(0, tp), pl.ds(e0, be)], s, mask=jnp.broadcast_to(rows, s.shape))
 
 
@@ -331,66 +310,6 @@ def topk_columns(s, b, *, g, eg, topk_group, top_k, ap, scale, norm):
   return ids, w, list(zip(picks, ws))
 
 
-def _topk_slots_kernel(s_ref, b_ref, *rest, t, g, eg, topk_group, top_k, ap, scale, norm,
-                       n_cols, has_shared, rows_per_seq, from_logits):
-  """All T tokens in one program: top-k (as _topk_kernel), then the MoE slot tables.
-
-  Outputs (moe_mosaic's layout): meta [1 + P] = (n_active, expert of slot 0..P-1, 0 past
-  n_active), slot r = the r-th smallest distinct expert; wc [P + 1, N] f32, wc[r, c] = token c's
-  routing weight on slot r's expert (0 if not picked), row P the shared expert (1 for c < T).
-  rank[e] = #(picked experts < e) is an exclusive prefix count over the E experts; a pair's slot
-  is rank at its expert (a one-hot reduction); the tables are one-hot sums over the pairs, so
-  every cell is written once, no scatter."""
-  live_ref, ids_ref, w_ref, meta_ref, wc_ref = rest if rows_per_seq else (None, *rest)
-  tp = max(2, 1 << (t - 1).bit_length())
-  p = t * top_k
-  row = lax.broadcasted_iota(jnp.int32, (tp,), 0)
-  valid = row < t
-  src = source_rows(live_ref, t=t, tp=tp, rows_per_seq=rows_per_seq)
-  grp = lax.broadcasted_iota(jnp.int32, (tp, g, eg), 1)
-  col = lax.broadcasted_iota(jnp.int32, (tp, g, eg), 2)
-  rows = jnp.broadcast_to(src[:, None, None], (tp, g, eg))   # a gather: the interpreter wants every index an array
-  s = plt.load(s_ref.at[rows, grp, col], mask=jnp.broadcast_to(valid[:, None, None], (tp, g, eg)), other=0.0)
-  if from_logits:  # the scores kernel's sigmoid
-    s = sigmoid(s)
-  taken, ids, w = topk_rows(s, b_ref[...], valid, g=g, eg=eg, topk_group=topk_group, top_k=top_k,
-                             ap=ap, scale=scale, norm=norm)
-  out_mask = valid[:, None] & (lax.broadcasted_iota(jnp.int32, (tp, ap), 1) < top_k)
-  plt.store(ids_ref.at[pl.ds(0, tp), pl.ds(0, ap)], ids, mask=out_mask)
-  plt.store(w_ref.at[pl.ds(0, tp), pl.ds(0, ap)], w, mask=out_mask)
-
-  used = jnp.max(taken.astype(jnp.int32), axis=0)                       # [G, EG] 0/1
-  per_group = jnp.sum(used, axis=1)                                     # [G]
-  n_active = jnp.sum(per_group)  # (one axis at a time: a 2-D -> scalar reduce fails under an abstract mesh)
-  rank = jnp.cumsum(used, axis=1) - used + (jnp.cumsum(per_group) - per_group)[:, None]
-
-  sp = max(2, 1 << p.bit_length())                                      # >= P + 1 slots
-  slot = lax.broadcasted_iota(jnp.int32, (sp, tp), 0)                   # [S', T'] slot r
-  tok = lax.broadcasted_iota(jnp.int32, (sp, tp), 1)                    # token c
-  flat = lax.broadcasted_iota(jnp.int32, (tp, g, eg), 1) * eg + lax.broadcasted_iota(
-      jnp.int32, (tp, g, eg), 2)
-  wc = jnp.zeros((sp, tp), jnp.float32)
-  expert = jnp.zeros((sp, tp), jnp.int32)
-  for k in range(top_k):
-    e_k = jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, (tp, ap), 1) == k, ids, 0), axis=1)
-    w_k = jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, (tp, ap), 1) == k, w, 0.0), axis=1)
-    r_k = jnp.sum(jnp.sum(jnp.where(flat == e_k[:, None, None], rank[None], 0), axis=2), axis=1)
-    hit = (slot == r_k[None, :]) & valid[None, :]                       # [S', T']
-    wc = wc + jnp.where(hit, w_k[None, :], 0.0)                         # one pair per cell
-    shifted = (slot == r_k[None, :] + 1) & valid[None, :]               # meta lane 1 + r: slot r
-    expert = jnp.maximum(expert, jnp.where(shifted, e_k[None, :], 0))
-  if has_shared:
-    wc = jnp.where((slot == p) & valid[None, :], 1.0, wc)
-  rows_ok = slot < p + 1
-  plt.store(wc_ref.at[pl.ds(0, sp), pl.ds(0, tp)], wc, mask=rows_ok & (tok < n_cols))
-  for c0 in range(tp, n_cols, tp):                                      # columns T'..N-1: zeros
-    plt.store(wc_ref.at[pl.ds(0, sp), pl.ds(c0, tp)], jnp.zeros_like(wc),
-              mask=rows_ok & (tok < n_cols - c0))
-  lane = lax.broadcasted_iota(jnp.int32, (sp,), 0)
-  meta = jnp.where(lane == 0, n_active, jnp.max(expert, axis=1))     # 0 past n_active
-  plt.store(meta_ref.at[pl.ds(0, sp)], meta, mask=lane < p + 1)
-
-
 def router_scores(x, gate_w, cfg):
   """The score launch alone: x [T, D], gate_w [E, D] -> s [T, E] f32 (grid E / block_e)."""
   t, d = x.shape
@@ -428,85 +347,3 @@ def route(x, gate_w, expert_bias, *, n_group, topk_group, top_k, routed_scaling_
       interpret=cfg.interpret, name="router_topk",
   )(scores.reshape(t, n_group, eg), expert_bias.astype(jnp.float32).reshape(n_group, eg))
   return ids, w
-
-
-class RoutedSlots(NamedTuple):
-  """The router's outputs for the Mosaic MoE (pallas_kernels.moe_mosaic.moe_slots).
-  ids [T, A] int32, weights [T, A] f32 (as `route`; rows past their sequence's live count borrow);
-  meta [1 + P] int32 and wc [P + 1, N] f32 (moe_mosaic's slot tables); x_pad [N, D] (x, zero rows
-  past T) or None when the caller has only scores."""
-  ids: jax.Array
-  weights: jax.Array
-  meta: jax.Array
-  wc: jax.Array
-  x_pad: jax.Array | None
-
-
-def _slot_tables(scores, expert_bias, live_rows, *, n_group, topk_group, top_k, routed_scaling_factor,
-                 norm_topk_prob, n_tokens, has_shared, rows_per_seq, from_logits, cfg):
-  """One launch of _topk_slots_kernel on scores [T, E] -> (ids, w, meta, wc)."""
-  t, e = scores.shape
-  eg, p = e // n_group, t * top_k
-  if t > n_tokens:
-    raise ValueError(f"T={t} tokens exceed n_tokens={n_tokens}")
-  if live_rows is not None and (not rows_per_seq or live_rows.shape[0] * rows_per_seq != t):
-    raise ValueError(f"live_rows {live_rows.shape} with rows_per_seq={rows_per_seq} must cover T={t}")
-  ap = max(2, 1 << (top_k - 1).bit_length())
-  kern = functools.partial(
-      _topk_slots_kernel, t=t, g=n_group, eg=eg, topk_group=topk_group, top_k=top_k, ap=ap,
-      scale=float(routed_scaling_factor), norm=norm_topk_prob, n_cols=n_tokens, has_shared=has_shared,
-      rows_per_seq=rows_per_seq if live_rows is not None else 0, from_logits=from_logits)
-  live = () if live_rows is None else (live_rows.astype(jnp.int32),)
-  return pl.pallas_call(
-      kern, grid=(1,),
-      out_shape=(jax.ShapeDtypeStruct((t, top_k), jnp.int32), jax.ShapeDtypeStruct((t, top_k), jnp.float32),
-                 jax.ShapeDtypeStruct((1 + p,), jnp.int32), jax.ShapeDtypeStruct((p + 1, n_tokens), jnp.float32)),
-      compiler_params=plt.CompilerParams(num_warps=cfg.slots_warps, num_stages=1),
-      interpret=cfg.interpret, name="router_topk_slots",
-  )(scores.reshape(t, n_group, eg), expert_bias.astype(jnp.float32).reshape(n_group, eg), *live)
-
-
-@functools.partial(jax.jit, static_argnames=("n_group", "topk_group", "top_k", "routed_scaling_factor",
-                                             "norm_topk_prob", "n_tokens", "has_shared", "rows_per_seq",
-                                             "config"))
-def route_slots(x, gate_w, expert_bias, live_rows=None, *, n_group, topk_group, top_k,
-                routed_scaling_factor, norm_topk_prob=True, n_tokens, has_shared, rows_per_seq=0,
-                config=None) -> RoutedSlots:
-  """The router with the MoE alignment in its top-k launch: two launches (scores + x_pad, top-k +
-  slot tables), nothing between them and the MoE kernels. live_rows int32[B] (optional, with
-  rows_per_seq = T / B): rows past a sequence's live count borrow its last live row's routing."""
-  cfg = config or RouterConfig()
-  t, d = x.shape
-  e = gate_w.shape[0]
-  assert gate_w.shape == (e, d) and expert_bias.shape == (e,), (x.shape, gate_w.shape, expert_bias.shape)
-  cfg.check(d, e, n_group, topk_group, top_k, t=t, itemsize=x.dtype.itemsize)
-  tp = padded_tokens(t)
-  scores, x_pad = pl.pallas_call(
-      functools.partial(_scores_kernel, t=t, tp=tp, cfg=cfg, d=d), grid=(e // cfg.block_e,),
-      out_shape=(jax.ShapeDtypeStruct((t, e), jnp.float32), jax.ShapeDtypeStruct((n_tokens, d), x.dtype)),
-      compiler_params=plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-      interpret=cfg.interpret, name="router_scores",
-  )(x, gate_w)
-  tables = _slot_tables(scores, expert_bias, live_rows, n_group=n_group, topk_group=topk_group, top_k=top_k,
-                        routed_scaling_factor=routed_scaling_factor, norm_topk_prob=norm_topk_prob,
-                        n_tokens=n_tokens, has_shared=has_shared, rows_per_seq=rows_per_seq,
-                        from_logits=False, cfg=cfg)
-  return RoutedSlots(*tables, x_pad)
-
-
-@functools.partial(jax.jit, static_argnames=("n_group", "topk_group", "top_k", "routed_scaling_factor",
-                                             "norm_topk_prob", "n_tokens", "has_shared", "rows_per_seq",
-                                             "config"))
-def slots_from_logits(logits, expert_bias, live_rows=None, *, n_group, topk_group, top_k,
-                      routed_scaling_factor, norm_topk_prob=True, n_tokens, has_shared, rows_per_seq=0,
-                      config=None) -> RoutedSlots:
-  """route_slots for a caller that computed the router logits [T, E] f32 itself (e.g. a fused norm +
-  projection kernel): one launch (sigmoid, top-k, slot tables); x_pad is None."""
-  cfg = config or RouterConfig()
-  t, e = logits.shape
-  check_groups(e, n_group, topk_group, top_k)
-  tables = _slot_tables(logits.astype(jnp.float32), expert_bias, live_rows, n_group=n_group,
-                        topk_group=topk_group, top_k=top_k, routed_scaling_factor=routed_scaling_factor,
-                        norm_topk_prob=norm_topk_prob, n_tokens=n_tokens, has_shared=has_shared,
-                        rows_per_seq=rows_per_seq, from_logits=True, cfg=cfg)
-  return RoutedSlots(*tables, None)

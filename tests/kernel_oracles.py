@@ -85,12 +85,3 @@ def kda_decode(q_raw, k_raw, v_raw, f_raw, b_raw, A_log, dt_bias, q_conv_w, k_co
   ones = jnp.ones((q_raw.shape[0],), jnp.int32)
   new_window = model_kda.slide_window(window, proj[:, :, :3], ones)
   return o, state, new_window.reshape(conv_state.shape)
-
-
-@jax.jit
-def kda_prefill(q, k, v, g, beta, initial_state=None):
-  """pallas_kernels.kda_prefill.kda_prefill's contract through the model's kda_chunked (chunk 64, the kernel's
-  chunk); initial_state None is zeros."""
-  if initial_state is None:
-    initial_state = jnp.zeros(q.shape[:1] + q.shape[2:] + v.shape[-1:], jnp.float32)
-  return model_kda.kda_chunked(q, k, v, g, beta, initial_state, chunk=64)

@@ -217,10 +217,10 @@ def _kernel_inputs(p, x, conv_window, rec_state, kernels=None, fp8_activations: 
 
 def kda_in_place(kernels, mode: str) -> bool:
     """Whether the KDA blocks of a decode / verify pass run the verify kernel on the model's stacked states in
-    place (kernels with kda_impl "verify", decode not fused): each block reads its layer of the stacks where they
-    lie and writes its rows into one stacked KdaPending, and one commit call then advances every layer
-    (`kda_commit_layers`): no XLA slice, scatter or copy of a state around the kernels."""
-    return (kernels is not None and mode in ("decode", "verify") and kernels.kda_impl == "verify"
+    place (kernels, decode not fused): each block reads its layer of the stacks where they lie and writes its rows
+    into one stacked KdaPending, and one commit call then advances every layer (`kda_commit_layers`): no XLA
+    slice, scatter or copy of a state around the kernels."""
+    return (kernels is not None and mode in ("decode", "verify")
             and not (mode == "decode" and kernels.kda_fused_decode))
 
 
@@ -246,20 +246,6 @@ def _pallas_decode(p, x, conv_window, rec_state, cfg, kernels, fp8_activations: 
     return o, new_rec, new_conv, proj[:, :, 4]
 
 
-def _pallas_chain(p, x, conv_window, rec_state, cfg, kernels, *, advance: bool, residual=None,
-                  fp8_activations: bool = False):
-    """One kernel for the layer's KDA chain (conv .. output gate); decode (advance) also commits its row.
-    Returns kda_layer's (out, conv_window, rec_state, pending)."""
-    proj, b_raw = kda_projections(p, x, kernels, fp8_activations)  # [B, T, 5, C], [B, T, H]
-    r = kernels.kda_chain(proj, b_raw, p["A_log"], p["dt_bias"], p["conv_w"], p["o_norm"], conv_window, rec_state,
-                          lower_bound=cfg.kda_lower_bound, eps=cfg.rms_norm_eps, advance=advance)
-    out = linear(r.o, p["o_proj"], kernels, residual, fp8_activations=fp8_activations)
-    if advance:
-        return out, r.conv_window, r.rec_state, None
-    ci = r.commit
-    return out, conv_window, rec_state, KdaPending(proj[:, :, :3], ci.k, ci.v, ci.g, ci.beta)
-
-
 def kda_layer(p, x, conv_window, rec_state, cfg, *, mode: str, n_valid, chunked: bool, kernels=None,
               residual=None, fp8_activations: bool = False):
     """One KDA attention block: x [B, T, D] the normed input (or a layers.linear.Normed, whose norm the input
@@ -269,16 +255,13 @@ def kda_layer(p, x, conv_window, rec_state, cfg, *, mode: str, n_valid, chunked:
     mode "prefill"/"decode": consume x[:, :n_valid] and return the new (conv_window, rec_state).
     mode "verify": leave both states untouched and return a KdaPending for `kda_commit`.
     kernels: a ling_jax.kernel_calls.KernelCalls, or None for the jnp path. Its kda_fused_decode runs decode in
-    one kernel (B = 1 decode always has n_valid = 1); its kda_pallas_prefill runs the chunked prefill in Pallas;
-    with kda_in_place, decode / verify run kda_verify_block (+ kda_commit_layers) on this layer's states as stacks
-    of one (the model calls kda_verify_block on its own stacks instead: no copy of a state around the kernel).
+    one kernel (B = 1 decode always has n_valid = 1); with kda_in_place, decode / verify run kda_verify_block
+    (+ kda_commit_layers) on this layer's states as stacks of one (the model calls kda_verify_block on its own
+    stacks instead: no copy of a state around the kernel).
     fp8_activations: fp8 projections read their inputs quantised (layers.linear; Numerics.fp8_activations).
     Returns (out [B, T, D], conv_window, rec_state, pending or None).
     """
     fa = fp8_activations
-    if kernels is not None and mode != "prefill" and kernels.kda_impl == "chain":
-        return _pallas_chain(p, x, conv_window, rec_state, cfg, kernels, advance=mode == "decode",
-                             residual=residual, fp8_activations=fa)
     if kernels is not None and mode == "decode" and kernels.kda_fused_decode:
         o, rec_state, conv_window, out_gate = _pallas_decode(p, x, conv_window, rec_state, cfg, kernels, fa)
         return kda_output(p, o, out_gate, cfg, x.dtype, kernels, residual, fa), conv_window, rec_state, None
@@ -295,10 +278,7 @@ def kda_layer(p, x, conv_window, rec_state, cfg, *, mode: str, n_valid, chunked:
         out = kda_output(p, o, out_gate, cfg, x.dtype, kernels, residual, fa)
         return out, conv_window, rec_state, KdaPending(qkv_raw, k, v, g, beta)
     g, beta = no_op_mask(g, beta, n_valid)
-    if kernels is not None and chunked and kernels.kda_pallas_prefill:
-        core = kernels.kda_prefill
-    else:
-        core = kda_chunked if chunked else kda_recurrent
+    core = kda_chunked if chunked else kda_recurrent
     o, new_state = core(q, k, v, g, beta, rec_state)
     out = kda_output(p, o, out_gate, cfg, x.dtype, kernels, residual, fa)
     return out, slide_window(conv_window, qkv_raw, n_valid), new_state, None
