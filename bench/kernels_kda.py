@@ -186,8 +186,8 @@ def tiled_then_xla_epilogue(cfg, o_norm):
 
 
 def epilogue_jobs(jobs, key, t, ncalls, heads, configs):
-  """The epilogue A/B at T = t for each (h, dk) of heads: the model's jnp (XLA reference), the tiled verify + XLA
-  epilogue (configs[0], the flag off), then each folded config."""
+  """The epilogue A/B at T = t for each (h, dk) of heads: the model's jnp (XLA reference), then each config: named
+  "folded ..." the folded kernel, else the tiled verify + the XLA epilogue (the flag off)."""
   for h, dk in heads:
     sets, consts = make_sets(key, t, h * dk, ncalls, h, dk)
     o_norm = (1 + 0.2 * jax.random.normal(jax.random.fold_in(key, 11), (dk,), F32)).astype(BF)
@@ -199,9 +199,9 @@ def epilogue_jobs(jobs, key, t, ncalls, heads, configs):
     ref = lambda *a, o_norm=o_norm: oracles.kda_verify(*a, o_norm=o_norm, eps=EPS)
     jobs.append((dict(name=f"kda_verify+epilogue T={t} {h}x{dk} XLA reference", **base), epilogue_prog(ref), args,
                  None, null, None))
-    for i, (name, cfg) in enumerate(configs):
-      f = (tiled_then_xla_epilogue(cfg, o_norm) if i == 0 else
-           lambda *a, cfg=cfg, o_norm=o_norm: kda.kda_verify(*a, config=cfg, o_norm=o_norm, eps=EPS))
+    for name, cfg in configs:
+      f = (lambda *a, cfg=cfg, o_norm=o_norm: kda.kda_verify(*a, config=cfg, o_norm=o_norm, eps=EPS)) \
+          if name.startswith("folded") else tiled_then_xla_epilogue(cfg, o_norm)
       chk = lambda f=f, s=sets[0], c=consts, want=want: max(
           rel(x, y) for x, y in zip(jax.tree.leaves(f(*full_args(s, c))), jax.tree.leaves(want)))
       jobs.append((dict(name=f"kda_verify+epilogue T={t} {h}x{dk} {name}", config=str(cfg), **base),
@@ -375,8 +375,8 @@ def bench(rows, bw, key, small=False, configs=None, emit=print, ts=(1, 6, 17), o
 
 
 def default_configs(small):
-  """{op: [(name, KdaConfig)]}; "epilogue": the tiled verify + XLA epilogue first (the flag off), then the folded
-  kernel's configs (one program per head: block_v unused)."""
+  """{op: [(name, KdaConfig)]}; "epilogue": "tiled ..." the tiled verify + XLA epilogue (the flag off), "folded ..."
+  the folded kernel (one program per head: block_v unused, epilogue_num_warps its warps)."""
   if small:
     s = kda.KdaConfig(block_v=16, interpret=True)
     return dict(verify=[("serial", s)], commit=[("serial", s)],
@@ -390,8 +390,10 @@ def default_configs(small):
       decode=[("fused bv32w4", S()), ("fused bv32w8", S(num_warps=8)), ("fused bv16w4", S(block_v=16)),
               ("fused bv64w8", S(block_v=64, num_warps=8)),
               ("verify + commit (the default path), bv32w4", S())],
-      epilogue=[("bv32w4 + XLA epilogue (flag off)", S()), ("folded w4", S()), ("folded w8", S(num_warps=8)),
-                ("folded w2", S(num_warps=2))])
+      epilogue=[("tiled bv32w4 + XLA epilogue (flag off)", S()), ("tiled bv32w2 + XLA epilogue", S(num_warps=2)),
+                ("folded Dv/32 warps (default)", S()), ("folded w1", S(epilogue_num_warps=1)),
+                ("folded w2", S(epilogue_num_warps=2)), ("folded w4", S(epilogue_num_warps=4)),
+                ("folded w8", S(epilogue_num_warps=8))])
 
 
 def fmt(r):

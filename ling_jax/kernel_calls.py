@@ -97,8 +97,10 @@ class KernelCalls:
       input, instead of R(o) and 2-3 small XLA kernels of norm + gate per KDA layer pass (~1.1-1.8 us each on the
       GPU census). Only where a head fits one program (V <= KDA_EPILOGUE_MAX_HEAD = 64, the v2 demo's 64; see
       `kda_epilogue_in_verify`): the norm needs a head's whole row, so that variant runs one program per head with
-      the whole [K, V] f32 state in registers, and at Ling's K = V = 128 kda_chain's kernel of that shape spilled
-      and ran 4x slower at T = 6 (pallas_kernels/kda_verify.py's docstring); wider heads keep the XLA epilogue.
+      the whole [K, V] f32 state in registers: at the demo's 64 x 64 (2 warps) it costs what the tiled verify does
+      at T = 1 and 6 in the SASS model, at Ling's 128 x 128 it spills at T = 6 and models ~3.5 us slower (and the
+      one-program-per-head kda_chain kernel measured 4x slower there; pallas_kernels/kda_verify.py's docstring);
+      wider heads keep the XLA epilogue.
       Same rounding points as the XLA epilogue (o in the activation dtype, then f32); the row sum's order is the
       kernel's. Off until timed on the GPU (bench_step --kda-verify-epilogue --baseline-set
       kda_verify_epilogue=0; bench/kernels_kda.py --only epilogue).

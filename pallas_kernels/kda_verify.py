@@ -41,13 +41,24 @@ a head's whole row o_t and Triton programs cannot exchange partial sums (no grid
 program per head: grid (B, H, 1), BV = Dv (config.block_v is not used). Each program holds in registers the
 [Dk, Dv] f32 state and, for every one of the T positions (all loaded and prepared before the serial steps, as in
 the tiled form), qn, kn, g [Dk], v, gate, o [Dv] and beta, plus o_norm [Dv]; the head's q/k conv is done once
-instead of by Dv/BV programs. Register pressure: at the demo's Dk = Dv = 64 the state is 4096 f32, 32 registers a
-thread at 4 warps, and T = 6 adds ~36 rows of 64 (more where Triton replicates a [Dk] row across lanes, see
-kda_chain.py). At Ling's Dk = Dv = 128 the state alone is 128 registers a thread at 4 warps (64 at 8), and the
-~36 / ~100 rows of 128 at T = 6 / 17 come on top: kda_chain.py's one-program-per-head kernel of that shape spilled
-(128 registers + 2.6 KB stack at T = 6, 8 warps) and took 110.5 us against 26.9 us for verify + the XLA epilogue
-+ commit at T = 6 on the H200. So KernelCalls folds the epilogue only where the head fits (Dv <= 64);
-bench/kernels_kda.py times the folded form at Ling dims too (the data to move that limit).
+instead of by Dv/BV programs. Register pressure (ptxas for sm_90a on the pip Triton's compile of the lowering's
+Triton IR, and bench/sass_model's in-order latency model of one warp; bench/sass_kda_verify.py, CPU only; XLA's own
+Triton may allocate differently): the state alone is Dk Dv / (32 warps) f32 registers a thread (64 at the demo's
+64 x 64 with 2 warps, 128 at Ling's 128 x 128 with 4), and the T rows of [Dk] / [Dv] vectors come on top, partly
+replicated across lanes (Triton places them in the state's slice layouts to avoid layout conversions):
+    demo 64 x 64            T = 1                     T = 6                      T = 17
+    tiled bv32, 4 warps     64 regs, 2.1 us           217 regs, 4.7 us           255 + 824 B spill, 27.6 us
+    folded, 2 warps         126 regs, 1.6 us          210 regs, 4.7 us           255 + 368 B spill, 17.7 us
+    folded, 4 warps         106 regs, 2.9 us          255 + 136 B spill, 10.0 us 168 + 2.6 KB stack, 57 us
+    Ling 128 x 128
+    tiled bv32, 4 warps     72 regs, 1.5 us           155 regs, 4.4 us
+    folded, 4 warps         217 regs, 1.9 us          255 + 80 B spill, 7.9 us
+    folded, 8 / 16 warps    178 regs, 3.1 us (8)      255 + 1.2 KB / 128 + 0.9 KB spill, 34 / 23 us
+(modeled us per program; every program of a call runs at once). At the demo's heads the folded program costs
+what the tiled one does at T = 1 and 6 and removes the XLA epilogue's 2-3 kernels (~1.1-1.8 us each); at Ling's
+it is ~3.5 us slower at T = 6 (the one-program-per-head KDA chain kernel, kda_chain, measured 110.5 us against
+26.9 us for verify + the XLA epilogue + commit at T = 6 on the H200, 2026-12-01). So KernelCalls folds the epilogue only where the head
+fits (Dv <= 64); bench/kernels_kda.py times the folded form at both head sizes (the data to move that limit).
 The fused T = 1 decode (verify + commit + conv window in one kernel) is in kda_decode.py.
 """
 from __future__ import annotations
@@ -106,15 +117,21 @@ class KdaConfig:
     block_v: value columns per program (power of 2 dividing Dv); 32 with 4 warps was the fastest verify on the
       H200 (7.5 / 39 us at T = 6 / 17). The folded epilogue's programs take a whole head (Dv) instead.
     num_warps: Triton warps per program.
+    epilogue_num_warps: warps of the folded epilogue's one program per head; None: Dv / 32 (2 at the demo's 64,
+      4 at Ling's 128: the fastest of 1-16 warps in bench/sass_kda_verify.py's model at T = 1 and 6, see the
+      module docstring).
     interpret: run in the Pallas interpreter (CPU tests).
   """
   block_v: int = 32
   num_warps: int = 4
+  epilogue_num_warps: int | None = None
   interpret: bool = False
 
   def __post_init__(self):
     if self.block_v <= 0 or self.block_v & (self.block_v - 1):
       raise ValueError(f"block_v={self.block_v} must be a positive power of 2")
+    if self.epilogue_num_warps not in (None, 1, 2, 4, 8, 16):
+      raise ValueError(f"epilogue_num_warps={self.epilogue_num_warps} must be one of 1, 2, 4, 8, 16 (or None)")
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -301,6 +318,7 @@ def kda_verify(proj, b_raw, A_log, dt_bias, conv_w, conv_state, rec_state, layer
   width = conv_w.shape[-1]
   epilogue = o_norm is not None
   bv = dv if epilogue else cfg.block_v
+  num_warps = (cfg.epilogue_num_warps or max(1, dv // 32)) if epilogue else cfg.num_warps
   assert n_streams >= (5 if epilogue else 4) and conv_w.shape == (3, c, 1, width), (proj.shape, conv_w.shape)
   assert rec_state.shape == (n_layers, bsz, h, dk, dv), rec_state.shape
   assert conv_state.shape == (n_layers, bsz, width - 1, 3, c), conv_state.shape
@@ -322,7 +340,7 @@ def kda_verify(proj, b_raw, A_log, dt_bias, conv_w, conv_state, rec_state, layer
       kern, grid=(bsz, h, dv // bv),
       out_shape=(jax.ShapeDtypeStruct(o_shape, proj.dtype),) + tuple(out_rows),
       input_output_aliases=aliases,
-      compiler_params=plt.CompilerParams(num_warps=cfg.num_warps, num_stages=1),
+      compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
       interpret=cfg.interpret, name="kda_verify",
   )(jnp.asarray(layer, jnp.int32).reshape(1), proj.reshape(bsz, t, n_streams * c), b_raw, A_log, dt_bias,
     conv_w.reshape(3 * c, 1, width), conv_state.reshape(n_layers, bsz, width - 1, 3 * c), rec_state, *extra,

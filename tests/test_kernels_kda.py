@@ -176,8 +176,8 @@ def test_model_commit_against_numpy_loop():
 
 
 def test_kda_configs_lower_for_cuda():
-  """Non-default configs (8 warps, wide V tiles) and the folded epilogue (one program per head of 128, 4 and 8
-  warps) lower at full shapes (35 stacked layers) to Triton calls with the outputs' shapes and dtypes, and each
+  """Non-default configs (8 warps, wide V tiles) and the folded epilogue (one program per head of 128, the default
+  Dv / 32 = 4 warps and 8) lower at full shapes (35 stacked layers) to Triton calls with the outputs' shapes and dtypes, and each
   config gives its own kernels (the config reaches the lowering)."""
   from tests.cuda_lowering import H200, S, lower_cuda
   h, dk, t, n_layers = 32, 128, 6, 35
@@ -190,7 +190,7 @@ def test_kda_configs_lower_for_cuda():
   texts = []
   o_norm = S((dk,), jnp.bfloat16)
   for cfg, epilogue in ((KdaConfig(block_v=16, num_warps=8), False), (KdaConfig(block_v=64), False),
-                        (KdaConfig(), True), (KdaConfig(num_warps=8), True)):
+                        (KdaConfig(), True), (KdaConfig(epilogue_num_warps=8), True)):
     verify = lambda w, *a, cfg=cfg, ep=epilogue: kda_verify(*a, config=cfg, o_norm=w if ep else None)
     commit = lambda s, c, r, n, cfg=cfg: kda_commit(s, c, r, n, config=cfg)
     with jax.sharding.use_abstract_mesh(H200):
