@@ -397,7 +397,8 @@ def programs(a, cfg, mesh, rules, kernels, fused: tuple[bool, bool] = (False, Tr
     NEXTN --steps, then each NEXTN --steps again with --draft-vocab. fused: KernelCalls (fused_linear,
     fused_linear_fp8)."""
     out = []
-    calls = (kernel_calls(kernels, fused_linear=fused[0], fused_linear_fp8=fused[1],
+    calls = (kernel_calls(kernels, kda_verify_epilogue=a.kda_verify_epilogue,
+                          fused_linear=fused[0], fused_linear_fp8=fused[1],
                           p2p_allreduce=a.p2p_allreduce,
                           moe_router_tables=a.moe_router_tables, moe_router_norm=a.moe_router_norm,
                           moe_router_scatter=a.moe_router_scatter, moe_shared_segments=a.moe_shared_segments,
@@ -522,6 +523,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--moe-shared-segments", action="store_true", help="KernelCalls.moe_shared_segments=True: a "
                     "shared expert of width n x I (the v2 demo: 192 = 3 x 64) inside the Triton MoE kernels as n "
                     "chunks instead of XLA's dots (off by default; A/B: --baseline-set moe_shared_segments=0)")
+    ap.add_argument("--kda-verify-epilogue", action="store_true", help="KernelCalls.kda_verify_epilogue=True: the "
+                    "KDA output norm + gate inside the verify kernel (one program per head, heads V <= 64: the demo) "
+                    "instead of XLA's (off by default; A/B: --baseline-set kda_verify_epilogue=0)")
     ap.add_argument("--mla-live-prefix", action="store_true", help="KernelCalls.mla_live_prefix=True: decode/verify "
                     "MLA attention over the live prefix only (pallas_kernels/mla_attention.py; off by default)")
     ap.add_argument("--p2p-allreduce", action="store_true", help="KernelCalls.p2p_allreduce=True (--tp >= 2): each "
@@ -638,7 +642,7 @@ def run_all(a, cfg, tp, mesh, rules):
                        "quantization": a.quantization, "memory_plan": plan.lines(), "host_peak_rss_bytes": host,
                        "routing_source": a.routing_from or "captured from this run's router (jnp copy of the step)"}
     fused = a.fused_linear
-    extra.update(kernels=a.kernels, fused_linear=fused, fused_linear_fp8=a.fused_linear_fp8,
+    extra.update(kernels=a.kernels, kda_verify_epilogue=a.kda_verify_epilogue, fused_linear=fused, fused_linear_fp8=a.fused_linear_fp8,
                  p2p_allreduce=a.p2p_allreduce,
                  moe_router_tables=a.moe_router_tables, moe_router_norm=a.moe_router_norm,
                  moe_router_scatter=a.moe_router_scatter, moe_shared_segments=a.moe_shared_segments,
@@ -656,6 +660,7 @@ def run_all(a, cfg, tp, mesh, rules):
     prefix += "-rnorm" if a.moe_router_norm else ""
     prefix += "" if a.moe_router_scatter else "-onehot"
     prefix += "-mss" if a.moe_shared_segments else ""
+    prefix += "-kvep" if a.kda_verify_epilogue else ""
     prefix += "-live" if a.mla_live_prefix else ""
     prefix += "" if a.moe_fp8_scheme == KernelCalls.moe_fp8_scheme else f"-moe{a.moe_fp8_scheme}"
     prefix += "" if a.moe_n_tokens == 64 else f"-n{a.moe_n_tokens}"

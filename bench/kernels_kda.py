@@ -1,8 +1,12 @@
 """KDA kernel bench at Ling-3.0-flash dims (B=1, H=32, Dk=Dv=128, W=4), cold states: verify
 T=1/6/17, commit, fused decode; each vs the model's jnp (XLA; tests/kernel_oracles.py) and the previous (serial v2)
-kernel.
+kernel. The "epilogue" op: verify with the output norm + gate folded in (kda_verify(o_norm=...),
+KernelCalls.kda_verify_epilogue) against the tiled verify + the model's kda_output_gate in XLA, at Ling's heads
+(32 x 128) and the demo's (5 x 64); compare busy_us / chained_us (every kernel of a call: the XLA epilogue's too;
+both programs have one glue kernel a call, o_j -> call j+1's b_raw, so the epilogue cannot be fused across calls).
 
   PYTHONUNBUFFERED=1 python3 bench/kernels_kda.py --out $OUT   (GPU; writes kernels-kda-<dev>-<date>.json)
+  PYTHONUNBUFFERED=1 python3 bench/kernels_kda.py --only epilogue --ts 1,6,17 --out $OUT   (the epilogue A/B only)
   python bench/kernels_kda.py --small --out /tmp                 (CPU smoke test, interpret mode)
 
 Timing (the host-timed difference of medians is too noisy at a few us): each program runs N = 32
@@ -30,10 +34,12 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pallas_kernels import kda_decode as kdd  # noqa: E402
 from pallas_kernels import kda_verify as kda  # noqa: E402
+from ling_jax.layers.kda import kda_output_gate  # noqa: E402
 from tests import kernel_oracles as oracles  # noqa: E402
 from bench.bench_kernels import tree_of  # noqa: E402
 
 H, DK, W, N = 32, 128, 4, 32
+EPS = 1e-6  # the output RMSNorm's eps (rms_norm_eps)
 BF, F32 = jnp.bfloat16, jnp.float32
 
 
@@ -113,10 +119,11 @@ def wall_us(fn, args_fn, null, ncalls, reps=15):
   return 1e6 * (ts[0] - ts[1]) / ncalls
 
 
-def make_sets(key, t, hd, n):
+def make_sets(key, t, hd, n, h=None, dk=None):
   """n input sets in the model's layouts, bf16 like the model: [proj [1, T, 5, C], b_raw, conv_state
   [1, 1, W-1, 3, C], rec_state [1, 1, H, K, V] f32] (the states as stacks of one layer); consts [A_log, dt_bias,
-  conv_w [3, C, 1, W]]."""
+  conv_w [3, C, 1, W]]. h, dk: the heads (default H, DK; hd = h * dk)."""
+  H, DK = h or globals()["H"], dk or globals()["DK"]
   sets = []
   for j in range(n):
     kk = iter(jax.random.split(jax.random.fold_in(key, 1000 * t + j), 16))
@@ -155,6 +162,50 @@ def verify_prog(fn):
       outs.append(o)
     return outs, rows
   return jax.jit(prog)
+
+
+def epilogue_prog(fn):
+  """N dependent calls of fn (verify + the output epilogue -> (o [1, T, H*V], rows)): call j+1 writes into the rows
+  call j wrote, and its b_raw depends on call j's o (1 glue kernel), as the next layer's input depends on o."""
+  def prog(sets, consts):
+    outs, rows, prev = [], None, None
+    for s in sets:
+      b = s[1] if prev is None else s[1] + (prev[..., :1] > 1e30).astype(s[1].dtype)
+      prev, rows = fn(s[0], b, *consts, s[2], s[3], jnp.int32(0), rows)
+      outs.append(prev)
+    return outs, rows
+  return jax.jit(prog)
+
+
+def tiled_then_xla_epilogue(cfg, o_norm):
+  """The path with the flag off: the tiled verify (R(o)), then the model's kda_output_gate in XLA."""
+  def f(*a):
+    o, rows = kda.kda_verify(*a, config=cfg)
+    return kda_output_gate(dict(o_norm=o_norm), o, a[0][:, :, 4], EPS, a[0].dtype), rows
+  return f
+
+
+def epilogue_jobs(jobs, key, t, ncalls, heads, configs):
+  """The epilogue A/B at T = t for each (h, dk) of heads: the model's jnp (XLA reference), then each config: named
+  "folded ..." the folded kernel, else the tiled verify + the XLA epilogue (the flag off)."""
+  for h, dk in heads:
+    sets, consts = make_sets(key, t, h * dk, ncalls, h, dk)
+    o_norm = (1 + 0.2 * jax.random.normal(jax.random.fold_in(key, 11), (dk,), F32)).astype(BF)
+    want = oracles.kda_verify(*full_args(sets[0], consts), o_norm=o_norm, eps=EPS)
+    ebytes = nbytes(sets[0]) + nbytes(consts) + nbytes(want)
+    base = dict(bytes=ebytes, baseline="model kda_inputs + kda_recurrent + kda_output_gate (XLA)")
+    args = lambda sets=sets, consts=consts: (sets, consts)
+    null = jax.jit(lambda sets, consts: [s[-1] for s in sets])
+    ref = lambda *a, o_norm=o_norm: oracles.kda_verify(*a, o_norm=o_norm, eps=EPS)
+    jobs.append((dict(name=f"kda_verify+epilogue T={t} {h}x{dk} XLA reference", **base), epilogue_prog(ref), args,
+                 None, null, None))
+    for name, cfg in configs:
+      f = (lambda *a, cfg=cfg, o_norm=o_norm: kda.kda_verify(*a, config=cfg, o_norm=o_norm, eps=EPS)) \
+          if name.startswith("folded") else tiled_then_xla_epilogue(cfg, o_norm)
+      chk = lambda f=f, s=sets[0], c=consts, want=want: max(
+          rel(x, y) for x, y in zip(jax.tree.leaves(f(*full_args(s, c))), jax.tree.leaves(want)))
+      jobs.append((dict(name=f"kda_verify+epilogue T={t} {h}x{dk} {name}", config=str(cfg), **base),
+                   epilogue_prog(f), args, None, null, chk))
 
 
 def commit_prog(fn):
@@ -225,7 +276,7 @@ def decode_jobs(jobs, sets, consts, configs):
 
 def bench(rows, bw, key, small=False, configs=None, emit=print, ts=(1, 6, 17), ops=None):
   """Appends rows (bench_kernels.bench_kda format + chained_us, wall_us). bw: HBM bytes/s (None:
-  measured here). configs: {"verify": [(name, cfg)], "commit": [...], "decode": [...]};
+  measured here). configs: {"verify": [(name, cfg)], "commit": [...], "decode": [...], "epilogue": [...]};
   ops: a subset of those keys (None: all); ts: the T values, in order (decode runs with T=1)."""
   global H, DK
   if small:
@@ -243,6 +294,8 @@ def bench(rows, bw, key, small=False, configs=None, emit=print, ts=(1, 6, 17), o
     vnull = jax.jit(lambda sets, consts: [s[-1] for s in sets])
     if t == 1 and configs["decode"]:
       decode_jobs(jobs, sets, consts, configs["decode"])
+    if configs["epilogue"]:
+      epilogue_jobs(jobs, key, t, ncalls, [(H, DK)] if small else [(H, DK), (5, 64)], configs["epilogue"])
     if configs["verify"]:
       jobs.append((dict(name=f"kda_verify T={t} XLA reference", **base), verify_prog(oracles.kda_verify),
                    lambda sets=sets, consts=consts: (sets, consts), None, vnull, None))
@@ -322,21 +375,25 @@ def bench(rows, bw, key, small=False, configs=None, emit=print, ts=(1, 6, 17), o
 
 
 def default_configs(small):
+  """{op: [(name, KdaConfig)]}; "epilogue": "tiled ..." the tiled verify + XLA epilogue (the flag off), "folded ..."
+  the folded kernel (one program per head: block_v unused, epilogue_num_warps its warps)."""
   if small:
-    c = kda.KdaConfig(block_v=16, interpret=True, algorithm="chunk")
     s = kda.KdaConfig(block_v=16, interpret=True)
-    return dict(verify=[("chunk", c), ("serial", s)], commit=[("chunk", c), ("serial", s)],
-                decode=[("fused", s), ("verify + commit (the default path)", s)])
-  S, C = kda.KdaConfig, (lambda **k: kda.KdaConfig(algorithm="chunk", **k))
-  return dict(   # the 2026-11-30 run: serial bv32w4 best of serial bv16w1 / chunk bv32..128 / ieee
+    return dict(verify=[("serial", s)], commit=[("serial", s)],
+                decode=[("fused", s), ("verify + commit (the default path)", s)],
+                epilogue=[("tiled + XLA epilogue", s), ("folded", s)])
+  S = kda.KdaConfig
+  return dict(   # the 2026-11-30 run: serial bv32w4 best of serial bv16w1 / chunk (UT form, deleted) bv32..128
       verify=[("serial bv32w4 (default)", S()), ("serial bv32w8", S(num_warps=8)),
-              ("serial bv64w8", S(block_v=64, num_warps=8)), ("chunk bv32w4", C(block_v=32)),
-              ("chunk bv128w8", C(block_v=128, num_warps=8))],
-      commit=[("serial bv32w4 (default)", S()), ("serial bv32w8", S(num_warps=8)),
-              ("chunk bv64w4", C(block_v=64))],
+              ("serial bv64w8", S(block_v=64, num_warps=8))],
+      commit=[("serial bv32w4 (default)", S()), ("serial bv32w8", S(num_warps=8))],
       decode=[("fused bv32w4", S()), ("fused bv32w8", S(num_warps=8)), ("fused bv16w4", S(block_v=16)),
               ("fused bv64w8", S(block_v=64, num_warps=8)),
-              ("verify + commit (the default path), bv32w4", S())])
+              ("verify + commit (the default path), bv32w4", S())],
+      epilogue=[("tiled bv32w4 + XLA epilogue (flag off)", S()), ("tiled bv32w2 + XLA epilogue", S(num_warps=2)),
+                ("folded Dv/32 warps (default)", S()), ("folded w1", S(epilogue_num_warps=1)),
+                ("folded w2", S(epilogue_num_warps=2)), ("folded w4", S(epilogue_num_warps=4)),
+                ("folded w8", S(epilogue_num_warps=8))])
 
 
 def fmt(r):
@@ -354,7 +411,7 @@ def main():
   ap.add_argument("--tree", default=None, help="the commit / tree benched (the JSON's `tree`; default: "
                   "--git-commit, else git HEAD)")
   ap.add_argument("--ts", default="1,6,17", help="T values in order (decode rides with T=1)")
-  ap.add_argument("--only", default=None, help="comma list of verify,commit,decode (default all)")
+  ap.add_argument("--only", default=None, help="comma list of verify,commit,decode,epilogue (default all)")
   args = ap.parse_args()
   date = datetime.date.today().isoformat()
   dev = "cpu" if args.small else "h200"

@@ -271,10 +271,15 @@ class ShardedKernelCalls(KernelCalls):
         return f(x, ids, weights, w_gate, w_up, w_down, *shared, residual, norm_weight)
 
     def kda_verify(self, proj, b_raw, A_log, dt_bias, conv_w, conv_window, rec_state, layer, pending=None, *,
-                   lower_bound: float):
+                   lower_bound: float, o_norm=None, eps: float = 1e-6):
+        """o_norm (the folded epilogue): replicated, the V norm is per head; o [B, T, H*V] split by heads."""
         base = super()
+        folded = o_norm is not None
 
         def kernel(*a):
+            if folded:
+                o_norm_, *a = a
+                return base.kda_verify(*a, lower_bound=lower_bound, o_norm=o_norm_, eps=eps)
             return base.kda_verify(*a, lower_bound=lower_bound)
 
         in_axes = ((None, None, None, "heads"), (None, None, "heads"), ("heads",), ("heads",),
@@ -282,7 +287,10 @@ class ShardedKernelCalls(KernelCalls):
         args = (proj, b_raw, A_log, dt_bias, conv_w, conv_window, rec_state, jnp.asarray(layer, jnp.int32))
         if pending is not None:
             in_axes, args = in_axes + (KDA_ROWS,), args + (KdaRows(*pending),)
-        f = shard_kernel(kernel, self.mesh, in_axes, ((None, None, "heads", None), KDA_ROWS), self.rules)
+        if folded:
+            in_axes, args = ((None,),) + in_axes, (o_norm,) + args
+        o_axes = (None, None, "heads") if folded else (None, None, "heads", None)
+        f = shard_kernel(kernel, self.mesh, in_axes, (o_axes, KDA_ROWS), self.rules)
         return f(*args)
 
     def kda_commit(self, rec_state, conv_window, pending, n_accept):

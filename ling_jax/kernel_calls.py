@@ -15,9 +15,10 @@ Shapes (per call, the layers' view; a subclass sees its per-device slices inside
               conv_w [3, C, 1, W], the model's stacks conv_window [Lk, B, W-1, 3, C] and rec_state [Lk, B, H, K, V]
               f32 read at `layer` (int), pending: the stacked KdaPending [Lk, ...] of the layers before or None
                                                                            -> (o [B, T, H, V] in proj's dtype (the
-                                                                               model's first rounding in kda_output),
-                                                                               KdaRows [Lk, ...] with layer `layer`
-                                                                               written in place)
+                                                                               model's first rounding in
+                                                                               kda_output_gate), KdaRows [Lk, ...]
+                                                                               with layer `layer` written in place)
+              with o_norm [V] and eps (kda_verify_epilogue): o is kda_output_gate's [B, T, H*V] in proj's dtype
   kda_commit: rec_state [Lk, B, H, K, V], conv_window [Lk, B, W-1, 3, C], pending (KdaPending [Lk, ...]),
               n_accept [B]                                                 -> (rec_state, conv_window), in place
   kda_decode: q/k/v/f raw [B, 1, C], b_raw [B, 1, H], A_log [H], dt_bias [C], conv weights 3 x [C, 1, W],
@@ -66,6 +67,7 @@ CHOICES = ("auto", "pallas", "reference", "interpret")
 MOE_IMPLS = ("auto", "mosaic", "triton")
 MOE_FP8_SCHEMES = ("weight", "partial", "partial-bits")  # the weight-only forms (w8a8: Numerics.fp8_activations)
 FP8_LINEAR_SCALES = ("partial", "weight")  # the weight-only forms of fused_linear_fp8 (e4m3: the same)
+KDA_EPILOGUE_MAX_HEAD = 64  # the widest V whose whole-head verify program keeps its [K, V] f32 state in registers
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,18 @@ class KernelCalls:
       reads the fused projection, conv_w and its layer of the stacked states in place and writes its rows into one
       stack, and ONE kda_commit call then advances every layer's state and conv window in place, in decode as in
       NEXTN's commit: no XLA slice, scatter or copy around them.
+    kda_verify_epilogue: the verify kernel also runs the KDA output epilogue (the model's
+      kda_output_gate: RMSNorm over V, o_norm, sigmoid of the out-gate stream) and hands o_proj its [B, T, H*V]
+      input, instead of R(o) and 2-3 small XLA kernels of norm + gate per KDA layer pass (~1.1-1.8 us each on the
+      GPU census). Only where a head fits one program (V <= KDA_EPILOGUE_MAX_HEAD = 64, the v2 demo's 64; see
+      `kda_epilogue_in_verify`): the norm needs a head's whole row, so that variant runs one program per head with
+      the whole [K, V] f32 state in registers: at the demo's 64 x 64 (2 warps) it costs what the tiled verify does
+      at T = 1 and 6 in the SASS model, at Ling's 128 x 128 it spills at T = 6 and models ~3.5 us slower (and the
+      one-program-per-head kda_chain kernel measured 4x slower there; pallas_kernels/kda_verify.py's docstring);
+      wider heads keep the XLA epilogue.
+      Same rounding points as the XLA epilogue (o in the activation dtype, then f32); the row sum's order is the
+      kernel's. Off until timed on the GPU (bench_step --kda-verify-epilogue --baseline-set
+      kda_verify_epilogue=0; bench/kernels_kda.py --only epilogue).
     kda_fused_decode: decode (T = 1) runs one fused KDA kernel (conv + delta rule + state update in place) instead
       of verify + commit. Off by default: its output uses S^T(e q) + u (k.q) for S'^T q, equal in exact arithmetic
       but not bitwise equal to the verify kernel's row, and plain greedy must match NEXTN's.
@@ -217,6 +231,7 @@ class KernelCalls:
 
     interpret: bool = False
     moe_impl: str = "auto"
+    kda_verify_epilogue: bool = False
     kda_fused_decode: bool = False
     mla_live_prefix: bool = False
     moe_router_tables: bool = True
@@ -326,6 +341,10 @@ class KernelCalls:
             if rc.scores_smem(t, d, x.dtype.itemsize) <= _router.SMEM_BYTES:
                 return rc
         return None
+
+    def kda_epilogue_in_verify(self, v: int) -> bool:
+        """Whether the verify kernel takes the output epilogue for heads of value width v (kda_verify_epilogue)."""
+        return self.kda_verify_epilogue and v <= KDA_EPILOGUE_MAX_HEAD
 
     def _kda_config(self):
         return _kda_verify.KdaConfig(block_v=16, interpret=True) if self.interpret else None
@@ -474,9 +493,9 @@ class KernelCalls:
         return out.astype(jnp.float32)
 
     def kda_verify(self, proj, b_raw, A_log, dt_bias, conv_w, conv_window, rec_state, layer, pending=None, *,
-                   lower_bound: float):
+                   lower_bound: float, o_norm=None, eps: float = 1e-6):
         return _kda_verify.kda_verify(proj, b_raw, A_log, dt_bias, conv_w, conv_window, rec_state, layer, pending,
-                                      lower_bound=lower_bound, config=self._kda_config())
+                                      lower_bound=lower_bound, o_norm=o_norm, eps=eps, config=self._kda_config())
 
     def kda_commit(self, rec_state, conv_window, pending, n_accept):
         return _kda_verify.kda_commit(rec_state, conv_window, pending, n_accept, config=self._kda_config())

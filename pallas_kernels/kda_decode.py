@@ -74,7 +74,7 @@ def kda_decode(q_raw, k_raw, v_raw, f_raw, b_raw, A_log, dt_bias, q_conv_w, k_co
   """Pallas (Triton) fused decode: kda_verify's arguments with T = 1 -> (o [B,1,H,Dv] f32, rec_state, conv_state
   [B,W-1,3HD]); the reference is the model's decode step (kda_inputs, kda_recurrent, slide_window).
   The state output aliases rec_state (donate it to update in place). config: KdaConfig
-  (block_v, num_warps, interpret; the algorithm/precision fields do not apply at T = 1)."""
+  (block_v, num_warps, interpret)."""
   cfg = config or KdaConfig()
   bsz, t, hd = q_raw.shape
   h = b_raw.shape[-1]

@@ -1,7 +1,7 @@
 """KDA (Kimi Delta Attention) verify + commit: fused conv1d + gates + delta rule, state never written by verify.
 
 Shape legend: L KDA layers (the model's stacked states), B batch, T positions (<= ~17), H heads, Dk = Dv head
-dims, C = H*Dk channels of one stream, S >= 4 streams of the fused projection (q, k, v, f, ...), W conv kernel
+dims, C = H*Dk channels of one stream, S >= 4 streams of the fused projection (q, k, v, f, out gate), W conv kernel
 (4), BV value tile of one program.
 
 Per position t, per head (fp32; R(.) = round to the activation dtype, the raw streams', and back):
@@ -12,12 +12,13 @@ Per position t, per head (fp32; R(.) = round to the activation dtype, the raw st
   S      = diag(exp(g)) S                                  S [Dk, Dv], decay on the K rows
   S      = S + beta k (v - S^T k)^T
   o_t    = S^T q
-Verify returns R(o) (the model's epilogue, kda_output, rounds the recurrence's output to the activation dtype
-first: rounded here, no XLA convert between) and writes the per-position rows the commit needs (raw q/k/v, k, v,
-g, beta: `KdaRows`); commit replays the accepted prefix t < n_accept[b] from the pre-verify state (reads S once, writes S once) and
-slides the conv window by n_accept[b].
-Reference: the model's own jnp, ling_jax/layers/kda.py (kda_inputs + kda_recurrent for verify, kda_replay and
-slide_window for commit, with its rounding points R above); tests/kernel_oracles.py calls it with these layouts.
+Verify returns R(o) (the model's epilogue, kda_output_gate, rounds the recurrence's output to the activation dtype
+first: rounded here, no XLA convert between), or with o_norm given the epilogue itself (below), and writes the
+per-position rows the commit needs (raw q/k/v, k, v, g, beta: `KdaRows`); commit replays the accepted prefix
+t < n_accept[b] from the pre-verify state (reads S once, writes S once) and slides the conv window by n_accept[b].
+Reference: the model's own jnp, ling_jax/layers/kda.py (kda_inputs + kda_recurrent for verify, + kda_output_gate
+for the folded epilogue, kda_replay and slide_window for commit, with its rounding points R above);
+tests/kernel_oracles.py calls it with these layouts.
 
 In place (the model's layouts, no XLA glue around the kernels): verify takes the fused projection output
 proj [B, T, S, C] and the whole conv weight [3, C, 1, W] (streams and taps indexed in the kernel), reads the
@@ -28,12 +29,36 @@ place. Inside the kernels the stream axes are flattened (channel s*C + c of stre
 Kernels (Triton): verify grid (B, H, Dv/BV), commit grid (L*B, H, Dv/BV). Each verify program loads its head's
 q/k conv window (full Dk, recomputed by the Dv/BV programs of a head: only raw rows, tiny) and its [Dk, BV] state
 tile; program (., h, vb) owns the channels h*Dk + vb*BV + [0, BV) of each of q, k, v for the raw rows (verify)
-and the conv window (commit), so the in-place writes of programs never overlap.
-  algorithm="serial" (v2, default): the T steps unrolled on the register tile, two reductions
-    over Dk each.
-  algorithm="chunk": the UT / WY form over all T positions at once (see the comment above
-    `_chunk_solve`): [Tp, Dk] tiles, tl.dot for every state product, a [Tp, Tp] triangular
-    inverse; Tp = max(16, 2^ceil(log2 T)). Slower on H200 as written (Triton), kept to compare.
+and the conv window (commit), so the in-place writes of programs never overlap. The T steps are unrolled on the
+register tile, two reductions over Dk each (v2, "serial"; a chunked UT / WY form, every state product a tl.dot
+and a [Tp, Tp] triangular inverse, measured 2-3x slower on the H200 (24.5 / 80 vs 7.5 / 39 us at T = 6 / 17,
+bench/results/kernels-kda-h200-2026-11-30.json) and was deleted on 2026-12-06).
+
+Folded epilogue (o_norm given; KernelCalls.kda_verify_epilogue): verify writes the model's kda_output_gate,
+  out_t = act(R(o_t) rsqrt(mean_V R(o_t)^2 + eps) o_norm sigmoid(gate_t))      gate = stream 4 of proj [Dv]
+as [B, T, H*Dv] (o_proj's input: no XLA kernel between verify and o_proj) instead of R(o). The mean over V needs
+a head's whole row o_t and Triton programs cannot exchange partial sums (no grid sync), so this variant runs ONE
+program per head: grid (B, H, 1), BV = Dv (config.block_v is not used). Each program holds in registers the
+[Dk, Dv] f32 state and, for every one of the T positions (all loaded and prepared before the serial steps, as in
+the tiled form), qn, kn, g [Dk], v, gate, o [Dv] and beta, plus o_norm [Dv]; the head's q/k conv is done once
+instead of by Dv/BV programs. Register pressure (ptxas for sm_90a on the pip Triton's compile of the lowering's
+Triton IR, and bench/sass_model's in-order latency model of one warp; bench/sass_kda_verify.py, CPU only; XLA's own
+Triton may allocate differently): the state alone is Dk Dv / (32 warps) f32 registers a thread (64 at the demo's
+64 x 64 with 2 warps, 128 at Ling's 128 x 128 with 4), and the T rows of [Dk] / [Dv] vectors come on top, partly
+replicated across lanes (Triton places them in the state's slice layouts to avoid layout conversions):
+    demo 64 x 64            T = 1                     T = 6                      T = 17
+    tiled bv32, 4 warps     64 regs, 2.1 us           217 regs, 4.7 us           255 + 824 B spill, 27.6 us
+    folded, 2 warps         126 regs, 1.6 us          210 regs, 4.7 us           255 + 368 B spill, 17.7 us
+    folded, 4 warps         106 regs, 2.9 us          255 + 136 B spill, 10.0 us 168 + 2.6 KB stack, 57 us
+    Ling 128 x 128
+    tiled bv32, 4 warps     72 regs, 1.5 us           155 regs, 4.4 us
+    folded, 4 warps         217 regs, 1.9 us          255 + 80 B spill, 7.9 us
+    folded, 8 / 16 warps    178 regs, 3.1 us (8)      255 + 1.2 KB / 128 + 0.9 KB spill, 34 / 23 us
+(modeled us per program; every program of a call runs at once). At the demo's heads the folded program costs
+what the tiled one does at T = 1 and 6 and removes the XLA epilogue's 2-3 kernels (~1.1-1.8 us each); at Ling's
+it is ~3.5 us slower at T = 6 (the one-program-per-head KDA chain kernel, kda_chain, measured 110.5 us against
+26.9 us for verify + the XLA epilogue + commit at T = 6 on the H200, 2026-12-01). So KernelCalls folds the epilogue only where the head
+fits (Dv <= 64); bench/kernels_kda.py times the folded form at both head sizes (the data to move that limit).
 The fused T = 1 decode (verify + commit + conv window in one kernel) is in kda_decode.py.
 """
 from __future__ import annotations
@@ -50,21 +75,6 @@ from jax.experimental.pallas import triton as plt
 
 L2_EPS = 1e-6  # ling_jax.layers.norms.l2_normalize's eps (KDA's q and k)
 F32 = jnp.float32
-
-
-class KdaCommitInputs(NamedTuple):
-  """What commit needs from verify (fp32), per layer (kda_chain's commit outputs).
-
-  Attributes:
-    k: [B, T, H, Dk] l2-normalised keys.
-    v: [B, T, H, Dv] values (after conv + silu).
-    g: [B, T, H, Dk] log-decay (lower_bound * sigmoid(...)), in (lower_bound, 0).
-    beta: [B, T, H] write strengths.
-  """
-  k: jax.Array
-  v: jax.Array
-  g: jax.Array
-  beta: jax.Array
 
 
 class KdaRows(NamedTuple):
@@ -89,28 +99,24 @@ class KdaConfig:
   """Tiling for the Triton KDA kernels.
 
   Attributes:
-    block_v: value columns per program (power of 2 dividing Dv).
+    block_v: value columns per program (power of 2 dividing Dv); 32 with 4 warps was the fastest verify on the
+      H200 (7.5 / 39 us at T = 6 / 17). The folded epilogue's programs take a whole head (Dv) instead.
     num_warps: Triton warps per program.
+    epilogue_num_warps: warps of the folded epilogue's one program per head; None: Dv / 32 (2 at the demo's 64,
+      4 at Ling's 128: the fastest of 1-16 warps in bench/sass_kda_verify.py's model at T = 1 and 6, see the
+      module docstring).
     interpret: run in the Pallas interpreter (CPU tests).
-    algorithm: "serial" (v2: T unrolled register steps; the default, fastest measured on H200:
-      verify 7.5 / 39 us at T = 6 / 17 with bv32w4) or "chunk" (UT form: the T steps as
-      [Tp, Dk] @ [Dk, BV] dots and a [Tp, Tp] triangular inverse, Tp = max(16, 2^ceil(log2 T));
-      measured 24.5 / 80 us, see bench/results/kernels-kda-h200-2026-11-30.json).
-    precision: fp32 dot algorithm of the chunk kernels: "tf32x3" (tensor cores, ~fp32) or "ieee".
   """
   block_v: int = 32
   num_warps: int = 4
+  epilogue_num_warps: int | None = None
   interpret: bool = False
-  algorithm: str = "serial"
-  precision: str = "tf32x3"
 
   def __post_init__(self):
     if self.block_v <= 0 or self.block_v & (self.block_v - 1):
       raise ValueError(f"block_v={self.block_v} must be a positive power of 2")
-    if self.algorithm not in ("chunk", "serial"):
-      raise ValueError(f"algorithm={self.algorithm!r}: 'chunk' (UT form, dots) or 'serial' (v2)")
-    if self.precision not in ("tf32x3", "ieee"):
-      raise ValueError(f"precision={self.precision!r}: 'tf32x3' or 'ieee' (fp32 dots)")
+    if self.epilogue_num_warps not in (None, 1, 2, 4, 8, 16):
+      raise ValueError(f"epilogue_num_warps={self.epilogue_num_warps} must be one of 1, 2, 4, 8, 16 (or None)")
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -186,8 +192,11 @@ def _store_window(cs_ref, l, b, window):
 
 
 def _verify_kernel(layer_ref, proj_ref, b_ref, alog_ref, dtb_ref, w_ref, cs_ref, s_ref, *refs, t_len, width,
-                   h_n, dk, bv, lower_bound):
-  o_ref, raw_ref, ko_ref, vo_ref, go_ref, bo_ref = refs[-6:]   # before them: the rows aliased in place (unread)
+                   h_n, dk, bv, lower_bound, eps):
+  """eps None: o_ref [B, T, H, Dv] gets R(o); eps given (the folded epilogue, BV = Dv): refs[0] is o_norm [Dv]
+  and o_ref [B, T, H*Dv] gets the gated, normed rows."""
+  o_ref, raw_ref, ko_ref, vo_ref, go_ref, bo_ref = refs[-6:]   # before them: [o_norm], the rows aliased in place
+  epilogue = eps is not None                                            # (unread)
   b, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   l = layer_ref[0]
   c_all = h_n * dk
@@ -209,6 +218,9 @@ def _verify_kernel(layer_ref, proj_ref, b_ref, alog_ref, dtb_ref, w_ref, cs_ref,
   fs = [proj_ref[b, t, pl.ds(3 * c_all + c0, dk)].astype(jnp.float32) for t in range(t_len)]
   bs = [b_ref[b, t, h].astype(jnp.float32) for t in range(t_len)]
   s = s_ref[l, b, h, :, pl.ds(vb * bv, bv)]                            # [Dk, BV] f32
+  if epilogue:                                                         # the out gate and o_norm [Dv]
+    gates = [proj_ref[b, t, pl.ds(4 * c_all + v0, bv)].astype(jnp.float32) for t in range(t_len)]
+    w_norm = refs[0][:].astype(jnp.float32)
   scale = dk ** -0.5
   qn, kn, gs, betas, outs = [], [], [], [], []
   for t in range(t_len):                                               # position-parallel part
@@ -223,7 +235,12 @@ def _verify_kernel(layer_ref, proj_ref, b_ref, alog_ref, dtb_ref, w_ref, cs_ref,
     s = s + k[:, None] * (betas[t] * (vs[t] - kv))[None, :]
     outs.append(jnp.sum(s * qn[t][:, None], axis=0))                   # o_t = S^T q
   for t in range(t_len):
-    o_ref[b, t, h, pl.ds(vb * bv, bv)] = outs[t].astype(act)             # R(o)
+    if epilogue:                                                       # the model's kda_output_gate
+      o = _round(outs[t], act)
+      o = o * lax.rsqrt(jnp.sum(o * o) / bv + eps)
+      o_ref[b, t, pl.ds(v0, bv)] = (o * w_norm * _sigmoid(gates[t])).astype(act)
+    else:
+      o_ref[b, t, h, pl.ds(vb * bv, bv)] = outs[t].astype(act)           # R(o)
     vo_ref[l, b, t, h, pl.ds(vb * bv, bv)] = vs[t]
   _store_own_raw(raw_ref, l, b, v0, bv, c_all, own)
 
@@ -256,186 +273,43 @@ def _commit_kernel(n_ref, s_in, cs_in, raw_ref, k_ref, v_ref, g_ref, beta_ref, s
   _store_window(cs_ref, l, b, window)
 
 
-# ----------------------------------------------------------------------------- chunked (UT) kernels
-#
-# Per head, with G_t = sum_{i<=t} g_i (cumulative log decay, [Tp, Dk]) and u_t the delta-rule write
-# (S_t = diag(e^g_t) S_{t-1} + k_t u_t^T):
-#   u_t  = beta_t (v_t - S_0^T (e^G_t k_t) - sum_{i<t} A_ti u_i),   A_ti = k_t . (e^(G_t - G_i) k_i)
-#     <=> (I + diag(beta) A) U = diag(beta) (V - (e^G k) S_0)      a unit lower-triangular [Tp, Tp] solve
-#   o_t  = S_0^T (e^G_t q_t) + sum_{i<=t} M_ti u_i,                M_ti = q_t . (e^(G_t - G_i) k_i)
-#   S_n  = diag(e^G_{n-1}) S_0 + sum_{i<n} (e^(G_{n-1} - G_i) k_i) u_i^T
-# Every product with the state is a [Tp, Dk] @ [Dk, BV] dot; the only serial part is the triangular
-# inverse, done by recursive block doubling (log2 Tp levels of two [Tp, Tp] dots, each level inverting
-# 2b-blocks from the b-block inverses: X <- X - X Off X), which is as stable as forward substitution.
-# Rows t >= T are padding: k = q = v = g = beta = 0 there, so they add nothing.
-
-
-def _pad_t(t):
-  """Tp: rows of the chunk tiles (a power of 2, >= 16 for tl.dot)."""
-  return max(16, 1 << (t - 1).bit_length())
-
-
-def _dot_precision(cfg):
-  if cfg.interpret:                       # the CPU interpreter knows no TF32 algorithm
-    return lax.Precision.HIGHEST
-  return {"tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
-          "ieee": lax.DotAlgorithmPreset.F32_F32_F32}[cfg.precision]
-
-
-def _mm(a, b, prec, ta=False, tb=False):
-  """a @ b (a^T if ta, b^T if tb), fp32."""
-  dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
-  return lax.dot_general(a, b, dims, precision=prec, preferred_element_type=jnp.float32)
-
-
-def _iota2(shape, dim):
-  return lax.broadcasted_iota(jnp.int32, shape, dim)
-
-
-def _conv_tile(proj_ref, cs_ref, w_ref, l, b, c0, n, t_len, tp, width):
-  """silu(causal conv) of flat channels [c0, c0+n) for rows t < Tp (rows >= T are garbage): [Tp, n] f32.
-
-  Row t needs xcat rows t..t+W-1, xcat = [conv window (W-1 rows), raw (T rows)]: each shift j is
-  one gather of clipped rows from the window and one from raw, then a select."""
-  r, c = _iota2((tp, n), 0), _iota2((tp, n), 1) + c0
-  y = None
-  for j in range(width):
-    src = r + j
-    xs = cs_ref[l, b, jnp.clip(src, 0, width - 2), c].astype(jnp.float32)
-    xr = proj_ref[b, jnp.clip(src - (width - 1), 0, t_len - 1), c].astype(jnp.float32)
-    wj = w_ref[pl.ds(c0, n), 0, j].astype(jnp.float32)
-    term = wj[None, :] * jnp.where(src < width - 1, xs, xr)
-    y = term if y is None else y + term
-  return _round(y * _sigmoid(y), proj_ref.dtype)
-
-
-def _chunk_prepare(proj_ref, b_ref, alog_ref, dtb_ref, w_ref, cs_ref, *, l, b, h, c0, v0, t_len, tp, width,
-                   c_all, dk, bv, lower_bound):
-  """k [Tp, Dk] (l2-normed), v [Tp, BV], g [Tp, Dk], beta [Tp] f32; zero on padding rows."""
-  valid = _iota2((tp, 1), 0) < t_len
-  k = _conv_tile(proj_ref, cs_ref, w_ref, l, b, c_all + c0, dk, t_len, tp, width)
-  v = _conv_tile(proj_ref, cs_ref, w_ref, l, b, 2 * c_all + v0, bv, t_len, tp, width)
-  rows = jnp.clip(_iota2((tp, dk), 0), 0, t_len - 1)
-  f = proj_ref[b, rows, _iota2((tp, dk), 1) + 3 * c_all + c0].astype(jnp.float32)
-  rows1 = jnp.clip(lax.broadcasted_iota(jnp.int32, (tp,), 0), 0, t_len - 1)
-  braw = b_ref[b, rows1, h].astype(jnp.float32)
-  a = jnp.exp(alog_ref[h].astype(jnp.float32))
-  dtb = dtb_ref[pl.ds(c0, dk)].astype(jnp.float32)
-  k = jnp.where(valid, _round(k * lax.rsqrt(jnp.sum(k * k, axis=1, keepdims=True) + L2_EPS), proj_ref.dtype), 0.0)
-  v = jnp.where(valid, v, 0.0)
-  g = jnp.where(valid, lower_bound * _sigmoid(a * (f + dtb[None, :])), 0.0)
-  beta = jnp.where(valid[:, 0], _sigmoid(braw), 0.0)
-  return k, v, g, beta
-
-
-def _chunk_solve(k, v, g, beta, s0, prec, t_len, tp):
-  """U [Tp, BV] (delta-rule writes), G [Tp, Dk] (cumulative log decay), e^G, e^(G - G_m),
-  e^(G_m - G) k."""
-  r, c = _iota2((tp, tp), 0), _iota2((tp, tp), 1)
-  big_g = jnp.cumsum(g, axis=0)                                        # G_t
-  # e^(G_t - G_i) = e^(G_t - G_m) e^(G_m - G_i) around the middle row m: no factor leaves
-  # e^(+-|lower_bound| T / 2), far from fp32 over/underflow (e^(+-85) would not be).
-  g_mid = jnp.sum(jnp.where(_iota2((tp, 1), 0) == (t_len - 1) // 2, big_g, 0.0), axis=0)
-  eg_mid = jnp.exp(big_g - g_mid[None, :])
-  kinv = k * jnp.exp(g_mid[None, :] - big_g)                           # e^(G_m - G_i) k_i
-  n = jnp.where(r > c, beta[:, None] * _mm(k * eg_mid, kinv, prec, tb=True), 0.0)  # diag(b) A
-  x = (r == c).astype(jnp.float32)                                     # (I + N)^-1, 1-blocks
-  blk = 1
-  while blk < t_len:                        # b-blocks -> 2b-blocks; once blk >= T one block holds
-                                            # every nonzero of N (rows >= T are zero): done
-    off = jnp.where((r // (2 * blk) == c // (2 * blk)) & (r // blk != c // blk), n, 0.0)
-    x = x - _mm(_mm(x, off, prec), x, prec)
-    blk *= 2
-  eg = jnp.exp(big_g)
-  rhs = beta[:, None] * (v - _mm(k * eg, s0, prec))                    # diag(beta)(V - e^G k S_0)
-  return _mm(x, rhs, prec), big_g, eg, eg_mid, kinv
-
-
-def _verify_chunk_kernel(layer_ref, proj_ref, b_ref, alog_ref, dtb_ref, w_ref, cs_ref, s_ref, *refs, t_len, tp,
-                         width, h_n, dk, bv, lower_bound, prec):
-  o_ref, raw_ref, ko_ref, vo_ref, go_ref, bo_ref = refs[-6:]   # before them: the rows aliased in place (unread)
-  b, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  l = layer_ref[0]
-  c_all = h_n * dk
-  c0, v0 = h * dk, h * dk + vb * bv
-  s0 = s_ref[l, b, h, :, pl.ds(vb * bv, bv)]                           # [Dk, BV] f32, issued first
-  own = _own_raw(proj_ref, b, v0, bv, c_all, t_len)
-  k, v, g, beta = _chunk_prepare(proj_ref, b_ref, alog_ref, dtb_ref, w_ref, cs_ref, l=l, b=b, h=h, c0=c0, v0=v0,
-                                 t_len=t_len, tp=tp, width=width, c_all=c_all, dk=dk, bv=bv,
-                                 lower_bound=lower_bound)
-  q = _conv_tile(proj_ref, cs_ref, w_ref, l, b, c0, dk, t_len, tp, width)
-  q = _round(q * lax.rsqrt(jnp.sum(q * q, axis=1, keepdims=True) + L2_EPS), proj_ref.dtype) * dk ** -0.5
-  q = jnp.where(_iota2((tp, 1), 0) < t_len, q, 0.0)
-  u, _, eg, eg_mid, kinv = _chunk_solve(k, v, g, beta, s0, prec, t_len, tp)
-  r, c = _iota2((tp, tp), 0), _iota2((tp, tp), 1)
-  m = jnp.where(r >= c, _mm(q * eg_mid, kinv, prec, tb=True), 0.0)     # M_ti, i <= t
-  o = _mm(q * eg, s0, prec) + _mm(m, u, prec)                          # [Tp, BV]
-  rv, cv = _iota2((tp, bv), 0), _iota2((tp, bv), 1) + vb * bv
-  plt.store(o_ref.at[b, rv, h, cv], o.astype(o_ref.dtype), mask=rv < t_len)
-  plt.store(vo_ref.at[l, b, rv, h, cv], v, mask=rv < t_len)
-  _store_own_raw(raw_ref, l, b, v0, bv, c_all, own)
-
-  @pl.when(vb == 0)
-  def _():
-    rk, ck = _iota2((tp, dk), 0), _iota2((tp, dk), 1)
-    plt.store(ko_ref.at[l, b, rk, h, ck], k, mask=rk < t_len)
-    plt.store(go_ref.at[l, b, rk, h, ck], g, mask=rk < t_len)
-    r1 = lax.broadcasted_iota(jnp.int32, (tp,), 0)
-    plt.store(bo_ref.at[l, b, r1, h], beta, mask=r1 < t_len)
-
-
-def _commit_chunk_kernel(n_ref, s_in, cs_in, raw_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, cs_ref, *, b_n, t_len,
-                         tp, width, h_n, dk, bv, prec):
-  lb, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  l, b = lb // b_n, lb % b_n
-  cols = pl.ds(vb * bv, bv)
-  n = n_ref[b]
-  s0 = s_in[l, b, h, :, cols]                                          # [Dk, BV]
-  rk = _iota2((tp, dk), 0)
-  rows = jnp.clip(rk, 0, t_len - 1)
-  valid = rk < t_len
-  k = jnp.where(valid, k_ref[l, b, rows, h, _iota2((tp, dk), 1)], 0.0)
-  g = jnp.where(valid, g_ref[l, b, rows, h, _iota2((tp, dk), 1)], 0.0)
-  rv = _iota2((tp, bv), 0)
-  v = jnp.where(rv < t_len, v_ref[l, b, jnp.clip(rv, 0, t_len - 1), h, _iota2((tp, bv), 1) + vb * bv], 0.0)
-  r1 = lax.broadcasted_iota(jnp.int32, (tp,), 0)
-  beta = jnp.where(r1 < t_len, beta_ref[l, b, jnp.clip(r1, 0, t_len - 1), h], 0.0)
-  window = _slid_window(cs_in, raw_ref, l, b, n, h * dk + vb * bv, bv, h_n * dk, t_len, width)
-  u, big_g, _, _, _ = _chunk_solve(k, v, g, beta, s0, prec, t_len, tp)
-  g_n = jnp.sum(jnp.where(rk < n, g, 0.0), axis=0)                     # G_{n-1}  [Dk]
-  kdec = jnp.where(rk < n, k * jnp.exp(g_n[None, :] - big_g), 0.0)     # e^(G_{n-1} - G_i) k_i
-  s_ref[l, b, h, :, cols] = jnp.exp(g_n)[:, None] * s0 + _mm(kdec, u, prec, ta=True)
-  _store_window(cs_ref, l, b, window)
-
-
 def _rows_shape(n_layers, bsz, t, h, dk, c, act):
   S = jax.ShapeDtypeStruct
   return KdaRows(S((n_layers, bsz, t, 3 * c), act), S((n_layers, bsz, t, h, dk), F32),
                  S((n_layers, bsz, t, h, dk), F32), S((n_layers, bsz, t, h, dk), F32), S((n_layers, bsz, t, h), F32))
 
 
-@functools.partial(jax.jit, static_argnames=("lower_bound", "config"))
+@functools.partial(jax.jit, static_argnames=("lower_bound", "eps", "config"))
 def kda_verify(proj, b_raw, A_log, dt_bias, conv_w, conv_state, rec_state, layer, rows=None, *, lower_bound=-5.0,
-               config=None):
-  """Pallas (Triton) verify of KDA layer `layer`, the model's kda_inputs + kda_recurrent (its verify path).
+               o_norm=None, eps=1e-6, config=None):
+  """Pallas (Triton) verify of KDA layer `layer`, the model's kda_inputs + kda_recurrent (its verify path), with
+  o_norm given + its kda_output_gate.
 
-  proj [B, T, S, C] the fused projection (raw q, k, v, f streams first; more streams are not read), b_raw [B, T, H],
-  A_log [H], dt_bias [C], conv_w [3, C, 1, W], conv_state [L, B, W-1, 3, C] and rec_state [L, B, H, Dk, Dv] f32
-  (read at `layer`, never written), layer int32 scalar; rows: the KdaRows [L, ...] the layers verified before
-  wrote, written here at `layer` in place (their outputs alias them: donate them), or None: allocated, the other
-  layers' rows undefined until their own verify writes them.
-  -> (o [B, T, H, Dv] in the activation dtype (the projection's: the model's kda_output rounds the recurrence's
-  output there first), rows)."""
+  proj [B, T, S, C] the fused projection (raw q, k, v, f streams first, then the out gate; streams past those the
+  call needs are not read), b_raw [B, T, H], A_log [H], dt_bias [C], conv_w [3, C, 1, W], conv_state
+  [L, B, W-1, 3, C] and rec_state [L, B, H, Dk, Dv] f32 (read at `layer`, never written), layer int32 scalar;
+  rows: the KdaRows [L, ...] the layers verified before wrote, written here at `layer` in place (their outputs
+  alias them: donate them), or None: allocated, the other layers' rows undefined until their own verify writes
+  them. o_norm [Dv] (S >= 5) and eps (the model's rms_norm_eps): fold the output epilogue in (one program per
+  head, see the module docstring).
+  -> (o, rows); o in the activation dtype (the projection's): without o_norm R(o) [B, T, H, Dv] (the model's
+  kda_output_gate rounds the recurrence's output there first), with it the gated, normed [B, T, H*Dv] (o_proj's
+  input, kda_output_gate's)."""
   cfg = config or KdaConfig()
   bsz, t, n_streams, c = proj.shape
   h = b_raw.shape[-1]
   dk = c // h
   n_layers, dv = rec_state.shape[0], rec_state.shape[-1]
   width = conv_w.shape[-1]
-  assert n_streams >= 4 and conv_w.shape == (3, c, 1, width), (proj.shape, conv_w.shape)
+  epilogue = o_norm is not None
+  bv = dv if epilogue else cfg.block_v
+  num_warps = (cfg.epilogue_num_warps or max(1, dv // 32)) if epilogue else cfg.num_warps
+  assert n_streams >= (5 if epilogue else 4) and conv_w.shape == (3, c, 1, width), (proj.shape, conv_w.shape)
   assert rec_state.shape == (n_layers, bsz, h, dk, dv), rec_state.shape
   assert conv_state.shape == (n_layers, bsz, width - 1, 3, c), conv_state.shape
-  assert dv == dk and dv % cfg.block_v == 0, (dk, dv, cfg.block_v)
+  assert dv == dk and dv % bv == 0, (dk, dv, bv)
+  assert not epilogue or o_norm.shape == (dv,), o_norm.shape
+  extra = (o_norm,) if epilogue else ()
   out_rows = _rows_shape(n_layers, bsz, t, h, dk, c, proj.dtype)
   if rows is None:
     in_rows, aliases = (), {}
@@ -443,21 +317,19 @@ def kda_verify(proj, b_raw, A_log, dt_bias, conv_w, conv_state, rec_state, layer
     rows = KdaRows(*rows)
     in_rows = (rows.qkv_raw.reshape(n_layers, bsz, t, 3 * c),) + tuple(rows[1:])
     assert [(a.shape, a.dtype) for a in in_rows] == [(a.shape, a.dtype) for a in out_rows], (in_rows, out_rows)
-    aliases = {8 + i: 1 + i for i in range(len(in_rows))}
-  if cfg.algorithm == "serial":
-    kern = functools.partial(_verify_kernel, t_len=t, width=width, h_n=h, dk=dk, bv=cfg.block_v,
-                             lower_bound=float(lower_bound))
-  else:
-    kern = functools.partial(_verify_chunk_kernel, t_len=t, tp=_pad_t(t), width=width, h_n=h, dk=dk,
-                             bv=cfg.block_v, lower_bound=float(lower_bound), prec=_dot_precision(cfg))
+    aliases = {8 + len(extra) + i: 1 + i for i in range(len(in_rows))}
+  kern = functools.partial(_verify_kernel, t_len=t, width=width, h_n=h, dk=dk, bv=bv, lower_bound=float(lower_bound),
+                           eps=float(eps) if epilogue else None)
+  o_shape = (bsz, t, h * dv) if epilogue else (bsz, t, h, dv)
   o, raw, k, v, g, beta = pl.pallas_call(
-      kern, grid=(bsz, h, dv // cfg.block_v),
-      out_shape=(jax.ShapeDtypeStruct((bsz, t, h, dv), proj.dtype),) + tuple(out_rows),
+      kern, grid=(bsz, h, dv // bv),
+      out_shape=(jax.ShapeDtypeStruct(o_shape, proj.dtype),) + tuple(out_rows),
       input_output_aliases=aliases,
-      compiler_params=plt.CompilerParams(num_warps=cfg.num_warps, num_stages=1),
+      compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
       interpret=cfg.interpret, name="kda_verify",
   )(jnp.asarray(layer, jnp.int32).reshape(1), proj.reshape(bsz, t, n_streams * c), b_raw, A_log, dt_bias,
-    conv_w.reshape(3 * c, 1, width), conv_state.reshape(n_layers, bsz, width - 1, 3 * c), rec_state, *in_rows)
+    conv_w.reshape(3 * c, 1, width), conv_state.reshape(n_layers, bsz, width - 1, 3 * c), rec_state, *extra,
+    *in_rows)
   return o, KdaRows(raw.reshape(n_layers, bsz, t, 3, c), k, v, g, beta)
 
 
@@ -476,11 +348,7 @@ def kda_commit(rec_state, conv_state, rows, n_accept, *, config=None):
   c = h * dk
   assert conv_state.shape == (n_layers, bsz, width - 1, 3, c), conv_state.shape
   assert rows.qkv_raw.shape == (n_layers, bsz, t, 3, c) and dv == dk, (rows.qkv_raw.shape, rec_state.shape)
-  if cfg.algorithm == "serial":
-    kern = functools.partial(_commit_kernel, b_n=bsz, t_len=t, width=width, h_n=h, dk=dk, bv=cfg.block_v)
-  else:
-    kern = functools.partial(_commit_chunk_kernel, b_n=bsz, t_len=t, tp=_pad_t(t), width=width, h_n=h, dk=dk,
-                             bv=cfg.block_v, prec=_dot_precision(cfg))
+  kern = functools.partial(_commit_kernel, b_n=bsz, t_len=t, width=width, h_n=h, dk=dk, bv=cfg.block_v)
   flat_window = conv_state.reshape(n_layers, bsz, width - 1, 3 * c)
   state, window = pl.pallas_call(
       kern, grid=(n_layers * bsz, h, dv // cfg.block_v),

@@ -49,18 +49,23 @@ def _model_layout(q_raw, k_raw, v_raw, f_raw, A_log, dt_bias, q_conv_w, k_conv_w
   return proj, p, conv_state.reshape(bsz, wm1, 3, -1)
 
 
-@functools.partial(jax.jit, static_argnames=("lower_bound",))
-def kda_verify(proj, b_raw, A_log, dt_bias, conv_w, conv_state, rec_state, layer, rows=None, *, lower_bound=-5.0):
+@functools.partial(jax.jit, static_argnames=("lower_bound", "eps"))
+def kda_verify(proj, b_raw, A_log, dt_bias, conv_w, conv_state, rec_state, layer, rows=None, *, lower_bound=-5.0,
+               o_norm=None, eps=1e-6):
   """pallas_kernels.kda_verify.kda_verify's contract through the model's kda_inputs + kda_recurrent (its verify
-  path) -> (o [B, T, H, V] rounded to the activation dtype (the projection's) as kda_output does first, KdaRows with
-  layer `layer` set; rows None: the other layers zero)."""
+  path) -> (o [B, T, H, V] rounded to the activation dtype (the projection's) as kda_output_gate does first, KdaRows
+  with layer `layer` set; rows None: the other layers zero); with o_norm, o through the model's kda_output_gate
+  (out gate: stream 4 of proj) -> [B, T, H*V]."""
   p = dict(conv_w=conv_w, A_log=A_log, dt_bias=dt_bias)
   q, k, v, g, beta = model_kda.kda_inputs(proj, b_raw, p, conv_state[layer], lower_bound, proj.dtype)
   o, _ = model_kda.kda_recurrent(q, k, v, g, beta, rec_state[layer])
   mine = KdaRows(proj[:, :, :3], k, v, g, beta)
   if rows is None:
     rows = jax.tree.map(lambda a: jnp.zeros((rec_state.shape[0],) + a.shape, a.dtype), mine)
-  return o.astype(proj.dtype), jax.tree.map(lambda stack, a: stack.at[layer].set(a), KdaRows(*rows), mine)
+  rows = jax.tree.map(lambda stack, a: stack.at[layer].set(a), KdaRows(*rows), mine)
+  if o_norm is not None:
+    return model_kda.kda_output_gate(dict(o_norm=o_norm), o, proj[:, :, 4], eps, proj.dtype), rows
+  return o.astype(proj.dtype), rows
 
 
 @jax.jit

@@ -3,9 +3,9 @@ kda_inputs + kda_recurrent, kda_replay + slide_window; through tests/kernel_orac
 numpy loop written from the math (ling_jax/layers/kda.py docstring). The kernels read the model's layouts in place
 (the fused projection [B, T, 5, C], the whole conv weight, the stacked states at a layer): checks outputs, the rows
 each verify writes into the stack (and leaves the other layers' alone), AND the committed states and conv windows
-of every layer for several n_accept, for both algorithms (chunked UT form and the default serial v2), in fp32 and
-bf16 (the kernels round where the model does: conv output, l2-normed q and k); CUDA lowering of non-default
-configs."""
+of every layer for several n_accept, in fp32 and bf16 (the kernels round where the model does: conv output,
+l2-normed q and k); the folded output epilogue (o_norm given) vs the model's kda_output_gate on its verify output,
+at the demo's and Ling's head dims; CUDA lowering of non-default configs and of the epilogue."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,7 +23,7 @@ def rel_err(a, b):
 
 
 def make(seed, b, t, h, dk, dtype, n_layers=2):
-  """(proj [B, T, 5, C] (q, k, v, f, and an out-gate stream the kernels must not read), b_raw, A_log, dt_bias,
+  """(proj [B, T, 5, C] (q, k, v, f, and the out-gate stream only the folded epilogue reads), b_raw, A_log, dt_bias,
   conv_w [3, C, 1, W], conv_state [L, B, W-1, 3, C], rec_state [L, B, H, Dk, Dk])."""
   hd = h * dk
   ks = iter(jax.random.split(jax.random.key(seed), 16))
@@ -85,20 +85,18 @@ def test_model_matches_numpy_loop():
     assert rel_err(s[0], want) <= 1e-5
 
 
-CASES = [  # (b, t, h, dk, dtype, block_v, n_accepts, algorithm, stacked layers)
-    (1, 1, 2, 32, jnp.float32, 16, ([0], [1]), "chunk", 1),
-    (2, 6, 2, 32, jnp.float32, 16, ([0, 6], [3, 1]), "chunk", 2),
-    (1, 17, 2, 32, jnp.bfloat16, 32, ([17], [9]), "chunk", 1),
-    (1, 9, 1, 32, jnp.bfloat16, 16, ([9], [5]), "serial", 1),
-    (2, 1, 2, 32, jnp.bfloat16, 16, ([1, 1], [0, 1]), "serial", 1),   # plain decode, a padded row (n = 0)
-    (1, 6, 2, 32, jnp.float32, 16, ([6], [2]), "serial", 2),           # NEXTN5's verify, two layers stacked
+CASES = [  # (b, t, h, dk, dtype, block_v, n_accepts, stacked layers)
+    (1, 17, 2, 32, jnp.bfloat16, 32, ([17], [9]), 1),
+    (1, 9, 1, 32, jnp.bfloat16, 16, ([9], [5]), 1),
+    (2, 1, 2, 32, jnp.bfloat16, 16, ([1, 1], [0, 1]), 1),   # plain decode, a padded row (n = 0)
+    (1, 6, 2, 32, jnp.float32, 16, ([6], [2]), 2),           # NEXTN5's verify, two layers stacked
 ]
 
 
-@pytest.mark.parametrize("b,t,h,dk,dtype,block_v,n_accepts,algorithm,n_layers", CASES)
-def test_kda_kernels_match_model(b, t, h, dk, dtype, block_v, n_accepts, algorithm, n_layers):
+@pytest.mark.parametrize("b,t,h,dk,dtype,block_v,n_accepts,n_layers", CASES)
+def test_kda_kernels_match_model(b, t, h, dk, dtype, block_v, n_accepts, n_layers):
   args = make(t * 11 + b, b, t, h, dk, dtype, n_layers)
-  cfg = KdaConfig(block_v=block_v, interpret=True, algorithm=algorithm)
+  cfg = KdaConfig(block_v=block_v, interpret=True)
   s_before, cs_before = np.asarray(args[-1]).copy(), np.asarray(args[-2]).copy()
   outs, rows = verify_layers(lambda *a: kda_verify(*a, config=cfg), args)
   outs_ref, rows_ref = verify_layers(model.kda_verify, args)
@@ -120,6 +118,39 @@ def test_kda_kernels_match_model(b, t, h, dk, dtype, block_v, n_accepts, algorit
       if int(n[bi]) == 0:
         np.testing.assert_array_equal(np.asarray(s[:, bi]), s_before[:, bi])
         np.testing.assert_array_equal(np.asarray(cs[:, bi]), cs_before[:, bi])
+
+
+EPILOGUE_CASES = [  # (t, h, dk, dtype, tol): the demo's heads (5 x 64) and Ling's head width (128)
+    (1, 5, 64, jnp.bfloat16, 4e-3),
+    (6, 5, 64, jnp.float32, 1e-5),
+    (6, 2, 128, jnp.bfloat16, 4e-3),
+    (1, 2, 128, jnp.float32, 1e-5),
+]
+
+
+@pytest.mark.parametrize("t,h,dk,dtype,tol", EPILOGUE_CASES)
+def test_verify_epilogue_matches_model_output_gate(t, h, dk, dtype, tol):
+  """With o_norm the verify kernel writes the model's kda_output_gate (RMSNorm over V, o_norm, sigmoid of proj's
+  stream 4) of its verify output, [B, T, H*V] in the activation dtype, for two stacked layers (the second call
+  aliases the first's rows, after the extra o_norm operand); its rows equal the tiled kernel's (no epilogue)
+  bitwise; fp32 <= 1e-5, bf16 <= 4e-3 (about one rounding of the output; the interpreter gives 0)."""
+  args = make(100 + t + dk, 1, t, h, dk, dtype, n_layers=2)
+  o_norm = (1 + 0.3 * jax.random.normal(jax.random.key(dk), (dk,), jnp.float32)).astype(dtype)
+  kw = dict(o_norm=o_norm, eps=1e-6)
+  outs, rows = verify_layers(lambda *a: kda_verify(*a, config=KdaConfig(block_v=16, interpret=True), **kw), args)
+  outs_ref, rows_ref = verify_layers(lambda *a: model.kda_verify(*a, **kw), args)
+  _, rows_tiled = verify_layers(lambda *a: kda_verify(*a, config=KdaConfig(block_v=16, interpret=True)), args)
+  for o, o_ref in zip(outs, outs_ref):
+    assert (o.shape, o.dtype) == ((1, t, h * dk), dtype)
+    assert rel_err(o, o_ref) <= tol, rel_err(o, o_ref)
+  for got, want, tiled in zip(rows, rows_ref, rows_tiled):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(tiled))
+    assert rel_err(got, want) <= 1e-5
+  # the gate and o_norm are visible at this tolerance (an epilogue that dropped either would fail above)
+  ref = outs_ref[1].astype(jnp.float32)
+  for dropped in (ref / jax.nn.sigmoid(args[0][:, :, 4].astype(jnp.float32)),
+                  ref / jnp.tile(o_norm.astype(jnp.float32), h)):
+    assert rel_err(dropped, ref) > 10 * tol
 
 
 def test_verify_writes_only_its_layer_rows():
@@ -144,28 +175,10 @@ def test_model_commit_against_numpy_loop():
   assert rel_err(s[0], states[2]) <= 1e-5 and rel_err(states[2], states[3]) > 1e-3  # 2 steps, not 3
 
 
-def test_kda_chunk_stable_on_repeated_keys():
-  """Worst case for the chunk form's triangular inverse: identical keys, beta ~ 1, and either no
-  decay (the inverse's Neumann terms grow like binomials) or the strongest decay (e^(-5 T))."""
-  for f_val in (-30.0, 30.0):
-    args = list(make(3, 1, 17, 1, 32, jnp.float32, n_layers=1))
-    proj = args[0]
-    proj = proj.at[:, :, 1].set(jnp.broadcast_to(proj[:, :1, 1], proj[:, :, 1].shape) * 3)
-    args[0] = proj.at[:, :, 3].set(f_val)
-    args[1] = jnp.full_like(args[1], 4.0)
-    chunk = KdaConfig(block_v=32, interpret=True, algorithm="chunk")
-    o, rows = kda_verify(*args, jnp.int32(0), config=chunk)
-    o_np, states = numpy_kda(args, 0)
-    assert rel_err(o, o_np) <= 1e-5
-    if f_val < 0:
-      s, _ = kda_commit(args[-1], args[-2], rows, jnp.array([11], jnp.int32), config=chunk)
-      assert rel_err(s[0], states[11]) <= 1e-5
-
-
 def test_kda_configs_lower_for_cuda():
-  """Non-default configs (8 warps, chunk with ieee dots, wide V tiles) lower at full shapes (35 stacked layers)
-  to Triton calls with the outputs' shapes and dtypes, and each config gives its own kernels (the config reaches
-  the lowering)."""
+  """Non-default configs (8 warps, wide V tiles) and the folded epilogue (one program per head of 128, the default
+  Dv / 32 = 4 warps and 8) lower at full shapes (35 stacked layers) to Triton calls with the outputs' shapes and dtypes, and each
+  config gives its own kernels (the config reaches the lowering)."""
   from tests.cuda_lowering import H200, S, lower_cuda
   h, dk, t, n_layers = 32, 128, 6, 35
   hd = h * dk
@@ -175,17 +188,19 @@ def test_kda_configs_lower_for_cuda():
   rows = KdaRows(S((n_layers, 1, t, 3, hd), jnp.bfloat16), *(S((n_layers, 1, t, h, dk), jnp.float32),) * 3,
                  S((n_layers, 1, t, h), jnp.float32))
   texts = []
-  for cfg in (KdaConfig(block_v=16, num_warps=8), KdaConfig(algorithm="chunk", block_v=64,
-              precision="ieee"), KdaConfig(algorithm="chunk", block_v=128, num_warps=8)):
-    verify = lambda *a, cfg=cfg: kda_verify(*a, config=cfg)
+  o_norm = S((dk,), jnp.bfloat16)
+  for cfg, epilogue in ((KdaConfig(block_v=16, num_warps=8), False), (KdaConfig(block_v=64), False),
+                        (KdaConfig(), True), (KdaConfig(epilogue_num_warps=8), True)):
+    verify = lambda w, *a, cfg=cfg, ep=epilogue: kda_verify(*a, config=cfg, o_norm=w if ep else None)
     commit = lambda s, c, r, n, cfg=cfg: kda_commit(s, c, r, n, config=cfg)
     with jax.sharding.use_abstract_mesh(H200):
-      o, out_rows = jax.eval_shape(verify, *args, rows)
+      o, out_rows = jax.eval_shape(verify, o_norm, *args, rows)
       new_state, new_window = jax.eval_shape(commit, args[6], args[5], rows, S((1,), jnp.int32))
-    assert (o.shape, o.dtype) == ((1, t, h, dk), jnp.bfloat16)               # R(o), the model's first rounding
+    want = (1, t, h * dk) if epilogue else (1, t, h, dk)                  # the gated rows, or R(o)
+    assert (o.shape, o.dtype) == (want, jnp.bfloat16)
     assert [(a.shape, a.dtype) for a in out_rows] == [(r.shape, r.dtype) for r in rows]
     assert (new_state.shape, new_window.shape) == (args[6].shape, args[5].shape)
-    texts.append(lower_cuda(verify, *args, rows))
-    lower_cuda(verify, *args)                                          # the first layer's: rows allocated
+    texts.append(lower_cuda(verify, o_norm, *args, rows))
+    lower_cuda(verify, o_norm, *args)                                  # the first layer's: rows allocated
     lower_cuda(commit, args[6], args[5], rows, S((1,), jnp.int32))
   assert len(set(texts)) == len(texts)

@@ -178,3 +178,23 @@ def test_sharded_kda_verify_and_commit_under_shard_map():
     got_s = jax.jit(calls.kda_commit)(args[-1], args[-2], got_rows, n_accept)
     for g_, w_ in zip(got_s, want_s):
         assert rel_err(g_, w_) <= 1e-5
+
+
+def test_sharded_kda_verify_with_the_epilogue_under_shard_map():
+    """The verify with the output epilogue folded in (o_norm given: kda_output_gate's [B, T, H*V]) split by heads
+    over 4 devices (o_norm replicated, the V norm per head) equals the unsharded model's, rows stacked in place."""
+    from tests import kernel_oracles as model
+
+    mesh = make_mesh(4)
+    args = _kda_inputs()
+    o_norm = 1 + 0.3 * jax.random.normal(jax.random.key(3), (args[-1].shape[-1],), F32)
+    calls = ShardedKernelCalls(interpret=True, mesh=mesh)
+    verify = jax.jit(lambda *a: calls.kda_verify(*a[1:], lower_bound=-5.0, o_norm=a[0], eps=1e-6))
+    want_rows = got_rows = None
+    for layer in (1, 0):
+        want, want_rows = model.kda_verify(*args, layer, want_rows, o_norm=o_norm, eps=1e-6)
+        got, got_rows = verify(o_norm, *args, layer, got_rows)
+        assert got.shape == want.shape == args[0].shape[:2] + (args[0].shape[-1],)
+        assert rel_err(got, want) <= 1e-5
+    for g_, w_ in zip(got_rows, want_rows):
+        assert rel_err(g_, w_) <= 1e-5

@@ -187,14 +187,23 @@ def kda_inputs(proj, b_raw, p, conv_window, lower_bound: float, dtype):
     return q, k, v, g, beta
 
 
-def kda_output(p, o, out_gate, cfg, dtype, kernels=None, residual=None, fp8_activations: bool = False):
-    """o [B, T, H, V] f32 -> RMSNorm_V(o) * o_norm * sigmoid(g_proj x) -> o_proj -> [B, T, D] (+ residual, in the
-    projection's kernel where `kernels` takes it: see layers.linear.linear)."""
+def kda_output_gate(p, o, out_gate, eps: float, dtype):
+    """o [B, T, H, V] (f32, or already in `dtype`) -> RMSNorm_V(o) * o_norm * sigmoid(out_gate) -> [B, T, H*V] in
+    `dtype`: the output epilogue of every KDA path, and the reference of kda_verify's folded epilogue
+    (KernelCalls.kda_verify_epilogue). out_gate [B, T, H*V] the fifth stream of the fused projection.
+    Rounding points: o in `dtype` first (the recurrence hands its output over in the activation dtype), then the
+    norm, o_norm and gate in f32, rounded to `dtype` once at the end."""
     B, T, H, Vd = o.shape
-    o = o.astype(dtype).astype(jnp.float32)  # the recurrence hands its output over in the activation dtype
-    o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + cfg.rms_norm_eps)
+    o = o.astype(dtype).astype(jnp.float32)
+    o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + eps)
     o = o * p["o_norm"].astype(jnp.float32) * jax.nn.sigmoid(out_gate.astype(jnp.float32)).reshape(B, T, H, Vd)
-    return linear(o.reshape(B, T, H * Vd).astype(dtype), p["o_proj"], kernels, residual,
+    return o.reshape(B, T, H * Vd).astype(dtype)
+
+
+def kda_output(p, o, out_gate, cfg, dtype, kernels=None, residual=None, fp8_activations: bool = False):
+    """o [B, T, H, V] f32 -> kda_output_gate (RMSNorm_V(o) * o_norm * sigmoid(g_proj x)) -> o_proj -> [B, T, D]
+    (+ residual, in the projection's kernel where `kernels` takes it: see layers.linear.linear)."""
+    return linear(kda_output_gate(p, o, out_gate, cfg.rms_norm_eps, dtype), p["o_proj"], kernels, residual,
                   fp8_activations=fp8_activations)
 
 
@@ -230,11 +239,18 @@ def kda_verify_block(p, x, conv, rec, cfg, *, layer: int, pending, kernels, resi
 
     x [B, T, D] the normed input (or a layers.linear.Normed); conv [Lk, B, W-1, 3, C] and rec [Lk, B, H, K, V]
     read at `layer` by the kernel, never written; pending: the stacked KdaPending [Lk, ...] the blocks before wrote
-    (None for the first). The kernel takes the fused projection [B, T, 5, C] and conv_w [3, C, 1, W] whole.
+    (None for the first). The kernel takes the fused projection [B, T, 5, C] and conv_w [3, C, 1, W] whole; where
+    kernels.kda_epilogue_in_verify(V) it also runs kda_output_gate (the norm + gate epilogue, its o_norm and the
+    out-gate stream of proj) and hands o_proj its [B, T, H*V] input, else the epilogue runs here in XLA.
     Returns (out [B, T, D] (+ residual, as kda_layer), pending with this layer's rows written in place)."""
     proj, b_raw = kda_projections(p, x, kernels, fp8_activations)  # [B, T, 5, C], [B, T, H]
-    o, rows = kernels.kda_verify(proj, b_raw, p["A_log"], p["dt_bias"], p["conv_w"], conv, rec, layer, pending,
-                                 lower_bound=cfg.kda_lower_bound)
+    args = (proj, b_raw, p["A_log"], p["dt_bias"], p["conv_w"], conv, rec, layer, pending)
+    if kernels.kda_epilogue_in_verify(rec.shape[-1]):
+        o, rows = kernels.kda_verify(*args, lower_bound=cfg.kda_lower_bound, o_norm=p["o_norm"],
+                                     eps=cfg.rms_norm_eps)  # [B, T, H*V] in x's dtype: o_proj's input
+        out = linear(o, p["o_proj"], kernels, residual, fp8_activations=fp8_activations)
+        return out, KdaPending(*rows)
+    o, rows = kernels.kda_verify(*args, lower_bound=cfg.kda_lower_bound)
     return kda_output(p, o, proj[:, :, 4], cfg, x.dtype, kernels, residual, fp8_activations), KdaPending(*rows)
 
 
