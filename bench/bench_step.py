@@ -419,16 +419,23 @@ def random_draft_vocab(cfg, n: int):
     return np.sort(np.random.default_rng(0).choice(cfg.vocab_size, n, replace=False)).astype(np.int32)
 
 
-def compile_step(prog, mesh, rules, params, plan, multi_step: int = 1):
-    """The step compiled ahead of time on the abstract state (nothing allocated for it yet), and XLA's temporaries
-    for it, checked against the memory plan before the state is made. multi_step = N > 1: N steps in one program
-    (lax.scan), so the host dispatches once per N steps (runner.Generator(decode_steps=N))."""
+def aliased_step(prog, mesh, rules, multi_step: int = 1) -> AliasedStep:
+    """The runner's form of the step (outputs aliased to donated inputs, constrained to the sharding rules);
+    multi_step = N > 1: N steps in one program (lax.scan), the host dispatching once per N steps
+    (runner.Generator(decode_steps=N))."""
     fn = prog.fn()
     if multi_step > 1:
         fn = functools.partial(lambda p, s, _f, n: jax.lax.scan(lambda c, _: _f(p, c), s, None, length=n),
                                _f=fn, n=multi_step)
-    step = AliasedStep(lambda p, s, _f=fn: constrain(_f(p, s), mesh, rules),  # the runner's form of the step
+    return AliasedStep(lambda p, s, _f=fn: constrain(_f(p, s), mesh, rules),
                        out_shardings=lambda out: state_shardings(out, mesh, rules))
+
+
+def compile_step(prog, mesh, rules, params, plan, multi_step: int = 1):
+    """The step compiled ahead of time on the abstract state (nothing allocated for it yet), and XLA's temporaries
+    for it, checked against the memory plan before the state is made. multi_step = N > 1: N steps in one program
+    (lax.scan), so the host dispatches once per N steps (runner.Generator(decode_steps=N))."""
+    step = aliased_step(prog, mesh, rules, multi_step)
     abstract = prog.abstract_state()
     compiled = step.compile(params, with_shardings(abstract, state_shardings(abstract, mesh, rules)))
     mem = compiled.memory_analysis()

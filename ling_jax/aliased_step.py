@@ -75,6 +75,17 @@ class AliasedStep:
         """The advance program lowered on these arguments (what runs on the device, e.g. to inspect its HLO)."""
         return self.advance.lower(params, state, self.first_box(params, state))
 
+    def lower_abstract(self, params, state):
+        """The advance program lowered on abstract arguments (ShapeDtypeStructs with shardings), its box abstract
+        too: nothing runs on any device, so this lowers for a compile-only device (deviceless compilation, e.g.
+        bench/census_offline.py). Needs the out_shardings rule (the box's placement)."""
+        if self._out_shardings is None:
+            raise ValueError("lower_abstract needs out_shardings: an abstract box has no device to follow")
+        out = jax.eval_shape(self._step, params, state)[1]
+        box = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), out,
+                           self._out_shardings(out))
+        return self.advance.lower(params, state, box)
+
 
 def _in_host_memory(shardings, out):
     """Where `emit` writes its copies: pinned host memory of the outputs' devices (the copy IS the device-to-host
