@@ -188,6 +188,10 @@ class KernelCalls:
       One input only (the MTP's [enorm | hnorm] goes on to fused_linear / the jnp), one device only (as
       fused_linear). Same rounding points as the model's jnp; the norm's sum and the K order are the kernel's
       (fixed: batch invariant). Off until timed on the GPU (bench_step --norm-linear-triton).
+    linear_residual_triton: the output projections with the residual add (KDA o_proj, MLA dense, the dense
+      down_proj) at T <= 17 rows, bf16, through the same module's linear_residual_small: one launch in place of
+      XLA's matvec + add (or fused_linear's Mosaic kernel, which it goes before). One device only; off until timed
+      (bench_step --linear-residual-triton).
     p2p_allreduce: with TP > 1, the all-reduce at a layer boundary (psum of the partial sums, the residual add,
       the next RMSNorm) runs as ONE peer-to-peer Mosaic GPU kernel (pallas_kernels/allreduce.py: remote stores
       + semaphores, fixed device order) instead of XLA's psum (NCCL: 18-19 us per small dependent all-reduce on
@@ -251,6 +255,7 @@ class KernelCalls:
     moe_tiles: _moe_mosaic.MosaicMoeConfig | None = None
     fused_linear: bool = False
     norm_linear_triton: bool = False
+    linear_residual_triton: bool = False
     fused_linear_fp8: bool = True
     p2p_allreduce: bool = False
     fp8_linear_scale: str = "partial"
@@ -642,6 +647,10 @@ class KernelCalls:
         """residual + o @ w^T in one kernel (the residual add in the projection's epilogue), or None.
         w: bf16 [N, K] or a quant.Fp8Weight (the fp8 kernel; "e4m3" with fp8_activations)."""
         fp8 = isinstance(w, Fp8Weight)
+        if self.linear_residual_triton:
+            got = self._linear_residual_small(o, w, residual)
+            if got is not None:
+                return got
         if (not (self.fused_linear_fp8 if fp8 else self.fused_linear)
                 or any(a.dtype != jnp.bfloat16 for a in (o, residual))
                 or (not fp8 and w.dtype != jnp.bfloat16)):
@@ -658,6 +667,18 @@ class KernelCalls:
         except ValueError:
             return None
         return out.reshape(lead + (n,))
+
+    def _linear_residual_small(self, o, w, residual):
+        """residual + o @ w^T through the Triton kernel (pallas_kernels/norm_linear_triton.py) for bf16 o, w and
+        residual of at most MAX_ROWS rows, or None."""
+        rows = math.prod(o.shape[:-1])
+        if (rows > _norm_linear_triton.MAX_ROWS or isinstance(w, Fp8Weight)
+                or any(a.dtype != jnp.bfloat16 for a in (o, w, residual))):
+            return None
+        cfg = _norm_linear_triton.NormLinearConfig(interpret=self.interpret)
+        out = _norm_linear_triton.linear_residual_small(o.reshape(rows, o.shape[-1]), w,
+                                                        residual.reshape(rows, w.shape[0]), config=cfg)
+        return out.reshape(residual.shape)
 
     def allreduce_residual_norm(self, partial, residual, weight, *, eps: float, axis: str):
         """The layer boundary under TP, per device (call inside shard_map over mesh axis `axis`): y = the sum

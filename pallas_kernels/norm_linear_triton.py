@@ -1,4 +1,4 @@
-"""Norm + projections for a few rows on Triton: the layer's RMSNorm and every projection of its input in ONE launch.
+"""Norm + projections, and projection + residual, for a few rows on Triton: each ONE launch with no XLA around it.
 
 Shape legend: T rows (batch folded in; KernelCalls sends T <= MAX_ROWS = 17), D reduction width (the normed
 input's), N_s output rows of projection s (its weight [N_s, D]: a [*N, D] weight flattened by the caller, a free
@@ -23,9 +23,15 @@ Epilogues (fused_linear.Proj kinds), the model's rounding points:
              y = round(a * u)                               (layers.linear.swiglu); round = to xn's dtype (the
                                                              activation dtype: Proj's bfloat16 in a bf16 model)
 
-Kernel plan: grid (F, ceil(T / BT)), F = sum_s ceil(N_s / BN) output tiles numbered in projection order; program
-(f, i) finds its projection s statically (one pl.when branch per projection: separate weight refs, no concat of
-the weights in HBM per step), then
+linear_residual_small (the output projections: KDA o_proj, MLA dense, the dense down_proj):
+  out [T, N] = residual + round(o @ W^T, o.dtype)           (ling_jax.layers.linear.linear with a residual: the
+                                                            projection rounded first, then the add, rounded to
+                                                            the stream's dtype); grid (ceil(N / BN), ceil(T / BT)),
+                                                            the K loop and masks as below, no norm.
+
+Kernel plan (norm_linear_small): grid (F, ceil(T / BT)), F = sum_s ceil(N_s / BN) output tiles numbered in
+projection order; program (f, i) finds its projection s statically (one pl.when branch per projection: separate
+weight refs, no concat of the weights in HBM per step), then
   1. the norm's prologue, recomputed in EVERY program: the BT rows of x in BK steps (masked: rows >= T and
      columns >= D read 0), squares summed into a [BT, BK] f32 carry, one row sum at the end -> r. Cheap at small
      T (x is T D 2 bytes from L2, 640 B a row at the demo's D); it removes the reduce kernel before the matvecs;
@@ -200,3 +206,49 @@ def norm_linear_small(x, norm_weight, weights, *, projs, eps, config=None):
       compiler_params=plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
       interpret=cfg.interpret, name="norm_linear_small",
   )(x, norm_weight, *flat))
+
+
+def _residual_kernel(o_ref, w_ref, res_ref, out_ref, *, t, k, n, cfg):
+  """out tile [BT, BN] = residual + round(o @ W^T): the K loop of _kernel without the norm."""
+  bt, bn, bk = cfg.block_t, cfg.block_n, cfg.block_k
+  row0, col0 = pl.program_id(1) * bt, pl.program_id(0) * bn
+  o_rows = row0 + lax.broadcasted_iota(jnp.int32, (bt, bk), 0)
+  o_cols = lax.broadcasted_iota(jnp.int32, (bt, bk), 1)
+  w_rows = col0 + lax.broadcasted_iota(jnp.int32, (bn, bk), 0)
+  w_cols = lax.broadcasted_iota(jnp.int32, (bn, bk), 1)
+  prec = lax.Precision.HIGHEST if o_ref.dtype == jnp.float32 else None
+
+  def k_step(kb, acc):
+    ob = plt.load(o_ref.at[pl.ds(row0, bt), pl.ds(kb * bk, bk)], mask=(o_rows < t) & (o_cols + kb * bk < k),
+                  other=0.0)
+    wb = plt.load(w_ref.at[pl.ds(col0, bn), pl.ds(kb * bk, bk)], mask=(w_rows < n) & (w_cols + kb * bk < k),
+                  other=0.0)
+    return acc + plt.dot(ob, wb.astype(o_ref.dtype), trans_b=True, precision=prec)
+
+  acc = lax.fori_loop(0, pl.cdiv(k, bk), k_step, jnp.zeros((bt, bn), jnp.float32))
+  rows = row0 + lax.broadcasted_iota(jnp.int32, (bt, bn), 0)
+  cols = col0 + lax.broadcasted_iota(jnp.int32, (bt, bn), 1)
+  live = (rows < t) & (cols < n)
+  res = plt.load(res_ref.at[pl.ds(row0, bt), pl.ds(col0, bn)], mask=live, other=0.0)
+  y = _rounded(acc, o_ref.dtype)                                    # the projection in o's dtype, then the add
+  plt.store(out_ref.at[pl.ds(row0, bt), pl.ds(col0, bn)], (res.astype(jnp.float32) + y).astype(out_ref.dtype),
+            mask=live)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def linear_residual_small(o, w, residual, *, config=None):
+  """residual + o @ w^T, one launch: o [T, K], w [N, K] (read in o's dtype per tile), residual [T, N] -> [T, N]
+  in residual's dtype (the model's `residual + y` with y = einsum(o, w) in o's dtype)."""
+  cfg = config or NormLinearConfig()
+  t, k = o.shape
+  n = w.shape[0]
+  if w.shape != (n, k) or residual.shape != (t, n):
+    raise ValueError(f"o {o.shape}, w {w.shape}, residual {residual.shape}: expected [T, K], [N, K], [T, N]")
+  out_dtype = jnp.result_type(residual, o)
+  kern = functools.partial(_residual_kernel, t=t, k=k, n=n, cfg=cfg)
+  return pl.pallas_call(
+      kern, grid=(pl.cdiv(n, cfg.block_n), pl.cdiv(t, cfg.block_t)),
+      out_shape=jax.ShapeDtypeStruct((t, n), out_dtype),
+      compiler_params=plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+      interpret=cfg.interpret, name="linear_residual_small",
+  )(o, w, residual)

@@ -1,7 +1,8 @@
 """pallas_kernels/norm_linear_triton.py (interpret mode) against the model's own jnp, and its batch invariance.
 
 Reference: ling_jax.layers.linear.norm_projections over a Normed (rms_norm, then each projection's einsum and
-epilogue): the function the model runs where the kernel does not take the call. Shapes: the v2 demo's
+epilogue), and ling_jax.layers.linear.linear with a residual for linear_residual_small: the functions the model
+runs where the kernels do not take the call. Shapes: the v2 demo's
 (models/ling-demo: D = 320; KDA w_qkvfg [5, 320, 320] | b_proj [5]; MLA q [480] | kv_a [160] | g_proj [5]
 sigmoid; the dense gate | up [960] swiglu with the clamp) and a D = 1024 set (16 K steps; widths 97 and 96:
 partial column tiles, and 8), T in {1, 6, 17}.
@@ -13,9 +14,9 @@ import numpy as np
 import pytest
 
 from ling_jax.kernel_calls import KernelCalls
-from ling_jax.layers.linear import Normed, Projection, norm_projections
+from ling_jax.layers.linear import Normed, Projection, linear, norm_projections
 from pallas_kernels.fused_linear import Proj
-from pallas_kernels.norm_linear_triton import NormLinearConfig, norm_linear_small
+from pallas_kernels.norm_linear_triton import NormLinearConfig, linear_residual_small, norm_linear_small
 from tests.conftest import rel_err
 
 CFG = NormLinearConfig(interpret=True)
@@ -102,3 +103,51 @@ def test_kernel_calls_route_small_bf16_calls_only():
     two = Normed((x[:6], x[6:]), (nw, nw), EPS)
     eh = (Projection(jnp.zeros((320, 640), jnp.bfloat16)),)
     assert calls.norm_linear(two, eh) is None                                             # [enorm | hnorm]
+
+
+# output projections: (K, N): the demo's KDA o_proj / MLA dense (320 -> 320), its dense down_proj (960 -> 320), and
+# a K = 1024 one with a partial column tile
+RESIDUAL_SETS = {"demo o_proj": (320, 320), "demo down": (960, 320), "k1024": (1024, 97)}
+
+
+def _residual_inputs(name, t, dtype, seed=0):
+    k, n = RESIDUAL_SETS[name]
+    ko, kw, kr = jax.random.split(jax.random.key(seed), 3)
+    o = jax.random.normal(ko, (t, k))
+    w = jax.random.normal(kw, (n, k)) * k ** -0.5
+    residual = 2.0 * jax.random.normal(kr, (t, n))
+    return o.astype(dtype), w.astype(dtype), residual.astype(dtype)
+
+
+@pytest.mark.parametrize("t", [1, 6, 17])
+@pytest.mark.parametrize("name", list(RESIDUAL_SETS))
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)])
+def test_linear_residual_matches_model_jnp(name, t, dtype, tol):
+    o, w, residual = _residual_inputs(name, t, dtype)
+    got = linear_residual_small(o, w, residual, config=CFG)
+    want = linear(o, w, residual=residual)
+    assert got.shape == want.shape and got.dtype == want.dtype, (got.shape, got.dtype, want.shape, want.dtype)
+    assert rel_err(got, want) <= tol, (name, t, rel_err(got, want))
+    if dtype == jnp.bfloat16:  # the projection rounded, then the add: mostly the model's bits
+        assert np.mean(np.asarray(got) == np.asarray(want)) >= 0.9
+
+
+def test_linear_residual_row_zero_is_batch_invariant():
+    o, w, residual = _residual_inputs("demo down", 17, jnp.bfloat16, seed=5)
+    alone = linear_residual_small(o[:1], w, residual[:1], config=CFG)
+    for t in (6, 17):
+        batch = linear_residual_small(o[:t], w, residual[:t], config=CFG)
+        np.testing.assert_array_equal(np.asarray(alone[0]), np.asarray(batch[0]))
+
+
+def test_kernel_calls_route_small_bf16_output_projections_only():
+    calls = KernelCalls(interpret=True, linear_residual_triton=True)
+    o, w, residual = _residual_inputs("demo o_proj", 12, jnp.bfloat16)
+    got = calls.linear_residual(o.reshape(2, 6, -1), w, residual.reshape(2, 6, -1))
+    want = linear(o.reshape(2, 6, -1), w, residual=residual.reshape(2, 6, -1))
+    assert got.shape == want.shape == (2, 6, 320) and rel_err(got, want) <= 1e-2
+    assert KernelCalls(interpret=True).linear_residual(o, w, residual) is None          # the field off
+    o18, w18, r18 = _residual_inputs("demo o_proj", 18, jnp.bfloat16)
+    assert calls.linear_residual(o18, w18, r18) is None                                  # T = 18 > 17
+    o32, w32, r32 = _residual_inputs("demo o_proj", 6, jnp.float32)
+    assert calls.linear_residual(o32, w32, r32) is None                                  # fp32
