@@ -151,3 +151,28 @@ def test_kernel_calls_route_small_bf16_output_projections_only():
     assert calls.linear_residual(o18, w18, r18) is None                                  # T = 18 > 17
     o32, w32, r32 = _residual_inputs("demo o_proj", 6, jnp.float32)
     assert calls.linear_residual(o32, w32, r32) is None                                  # fp32
+
+
+@pytest.mark.parametrize("t", [1, 6, 17])
+def test_kernels_lower_for_cuda_at_ling_flash_shapes(t):
+    """Both kernels lower for CUDA (H200, abstract: nothing runs) at Ling-3.0-flash's D = 2560: KDA's
+    w_qkvfg [5 x 4096] | b_proj [32] and o_proj 4096 -> 2560, one Triton launch each."""
+    from tests.cuda_lowering import S, lower_cuda
+
+    bf = jnp.bfloat16
+    projs = (Proj(), Proj())
+    norm = lower_cuda(lambda x, nw, w, b: norm_linear_small(x, nw, (w, b), projs=projs, eps=EPS),
+                      S((t, 2560), bf), S((2560,), bf), S((5 * 4096, 2560), bf), S((32, 2560), bf))
+    res = lower_cuda(linear_residual_small, S((t, 4096), bf), S((2560, 4096), bf), S((t, 2560), bf))
+    for text in (norm, res):
+        assert text.count("__gpu$xla.gpu.triton") == 1
+
+
+def test_sharded_calls_refuse_the_triton_projections():
+    """One device only, as fused_linear: ShardedKernelCalls rejects both fields (compile.sharding.kernel_calls_for
+    turns them off on more than one device)."""
+    from compile.sharding import ShardedKernelCalls
+
+    for field in ("norm_linear_triton", "linear_residual_triton"):
+        with pytest.raises(ValueError, match=f"{field}=True"):
+            ShardedKernelCalls(interpret=True, mesh=jax.make_mesh((1,), ("tp",)), **{field: True})

@@ -1,9 +1,10 @@
-"""The demo model (models/ling-demo, bf16) with KernelCalls.norm_linear_triton on against the same kernels with it
-off (interpret mode): verify over 6 rows and a decode, logits and states. The only difference between the two
-programs is who computes the normed projections (the Triton kernel vs the model's jnp, XLA on CPU), so they agree
-to bf16 accumulation-order noise; the census of calls pins that the kernel took every single-input projection
-of each pass: 6 KDA (w_qkvfg | b_proj), 2 MLA (q | kv_a | g_proj), layer 0's dense gate | up; the MTP's
-[enorm | hnorm] eh_proj is not its (two inputs)."""
+"""The demo model (models/ling-demo, bf16) with KernelCalls.norm_linear_triton and linear_residual_triton on
+against the same kernels with them off (interpret mode): verify over 6 rows and a decode, logits and states. The
+only difference between the programs is who computes the projections (the Triton kernels vs the model's jnp, XLA
+on CPU), so they agree to bf16 accumulation-order noise; the census of calls pins that the kernels took every
+single-input normed projection of each pass: 6 KDA (w_qkvfg | b_proj), 2 MLA (q | kv_a | g_proj), layer 0's
+dense gate | up (the MTP's [enorm | hnorm] eh_proj is not theirs: two inputs), and every output projection with
+its residual: 6 KDA o_proj, 2 MLA dense, layer 0's down_proj."""
 
 import os
 
@@ -21,15 +22,20 @@ from tests.conftest import rel_err
 MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "ling-demo")
 pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(MODEL, "model.safetensors.index.json")),
                                 reason="models/ling-demo is not checked out")
-TRACED: list = []  # (projection kinds, whether the Triton kernel took the call), appended at trace time
+TRACED: list = []  # (call, projection kinds, whether the Triton kernel took it), appended at trace time
 
 
 class Census(KernelCalls):
-    """KernelCalls that records which norm + projection calls the Triton kernel took."""
+    """KernelCalls that records which projection calls the Triton kernels took."""
 
     def _norm_linear_small(self, h, projections):
         out = super()._norm_linear_small(h, projections)
-        TRACED.append((tuple(p.kind for p in projections), out is not None))
+        TRACED.append(("norm_linear", tuple(p.kind for p in projections), out is not None))
+        return out
+
+    def _linear_residual_small(self, o, w, residual):
+        out = super()._linear_residual_small(o, w, residual)
+        TRACED.append(("linear_residual", ("linear",), out is not None))
         return out
 
 
@@ -50,15 +56,16 @@ def test_demo_logits_with_triton_projections_match_without():
     run = lambda calls: jax.block_until_ready(
         jax.jit(passes(cfg, toks[:, 8:], RuntimeOptions(kernels=calls)))(params, base))
     TRACED.clear()
-    on = run(Census(interpret=True, norm_linear_triton=True))
-    # per pass (verify, decode): 6 KDA + 2 MLA input projections and layer 0's dense MLP, all taken
-    taken = [kinds for kinds, took in TRACED if took]
-    assert len(TRACED) == len(taken) == 2 * 9, TRACED
-    assert sorted(taken[:9]) == sorted([("linear", "linear")] * 6 + [("linear", "linear", "sigmoid")] * 2
-                                       + [("swiglu",)]), taken
+    on = run(Census(interpret=True, norm_linear_triton=True, linear_residual_triton=True))
+    # per pass (verify, decode): 6 KDA + 2 MLA input projections and layer 0's dense MLP, their 9 output
+    # projections, all taken
+    norm = [kinds for call, kinds, took in TRACED if call == "norm_linear" and took]
+    assert len(TRACED) == 2 * 18 and all(t[-1] for t in TRACED), TRACED
+    assert sorted(norm[:9]) == sorted([("linear", "linear")] * 6 + [("linear", "linear", "sigmoid")] * 2
+                                      + [("swiglu",)]), norm
     off = run(KernelCalls(interpret=True))
     names = ("verify logits", "decode logits", "decode KDA state", "verify MLA cache")
     for name, a, b in zip(names, on, off):
-        assert rel_err(a, b) <= 1e-2, (name, rel_err(a, b))  # measured: 1.3e-3 verify logits, 0 decode
+        assert rel_err(a, b) <= 1e-2, (name, rel_err(a, b))
     for a, b in zip(on[:2], off[:2]):  # the next token: the same greedy choice at every row
         assert (jnp.argmax(a, -1) == jnp.argmax(b, -1)).mean() >= 5 / 6, (jnp.argmax(a, -1), jnp.argmax(b, -1))
