@@ -53,7 +53,7 @@ from compile.stages import Program, slice_config
 from ling_jax.aliased_step import AliasedStep
 from ling_jax.config import get_preset
 from ling_jax.draft_vocab import with_draft_vocab
-from ling_jax.kernel_calls import FP8_LINEAR_SCALES, MOE_FP8_SCHEMES, KernelCalls, kernel_calls
+from ling_jax.kernel_calls import FP8_LINEAR_SCALES, GPU_DEFAULTS, MOE_FP8_SCHEMES, KernelCalls, kernel_calls
 from ling_jax.model import Numerics, RuntimeOptions
 from ling_jax.sampling import SamplingOptions, TokenHistory
 from ling_jax import quant
@@ -525,24 +525,29 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-moe-router-tables", dest="moe_router_tables", action="store_false",
                     help="KernelCalls.moe_router_tables=False: the router without the MoE's tables, the alignment in "
                     "XLA (the default before 2026-12-02)")
-    ap.add_argument("--moe-router-norm", action="store_true", help="KernelCalls.moe_router_norm=True: the MoE "
-                    "layer's input RMSNorm in router_segments' program (with moe_router_tables; off by default)")
+    ap.add_argument("--moe-router-norm", action=argparse.BooleanOptionalAction,
+                    default=GPU_DEFAULTS["moe_router_norm"], help="KernelCalls.moe_router_norm=True: the MoE "
+                    "layer's input RMSNorm in router_segments' program (with moe_router_tables; on by default)")
     ap.add_argument("--no-moe-router-scatter", dest="moe_router_scatter", action="store_false",
                     help="KernelCalls.moe_router_scatter=False: router_segments' 'onehot' program (the default "
                     "before 2026-12-03)")
-    ap.add_argument("--moe-shared-segments", action="store_true", help="KernelCalls.moe_shared_segments=True: a "
+    ap.add_argument("--moe-shared-segments", action=argparse.BooleanOptionalAction,
+                    default=GPU_DEFAULTS["moe_shared_segments"], help="KernelCalls.moe_shared_segments=True: a "
                     "shared expert of width n x I (the v2 demo: 192 = 3 x 64) inside the Triton MoE kernels as n "
-                    "chunks instead of XLA's dots (off by default; A/B: --baseline-set moe_shared_segments=0)")
-    ap.add_argument("--kda-verify-epilogue", action="store_true", help="KernelCalls.kda_verify_epilogue=True: the "
+                    "chunks instead of XLA's dots (on by default; A/B: --baseline-set moe_shared_segments=0)")
+    ap.add_argument("--kda-verify-epilogue", action=argparse.BooleanOptionalAction,
+                    default=GPU_DEFAULTS["kda_verify_epilogue"], help="KernelCalls.kda_verify_epilogue=True: the "
                     "KDA output norm + gate inside the verify kernel (one program per head, heads V <= 64: the demo) "
-                    "instead of XLA's (off by default; A/B: --baseline-set kda_verify_epilogue=0)")
-    ap.add_argument("--norm-linear-triton", action="store_true", help="KernelCalls.norm_linear_triton=True: "
+                    "instead of XLA's (on by default; A/B: --baseline-set kda_verify_epilogue=0)")
+    ap.add_argument("--norm-linear-triton", action=argparse.BooleanOptionalAction,
+                    default=GPU_DEFAULTS["norm_linear_triton"], help="KernelCalls.norm_linear_triton=True: "
                     "the RMSNorm + projections of one input at T <= 17 rows (bf16) in ONE Triton launch "
-                    "(pallas_kernels/norm_linear_triton.py) instead of XLA's reduce + matvecs (off by default; "
+                    "(pallas_kernels/norm_linear_triton.py) instead of XLA's reduce + matvecs (on by default; "
                     "A/B: --baseline-set norm_linear_triton=0)")
-    ap.add_argument("--linear-residual-triton", action="store_true", help="KernelCalls.linear_residual_triton=True: "
+    ap.add_argument("--linear-residual-triton", action=argparse.BooleanOptionalAction,
+                    default=GPU_DEFAULTS["linear_residual_triton"], help="KernelCalls.linear_residual_triton=True: "
                     "the output projections + residual add at T <= 17 rows (bf16) in ONE Triton launch instead of "
-                    "XLA's matvec + add (off by default; A/B: --baseline-set linear_residual_triton=0)")
+                    "XLA's matvec + add (on by default; A/B: --baseline-set linear_residual_triton=0)")
     ap.add_argument("--mla-live-prefix", action="store_true", help="KernelCalls.mla_live_prefix=True: decode/verify "
                     "MLA attention over the live prefix only (pallas_kernels/mla_attention.py; off by default)")
     ap.add_argument("--p2p-allreduce", action="store_true", help="KernelCalls.p2p_allreduce=True (--tp >= 2): each "
@@ -676,12 +681,13 @@ def run_all(a, cfg, tp, mesh, rules):
     prefix += "-nofl8" if a.quantization and not a.fused_linear_fp8 else ""
     prefix += "-p2p" if a.p2p_allreduce else ""
     prefix += "" if a.moe_router_tables else "-nomrt"
-    prefix += "-rnorm" if a.moe_router_norm else ""
+    # the five kernel-count fields are on by default (KernelCalls, 2026-12-07): tagged when off
+    prefix += "" if a.moe_router_norm else "-normxla"
     prefix += "" if a.moe_router_scatter else "-onehot"
-    prefix += "-mss" if a.moe_shared_segments else ""
-    prefix += "-kvep" if a.kda_verify_epilogue else ""
-    prefix += "-nlt" if a.norm_linear_triton else ""
-    prefix += "-lrt" if a.linear_residual_triton else ""
+    prefix += "" if a.moe_shared_segments else "-nomss"
+    prefix += "" if a.kda_verify_epilogue else "-nokvep"
+    prefix += "" if a.norm_linear_triton else "-nonlt"
+    prefix += "" if a.linear_residual_triton else "-nolrt"
     prefix += "-live" if a.mla_live_prefix else ""
     prefix += "" if a.moe_fp8_scheme == KernelCalls.moe_fp8_scheme else f"-moe{a.moe_fp8_scheme}"
     prefix += "" if a.moe_n_tokens == 64 else f"-n{a.moe_n_tokens}"

@@ -93,8 +93,8 @@ class KernelCalls:
       one-program-per-head kda_chain kernel measured 4x slower there; pallas_kernels/kda_verify.py's docstring);
       wider heads keep the XLA epilogue.
       Same rounding points as the XLA epilogue (o in the activation dtype, then f32); the row sum's order is the
-      kernel's. Off until timed on the GPU (bench_step --kda-verify-epilogue --baseline-set
-      kda_verify_epilogue=0; bench/kernels_kda.py --only epilogue).
+      kernel's. On by default on the GPU since 2026-12-07 (GPU_DEFAULTS; A/B: bench_step
+      --baseline-set kda_verify_epilogue=0; bench/kernels_kda.py --only epilogue).
     kda_fused_decode: decode (T = 1) runs one fused KDA kernel (conv + delta rule + state update in place) instead
       of verify + commit. Off by default: its output uses S^T(e q) + u (k.q) for S'^T q, equal in exact arithmetic
       but not bitwise equal to the verify kernel's row, and plain greedy must match NEXTN's.
@@ -107,7 +107,7 @@ class KernelCalls:
       moe.moe_segments): router, up, down, and the shared expert's XLA fusions where its width is not I (the v2
       demo: 192 vs 64), instead of router scores, router top-k and the XLA alignment (key add, sort, gather,
       scatter-add, stack and copies between them). Same ids, weights, tables and products as that chain
-      (tests/test_kernels_router_segments.py: bitwise in the interpreter). On by default since 2026-12-02: on the
+      (tests/test_kernels_router_segments.py: bitwise in the interpreter). On by default on the GPU since 2026-12-02: on the
       H200 the demo model's greedy tokens are identical with and without it (bench/gate_step.py, 4 prompts x 256
       tokens, plain and NEXTN5, accept length 5.005 both), and its steps (8 steps per dispatch, so GPU-bound) take
       264.5 vs 278.1 us (plain) and 713.6 vs 790.2 us (NEXTN5), 18.6 vs 24.5 kernels per plain layer pass
@@ -128,13 +128,13 @@ class KernelCalls:
       dispatch: plain 265.5 vs 262.1 us, NEXTN5 730.1 vs 730.1 us): router_segments grows from 7.3 to 9.2 us a
       call, as much as the two kernels it removes (bench/results/step-ling-demo-kdaverify-rnorm-ms8-rn-*.json,
       gate-h200-2026-12-02-router-norm.json). The router's own latency (7-9 us for a 16 x 320 matvec, its
-      top-k and tables) is what to cut next.
+      top-k and tables) is what to cut next. On by default on the GPU since 2026-12-07 (GPU_DEFAULTS).
     moe_router_scatter: with moe_router_tables serving the call, router_segments runs its "scatter" program
       (RouterConfig.segments; router_segments._scatter_kernel: every K tile loaded at once, the selection's
       max-then-lowest-index pairs as one argmax each, the tables' prefix counts as cumsums and the tables
       stored where they go, the rows past the product cut to T's power of 2) instead of its per pair column
       one-hot sums: the same outputs bit for bit (tests/test_kernels_router_segments.py, _norm.py: in the
-      interpreter; bench/kernels_moe_router_tables.py checks and times the two on the GPU). On by default since
+      interpreter; bench/kernels_moe_router_tables.py checks and times the two on the GPU). On by default on the GPU since
       2026-12-03: on the H200 its outputs are bitwise equal to onehot's at T = 1 and 6, token 0 gives the same
       result alone and in a batch, and it takes 3.0-3.5 us against onehot's 7.1-9.3
       (kernels-moe-router-tables-h200-2026-12-03.json); the gate (bench/gate_step.py, 4 prompts x 256 greedy
@@ -151,8 +151,8 @@ class KernelCalls:
       gate / up / down dots and SwiGLU: 2-3 XLA kernels per MoE layer pass on the GPU; at T = 6 the two
       gemm_fusion kernels of ~2.9 us each in the 2026-12-02 census). Both the router-tables chain (routed_moe)
       and `moe`. Its numerics are the kernels' (g, u, silu(g) and the shared product kept in fp32 where the model
-      rounds them to bf16: a bf16 rounding apart, as the width-I shared segment always was). Off until timed on
-      the GPU (bench_step --moe-shared-segments --baseline-set moe_shared_segments=0).
+      rounds them to bf16: a bf16 rounding apart, as the width-I shared segment always was). On by default on the GPU since
+      2026-12-07 (GPU_DEFAULTS; A/B: bench_step --baseline-set moe_shared_segments=0).
     moe_n_tokens: the Mosaic MoE's token columns N (16, 32 or a multiple of 64; a call with more tokens uses
       64, and Triton above that). Every weight tile is multiplied with an [N, BK] x tile, so N = 64 at T = 1 streams
       as many activation bytes through SMEM as the up kernel's weight rows (and the down kernel's h' tiles
@@ -187,11 +187,11 @@ class KernelCalls:
       plus a matvec fusion per projection (the demo's KDA pass: RMS sum, b_proj, w_qkvfg), this is one kernel.
       One input only (the MTP's [enorm | hnorm] goes on to fused_linear / the jnp), one device only (as
       fused_linear). Same rounding points as the model's jnp; the norm's sum and the K order are the kernel's
-      (fixed: batch invariant). Off until timed on the GPU (bench_step --norm-linear-triton).
+      (fixed: batch invariant). On by default on the GPU since 2026-12-07 (GPU_DEFAULTS).
     linear_residual_triton: the output projections with the residual add (KDA o_proj, MLA dense, the dense
       down_proj) at T <= 17 rows, bf16, through the same module's linear_residual_small: one launch in place of
-      XLA's matvec + add (or fused_linear's Mosaic kernel, which it goes before). One device only; off until timed
-      (bench_step --linear-residual-triton).
+      XLA's matvec + add (or fused_linear's Mosaic kernel, which it goes before). One device only; on by default since
+      2026-12-07 (GPU_DEFAULTS).
     p2p_allreduce: with TP > 1, the all-reduce at a layer boundary (psum of the partial sums, the residual add,
       the next RMSNorm) runs as ONE peer-to-peer Mosaic GPU kernel (pallas_kernels/allreduce.py: remote stores
       + semaphores, fixed device order) instead of XLA's psum (NCCL: 18-19 us per small dependent all-reduce on
@@ -749,14 +749,29 @@ def _store_rows(n: int, dtype) -> int:
     return -(-n // 64) * 64
 
 
+# The kernels measured faster on the GPU than KernelCalls' field defaults (which stay each kernel's baseline, the
+# configuration the interpret-mode tests and the A/Bs start from). kernel_calls("auto" / "pallas") applies them
+# under the caller's fields. Since 2026-12-07, the five kernel-count fields: on one H100 together they take the
+# demo's plain step 251.3 -> 235.1 us and NEXTN5 665.8 -> 610.3 us (8 steps per dispatch; offline census 147 -> 97
+# and 324 -> 229 launches), and bench/gate_step.py (8 prompts x 256 greedy tokens, bf16) gives NEXTN == plain on
+# 7/8 prompts as the old defaults do; the tokens that change are near-ties (prompt 4's first decoded token: top-2
+# logit margin 0.027; the old defaults' NEXTN diff at prompt 0, token 24: margin 0.012)
+# (bench/results/step-ling-demo-*-five-ab-h10080gbhbm3x1-2026-12-07.json, gate-five-h100-2026-12-07.json).
+GPU_DEFAULTS = dict(kda_verify_epilogue=True, moe_router_norm=True, moe_shared_segments=True,
+                    norm_linear_triton=True, linear_residual_triton=True)
+
+
 def kernel_calls(choice: str = "auto", **fields) -> KernelCalls | None:
     """The KernelCalls for a user-facing choice: "auto" (Pallas when the default backend is a GPU, else the jnp
     model), "pallas", "reference" (None: the jnp model everywhere) or "interpret" (Pallas in the interpreter).
-    fields: KernelCalls fields (moe_impl, kda_fused_decode, ...)."""
+    fields: KernelCalls fields (moe_impl, kda_fused_decode, ...); on "auto" / "pallas" they go over GPU_DEFAULTS,
+    on "interpret" over KernelCalls' own defaults."""
     if choice not in CHOICES:
         raise ValueError(f"kernels={choice!r} not in {CHOICES}")
     if choice == "auto":
         choice = "pallas" if jax.default_backend() == "gpu" else "reference"
     if choice == "reference":
         return None
-    return KernelCalls(interpret=choice == "interpret", **fields)
+    if choice == "interpret":
+        return KernelCalls(interpret=True, **fields)
+    return KernelCalls(**{**GPU_DEFAULTS, **fields})
