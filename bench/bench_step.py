@@ -397,7 +397,8 @@ def programs(a, cfg, mesh, rules, kernels, fused: tuple[bool, bool] = (False, Tr
     NEXTN --steps, then each NEXTN --steps again with --draft-vocab. fused: KernelCalls (fused_linear,
     fused_linear_fp8)."""
     out = []
-    calls = (kernel_calls(kernels, kda_verify_epilogue=a.kda_verify_epilogue,
+    calls = (kernel_calls(kernels, kda_verify_epilogue=a.kda_verify_epilogue, norm_linear_triton=a.norm_linear_triton,
+                          linear_residual_triton=a.linear_residual_triton,
                           fused_linear=fused[0], fused_linear_fp8=fused[1],
                           p2p_allreduce=a.p2p_allreduce,
                           moe_router_tables=a.moe_router_tables, moe_router_norm=a.moe_router_norm,
@@ -533,6 +534,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kda-verify-epilogue", action="store_true", help="KernelCalls.kda_verify_epilogue=True: the "
                     "KDA output norm + gate inside the verify kernel (one program per head, heads V <= 64: the demo) "
                     "instead of XLA's (off by default; A/B: --baseline-set kda_verify_epilogue=0)")
+    ap.add_argument("--norm-linear-triton", action="store_true", help="KernelCalls.norm_linear_triton=True: "
+                    "the RMSNorm + projections of one input at T <= 17 rows (bf16) in ONE Triton launch "
+                    "(pallas_kernels/norm_linear_triton.py) instead of XLA's reduce + matvecs (off by default; "
+                    "A/B: --baseline-set norm_linear_triton=0)")
+    ap.add_argument("--linear-residual-triton", action="store_true", help="KernelCalls.linear_residual_triton=True: "
+                    "the output projections + residual add at T <= 17 rows (bf16) in ONE Triton launch instead of "
+                    "XLA's matvec + add (off by default; A/B: --baseline-set linear_residual_triton=0)")
     ap.add_argument("--mla-live-prefix", action="store_true", help="KernelCalls.mla_live_prefix=True: decode/verify "
                     "MLA attention over the live prefix only (pallas_kernels/mla_attention.py; off by default)")
     ap.add_argument("--p2p-allreduce", action="store_true", help="KernelCalls.p2p_allreduce=True (--tp >= 2): each "
@@ -649,7 +657,9 @@ def run_all(a, cfg, tp, mesh, rules):
                        "quantization": a.quantization, "memory_plan": plan.lines(), "host_peak_rss_bytes": host,
                        "routing_source": a.routing_from or "captured from this run's router (jnp copy of the step)"}
     fused = a.fused_linear
-    extra.update(kernels=a.kernels, kda_verify_epilogue=a.kda_verify_epilogue, fused_linear=fused, fused_linear_fp8=a.fused_linear_fp8,
+    extra.update(kernels=a.kernels, kda_verify_epilogue=a.kda_verify_epilogue,
+                 norm_linear_triton=a.norm_linear_triton, linear_residual_triton=a.linear_residual_triton,
+                 fused_linear=fused, fused_linear_fp8=a.fused_linear_fp8,
                  p2p_allreduce=a.p2p_allreduce,
                  moe_router_tables=a.moe_router_tables, moe_router_norm=a.moe_router_norm,
                  moe_router_scatter=a.moe_router_scatter, moe_shared_segments=a.moe_shared_segments,
@@ -668,6 +678,8 @@ def run_all(a, cfg, tp, mesh, rules):
     prefix += "" if a.moe_router_scatter else "-onehot"
     prefix += "-mss" if a.moe_shared_segments else ""
     prefix += "-kvep" if a.kda_verify_epilogue else ""
+    prefix += "-nlt" if a.norm_linear_triton else ""
+    prefix += "-lrt" if a.linear_residual_triton else ""
     prefix += "-live" if a.mla_live_prefix else ""
     prefix += "" if a.moe_fp8_scheme == KernelCalls.moe_fp8_scheme else f"-moe{a.moe_fp8_scheme}"
     prefix += "" if a.moe_n_tokens == 64 else f"-n{a.moe_n_tokens}"

@@ -201,18 +201,20 @@ class ShardedKernelCalls(KernelCalls):
     kda_verify / kda_commit: every head-indexed operand split over "tp"; heads are independent, no collective.
     fused_linear: not sharded yet (the output projections would need their partial sums reduced before the
       residual add): the sharded calls run the model's jnp projections, and fused_linear=True (or
-      fused_linear_fp8=True) is an error.
+      fused_linear_fp8=True, norm_linear_triton=True, linear_residual_triton=True) is an error.
     """
 
     mesh: Mesh | None = None
     rules: ShardingRules = ShardingRules()
     fused_linear: bool = False
     fused_linear_fp8: bool = False
+    norm_linear_triton: bool = False
+    linear_residual_triton: bool = False
 
     def __post_init__(self):
         if self.mesh is None:
             raise ValueError("ShardedKernelCalls needs a mesh")
-        for name in ("fused_linear", "fused_linear_fp8"):
+        for name in ("fused_linear", "fused_linear_fp8", "norm_linear_triton", "linear_residual_triton"):
             if getattr(self, name):
                 raise ValueError(f"ShardedKernelCalls({name}=True): the fused projections are not run under "
                                  f"shard_map yet; use {name}=False (the jnp projections, sharded by XLA)")
@@ -360,11 +362,13 @@ class ShardedKernelCalls(KernelCalls):
 
 def kernel_calls_for(opts, mesh: Mesh, rules: ShardingRules = ShardingRules()):
     """RuntimeOptions whose Pallas calls run under shard_map on `mesh` (unchanged for 1 device or the jnp path).
-    The per-kernel choices of the options' KernelCalls carry over to the sharded one, except fused_linear and
-    fused_linear_fp8 (not sharded yet: see ShardedKernelCalls), which are off on more than one device."""
+    The per-kernel choices of the options' KernelCalls carry over to the sharded one, except fused_linear,
+    fused_linear_fp8, norm_linear_triton and linear_residual_triton (not sharded yet: see ShardedKernelCalls), which
+    are off on more than one device."""
     calls = opts.calls
     if mesh.size == 1 or calls is None or isinstance(calls, ShardedKernelCalls):
         return opts
     fields = {f.name: getattr(calls, f.name) for f in dataclasses.fields(KernelCalls)}
-    fields["fused_linear"] = fields["fused_linear_fp8"] = False
+    fields["fused_linear"] = fields["fused_linear_fp8"] = fields["norm_linear_triton"] = False
+    fields["linear_residual_triton"] = False
     return opts.replace(kernels=ShardedKernelCalls(**fields, mesh=mesh, rules=rules))

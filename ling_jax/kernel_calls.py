@@ -62,6 +62,7 @@ from pallas_kernels import fused_linear_fp8 as _fused_linear_fp8
 from pallas_kernels import kda_verify as _kda_verify
 from pallas_kernels import mla_attention as _mla_attention
 from pallas_kernels import mla_triton as _mla_triton
+from pallas_kernels import norm_linear_triton as _norm_linear_triton
 from pallas_kernels import moe as _moe_triton
 from pallas_kernels import moe_mosaic as _moe_mosaic
 from pallas_kernels import moe_mosaic_fp8 as _moe_mosaic_fp8
@@ -200,6 +201,18 @@ class KernelCalls:
       on the H200 (29.6 vs 31.5 us, 15.5 vs 19.0 us) but not for the dense MLP, o_proj + residual (10.2 vs 8.2 us)
       or T = 17 (bench/results/kernels-fused-linear-h200-2026-12-01-persistent.json), and the wired step was not
       yet run on the GPU (bench_step --baseline-fused-linear is the A/B, bench.check_gpu_wiring the check).
+    norm_linear_triton: the projections of one normed input at T <= norm_linear_triton.MAX_ROWS = 17 rows (decode and
+      verify) with bf16 weights, activations and norm weight through pallas_kernels/norm_linear_triton.py (Triton):
+      the RMSNorm recomputed in every program and every projection in ONE launch, odd widths by masks (no XLA
+      pad / slice), before the Mosaic kernel of fused_linear. Where fused_linear's XLA path is a reduce kernel
+      plus a matvec fusion per projection (the demo's KDA pass: RMS sum, b_proj, w_qkvfg), this is one kernel.
+      One input only (the MTP's [enorm | hnorm] goes on to fused_linear / the jnp), one device only (as
+      fused_linear). Same rounding points as the model's jnp; the norm's sum and the K order are the kernel's
+      (fixed: batch invariant). Off until timed on the GPU (bench_step --norm-linear-triton).
+    linear_residual_triton: the output projections with the residual add (KDA o_proj, MLA dense, the dense
+      down_proj) at T <= 17 rows, bf16, through the same module's linear_residual_small: one launch in place of
+      XLA's matvec + add (or fused_linear's Mosaic kernel, which it goes before). One device only; off until timed
+      (bench_step --linear-residual-triton).
     p2p_allreduce: with TP > 1, the all-reduce at a layer boundary (psum of the partial sums, the residual add,
       the next RMSNorm) runs as ONE peer-to-peer Mosaic GPU kernel (pallas_kernels/allreduce.py: remote stores
       + semaphores, fixed device order) instead of XLA's psum (NCCL: 18-19 us per small dependent all-reduce on
@@ -263,6 +276,8 @@ class KernelCalls:
     moe_n_tokens: int = 64
     moe_tiles: _moe_mosaic.MosaicMoeConfig | None = None
     fused_linear: bool = False
+    norm_linear_triton: bool = False
+    linear_residual_triton: bool = False
     fused_linear_fp8: bool = True
     p2p_allreduce: bool = False
     fp8_linear_scale: str = "partial"
@@ -602,7 +617,12 @@ class KernelCalls:
         are zero-padded rows of the weight (an XLA pad, only where the width does not fit) and sliced off.
         fp8 weights go to the fp8 kernel, bf16 ones to the bf16 kernel (one launch per kind present).
         fp8_activations: the fp8 kernel in its "e4m3" form (else fp8_linear_scale's); None where it does not take
-        the call, and the layer's jnp then quantises those inputs itself."""
+        the call, and the layer's jnp then quantises those inputs itself.
+        norm_linear_triton: bf16 calls of one input at T <= 17 rows go to the Triton kernel first."""
+        if self.norm_linear_triton:
+            got = self._norm_linear_small(h, projections)
+            if got is not None:
+                return got
         xs, norm_ws = zip(*h.parts)
         weights = [w for p in projections for w in (p.weight if p.kind == "swiglu" else (p.weight,))]
         # bf16 throughout (a norm weight of another dtype would promote rms_norm's output: not the kernel's math)
@@ -627,6 +647,26 @@ class KernelCalls:
             for j, o in zip(group, got):
                 outs[j] = o.reshape(lead + o.shape[1:])
         return tuple(outs)
+
+    def _norm_linear_small(self, h, projections):
+        """The Triton norm + projections (pallas_kernels/norm_linear_triton.py) for one bf16 input of at most
+        MAX_ROWS rows and bf16 weights -> (y_s [B, T, *N_s], ...), or None where it does not take the call."""
+        if len(h.parts) != 1:
+            return None
+        ((x, norm_w),) = h.parts
+        weights = [w for p in projections for w in (p.weight if p.kind == "swiglu" else (p.weight,))]
+        rows = math.prod(x.shape[:-1])
+        if (rows > _norm_linear_triton.MAX_ROWS or x.dtype != jnp.bfloat16 or norm_w.dtype != jnp.bfloat16
+                or any(isinstance(w, Fp8Weight) or w.dtype != jnp.bfloat16 for w in weights)):
+            return None
+        flat_w = lambda w: w.reshape(-1, w.shape[-1])                          # [*N, D] -> [N, D]: free
+        args = tuple(tuple(map(flat_w, p.weight)) if p.kind == "swiglu" else flat_w(p.weight) for p in projections)
+        projs = tuple(_fused_linear.Proj(p.kind, limit=p.limit) for p in projections)
+        cfg = _norm_linear_triton.NormLinearConfig(interpret=self.interpret)
+        outs = _norm_linear_triton.norm_linear_small(x.reshape(rows, x.shape[-1]), norm_w, args, projs=projs,
+                                                     eps=h.eps, config=cfg)
+        lead = x.shape[:-1]
+        return tuple(o.reshape(lead + _first(p).shape[:-1]) for o, p in zip(outs, projections))
 
     def _norm_linear_group(self, flat, norm_ws, eps, projections, fp8: bool, fp8_activations: bool = False):
         """One fused kernel over projections whose weights are all bf16 (fp8=False) or all quant.Fp8Weight ->
@@ -664,6 +704,10 @@ class KernelCalls:
         """residual + o @ w^T in one kernel (the residual add in the projection's epilogue), or None.
         w: bf16 [N, K] or a quant.Fp8Weight (the fp8 kernel; "e4m3" with fp8_activations)."""
         fp8 = isinstance(w, Fp8Weight)
+        if self.linear_residual_triton:
+            got = self._linear_residual_small(o, w, residual)
+            if got is not None:
+                return got
         if (not (self.fused_linear_fp8 if fp8 else self.fused_linear)
                 or any(a.dtype != jnp.bfloat16 for a in (o, residual))
                 or (not fp8 and w.dtype != jnp.bfloat16)):
@@ -680,6 +724,18 @@ class KernelCalls:
         except ValueError:
             return None
         return out.reshape(lead + (n,))
+
+    def _linear_residual_small(self, o, w, residual):
+        """residual + o @ w^T through the Triton kernel (pallas_kernels/norm_linear_triton.py) for bf16 o, w and
+        residual of at most MAX_ROWS rows, or None."""
+        rows = math.prod(o.shape[:-1])
+        if (rows > _norm_linear_triton.MAX_ROWS or isinstance(w, Fp8Weight)
+                or any(a.dtype != jnp.bfloat16 for a in (o, w, residual))):
+            return None
+        cfg = _norm_linear_triton.NormLinearConfig(interpret=self.interpret)
+        out = _norm_linear_triton.linear_residual_small(o.reshape(rows, o.shape[-1]), w,
+                                                        residual.reshape(rows, w.shape[0]), config=cfg)
+        return out.reshape(residual.shape)
 
     def allreduce_residual_norm(self, partial, residual, weight, *, eps: float, axis: str):
         """The layer boundary under TP, per device (call inside shard_map over mesh axis `axis`): y = the sum
@@ -711,6 +767,11 @@ class KernelCalls:
 def _any_fp8(experts, shared) -> bool:
     """Whether any routed or shared expert weight is block fp8."""
     return any(isinstance(w, Fp8Weight) for w in (*experts, *(shared or ())))
+
+
+def _first(proj):
+    """A projection's weight (swiglu: its gate; the output's shape is its leading axes)."""
+    return proj.weight[0] if proj.kind == "swiglu" else proj.weight
 
 
 def _normed(x, shape):
