@@ -18,7 +18,9 @@ Two launches, whatever T and the live length live[b] = max_t pos[b, t] + 1:
      and writes acc [BM, Lp], m, l [BM] f32 of the split. The latent and rope columns are two loads of the one
      cache row (no XLA slice or concatenate: q_lat and q_rope come in as the layer made them, the stacked cache
      [L, B, S, F] is read at `layer` in place). A program whose split lies past live[b] exits at once: no loads,
-     no writes; so the work is ceil(live / BS) blocks, not S / BS.
+     no writes; so the work is ceil(live / BS) blocks, not S / BS. The last block's slots past live[b] are
+     masked out of the loads (read as 0): what a stale, rejected or never-written slot holds (NaN included) cannot
+     reach the result through p = 0 times it (0 x NaN = NaN), and the cache's end needs no padding.
   2. combine, grid (B, H, ceil(T / BT)): program (b, h, k) takes the rows t*H + h of one head over the live
      splits:  M = max_sp m_sp;  w_sp = e^(m_sp - M);  ctx = R(sum_sp w_sp acc_sp / sum_sp w_sp l_sp)  (in split
      order, `combine_unroll` splits' loads in flight at a time), then with kv_b the head's output projection
@@ -143,6 +145,16 @@ def _live_length(pos_ref, b, d: _Dims):
   return jnp.minimum(jnp.max(pos) + 1, d.s)
 
 
+def _span(start: int, size: int, dim: int, zero):
+  """pl.ds(start, size) of a dim of `dim` entries. A span that runs past the dim (a width rounded up to a power
+  of 2, its tail masked) gets a traced start (start + zero, zero a traced 0 of the program): a ref's static bounds
+  check rejects a constant start there, while the masked load reads (and the interpreter pads) only the entries
+  inside. Powers of 2 keep the constant."""
+  if start == 0 or start + size <= dim:
+    return pl.ds(start, size)
+  return pl.ds(start + zero, size)
+
+
 def _col_mask(width: int, padded: int):
   """[1, padded] columns inside the width, or None when the tile is the width (no mask: vector loads)."""
   return None if padded == width else (_iota(padded) < width)[None, :]
@@ -189,7 +201,7 @@ def _queries(q_ref, qr_ref, kvb_ref, b, rows, row_pos, q_rows, d: _Dims, dtype, 
     head = rows % d.h
     q_lat = jnp.zeros((len(rows), d.lp), F32)
     for hh in range(d.h):                                       # each row takes its own head's W_uk; the
-      w_uk = _load(kvb_ref.at[hh, pl.ds(0, pp), pl.ds(0, d.lp)], p_rows, lat_cols)   # others add exact zeros
+      w_uk = _load(kvb_ref.at[jnp.int32(hh), pl.ds(0, pp), pl.ds(0, d.lp)], p_rows, lat_cols)   # others: exact 0s
       q_lat = q_lat + _dot(jnp.where((head == hh)[:, None], q_nope, 0).astype(w_uk.dtype), w_uk)
     q = q_lat.astype(q_ref.dtype)
   else:
@@ -197,7 +209,7 @@ def _queries(q_ref, qr_ref, kvb_ref, b, rows, row_pos, q_rows, d: _Dims, dtype, 
   if rope_theta is not None:
     qr = _rotated(qr_ref, b, rows, row_pos, d, rope_theta, rope_col0)
   else:
-    qr = _load(qr_ref.at[b, q_rows, pl.ds(rope_col0, d.rp)], q_ok, _col_mask(d.r, d.rp))   # [BM, Rp]
+    qr = _load(qr_ref.at[b, q_rows, _span(rope_col0, d.rp, qr_ref.shape[-1], b * 0)], q_ok, _col_mask(d.r, d.rp))
   return q.astype(dtype), qr.astype(dtype)
 
 
@@ -208,7 +220,8 @@ def _attend_kernel(pos_ref, q_ref, qr_ref, cache_ref, *rest, d: _Dims, cfg: MlaT
   b, tile, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   bm, bs = cfg.block_m, cfg.block_s
   first = sp * cfg.split
-  n_blocks = jnp.clip(pl.cdiv(_live_length(pos_ref, b, d) - first, bs), 0, cfg.split_blocks)
+  live = _live_length(pos_ref, b, d)
+  n_blocks = jnp.clip(pl.cdiv(live - first, bs), 0, cfg.split_blocks)
 
   @pl.when(n_blocks > 0)                                       # past the live prefix: exit, no loads, no writes
   def _live():
@@ -218,15 +231,16 @@ def _attend_kernel(pos_ref, q_ref, qr_ref, cache_ref, *rest, d: _Dims, cfg: MlaT
     q, qr = _queries(q_ref, qr_ref, rest[0] if d.p else None, b, rows, row_pos, q_rows, d, cache_ref.dtype,
                      rope_theta=rope_theta, rope_col0=rope_col0)
     lat_cols, rope_cols = _col_mask(d.lr, d.lp), _col_mask(d.r, d.rp)
-    at = (b,) if layer is None else (layer, b)
+    at = (b,) if layer is None else (jnp.int32(layer), b)      # an array: the interpreter's masked load takes
+                                                                # no Python int index (nor below: W_uk's head)
 
     def block(j, carry):
       acc, m, l = carry
       j0 = first + j * bs
       slot = j0 + _iota(bs)                                    # [BS]
-      in_cache = None if d.s % bs == 0 else slot < d.s
-      lat = _load(cache_ref.at[(*at, pl.ds(j0, bs), pl.ds(0, d.lp))], in_cache, lat_cols)          # [BS, Lp]
-      rope = _load(cache_ref.at[(*at, pl.ds(j0, bs), pl.ds(d.lr, d.rp))], in_cache, rope_cols)     # [BS, Rp]
+      in_live = slot < live                                    # the last block's slots past the live length
+      lat = _load(cache_ref.at[(*at, pl.ds(j0, bs), pl.ds(0, d.lp))], in_live, lat_cols)           # [BS, Lp]
+      rope = _load(cache_ref.at[(*at, pl.ds(j0, bs), _span(d.lr, d.rp, d.lr + d.r, b * 0))], in_live, rope_cols)
       s = (_dot_t(q, lat) + _dot_t(qr, rope)) * scale          # [BM, BS]
       s = jnp.where(slot[None, :] <= row_pos[:, None], s, -jnp.inf)
       m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -283,7 +297,7 @@ def _combine_kernel(pos_ref, m_ref, l_ref, acc_ref, *rest, d: _Dims, cfg: MlaTri
   p_off, vh = v_rows
   vp = _pow2(vh)
   v_ok = None if vp == vh else _iota(vp) < vh
-  w_uv = _load(rest[0].at[h, pl.ds(p_off, vp), pl.ds(0, d.lp)], v_ok, lat_cols)   # W_uv[h] [Vp, Lp]
+  w_uv = _load(rest[0].at[h, _span(p_off, vp, p_off + vh, b * 0), pl.ds(0, d.lp)], v_ok, lat_cols)   # W_uv[h] [Vp, Lp]
   o = _dot_t(ctx.astype(w_uv.dtype), w_uv)                     # [BT, Vp] fp32
   o_mask = jnp.broadcast_to(t_ok[:, None], (bt, vp))
   plt.store(out_ref.at[b, t_rows, h, pl.ds(0, vp)], o, mask=o_mask if v_ok is None else o_mask & v_ok[None, :])
