@@ -232,7 +232,7 @@ def _attend_kernel(pos_ref, q_ref, qr_ref, cache_ref, *rest, d: _Dims, cfg: MlaT
                      rope_theta=rope_theta, rope_col0=rope_col0)
     lat_cols, rope_cols = _col_mask(d.lr, d.lp), _col_mask(d.r, d.rp)
     at = (b,) if layer is None else (jnp.int32(layer), b)      # an array: the interpreter's masked load takes
-                                                                # no Python int index (nor below: W_uk's head)
+                                                                # no Python int index (W_uk's head: the same)
 
     def block(j, carry):
       acc, m, l = carry
