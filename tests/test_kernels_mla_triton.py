@@ -214,6 +214,30 @@ def test_kernel_calls_route():
   assert (cfg_f.block_s, cfg_f.split_blocks) == (32, 8)
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sharded_over_heads_matches_the_model(tp):
+  """compile.sharding.ShardedKernelCalls.mla_attention on tp simulated devices: the heads (queries, kv_b_proj,
+  output) split over "tp", the stacked cache and positions replicated; each device absorbs and attends its own
+  heads (fp32: <= 1e-5 of the model), the W_uk choice the base's on the device's heads; and the q_lat form."""
+  from compile.mesh import make_mesh
+  from compile.sharding import ShardedKernelCalls
+
+  cfg = DEMO.replace(num_attention_heads=4)
+  p, heads, cache, positions = make(cfg, 1, 6, [117], F32, seed=23)
+  P = cfg.qk_nope_head_dim
+  kv_b = _kv_b(p, cfg, F32)
+  q_rope = rotate_queries(heads[..., P:], positions, cfg)
+  stacked = jnp.stack([jnp.full_like(cache, jnp.nan), cache])
+  calls = ShardedKernelCalls(interpret=True, mesh=make_mesh(tp), mla_triton=True)
+  kw = dict(v_head_dim=cfg.v_head_dim, scale=cfg.qk_head_dim ** -0.5, layer=1, rope_theta=cfg.rope_theta)
+  from_heads = jax.jit(lambda ql, qr, c, pos, w, h: calls.mla_attention(ql, qr, c, pos, w, q_heads=h, **kw))
+  from_q_lat = jax.jit(lambda ql, qr, c, pos, w: calls.mla_attention(ql, qr, c, pos, w, **kw))
+  q_lat = q_lat_of(cfg, p, heads)
+  for got in (from_heads(jnp.full_like(q_lat, jnp.nan), q_rope, stacked, positions, kv_b, heads),
+              from_q_lat(q_lat, q_rope, stacked, positions, kv_b)):
+    check(cfg, jax.block_until_ready(got), p, heads, cache, positions)
+
+
 def test_errors():
   p, heads, cache, positions = make(DEMO, 1, 1, [9], BF)
   kv_b = _kv_b(p, DEMO, BF)
