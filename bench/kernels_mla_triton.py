@@ -155,7 +155,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--tree", default=None)
-    ap.add_argument("--only", default=None, help="dims (demo, ling-flash) or path names containing this")
+    ap.add_argument("--only", default=None,
+                    help="one dims (demo, ling-flash), or the paths whose name contains this (XLA's always)")
     ap.add_argument("--max-len", type=int, default=None, help="cache slots S (8192; --interpret: 640)")
     ap.add_argument("--lives", default=None, help="live lengths (512,4096,8192; --interpret: 600)")
     ap.add_argument("--ts", default=None, help="verify rows T (1,6,17; --interpret: 1,6)")
@@ -169,10 +170,10 @@ def main(argv=None):
     ts = [int(x) for x in (a.ts or ("1,6" if a.interpret else "1,6,17")).split(",")]
     a.reps = a.reps or (2 if a.interpret else 15)
     rows, failures, errors, ceiling = [], [], [], bk.hbm_ceiling()
-    for dname, cfg in DIMS.items():
+    for dname, cfg in [(n, c) for n, c in DIMS.items() if a.only not in DIMS or a.only == n]:
         all_paths, q_lat_of = paths(dname, cfg, a.interpret)
         fs = {k: f for k, f in all_paths.items()
-              if a.only is None or a.only in dname or a.only in k or k.startswith("XLA")}
+              if a.only is None or a.only in DIMS or a.only in k or k.startswith("XLA")}
         for t in ts:
             for live in [n for n in lives if t <= n <= a.max_len]:
                 bench_case(rows, failures, errors, dname, cfg, fs, q_lat_of, t, live, a)
