@@ -311,10 +311,12 @@ def row(name, t_s, nbytes, bw, **kw):
 def write(out_dir, prefix, rows, extra, device, command: str | None = None):
     date = datetime.date.today().isoformat()
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
-    command = command or "python3 -m bench." + os.path.basename(__file__)[:-3] + " " + " ".join(os.sys.argv[1:])
+    # the script that runs (every bench writes through here: __file__ would name bench_step for all of them)
+    command = command or "python3 -m bench." + os.path.basename(os.sys.argv[0])[:-3] + " " + " ".join(os.sys.argv[1:])
     d = {"command": command,
          "device": device, "jax_version": jax.__version__, "date": date, "git_commit": commit, "rows": rows, **extra}
     path = os.path.join(out_dir, f"{prefix}-{device.lower().replace('nvidia ', '').replace(' ', '')}-{date}.json")
+    os.makedirs(out_dir, exist_ok=True)  # a fresh --out (the gate wrote into a missing dir and lost its rows)
     with open(path, "w") as f:
         json.dump(d, f, indent=1)
     return path
