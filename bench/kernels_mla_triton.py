@@ -2,7 +2,8 @@
 of the same layer step (the model's attend_absorbed over every slot), at the v2 demo's MLA dims (models/ling-demo:
 H = 5, Lr = 128, R = 32, P = Vh = 64) and Ling-3.0-flash's (H = 32, Lr = 512, R = 64, P = Vh = 128).
 
-  python3 -m bench.kernels_mla_triton --out $OUT     (GPU, ~5 min; kernels-mla-triton-<dev>-<date>.json)
+  python3 -m bench.kernels_mla_triton --out $OUT     (GPU, ~15 min; kernels-mla-triton<tag>-<dev>-<date>.json)
+  ... --only demo --ts 1,6 --tag=-demo-t1t6          (a part, ~3-5 min: dims by --only, rows by --ts / --lives)
   python3 -m bench.kernels_mla_triton --interpret     (CPU smoke, ~4 min: the checks in the interpreter, S 640)
 
 One timed call = the layer's attention: unrotated heads [1, T, H, P + R], the stacked cache [2, 1, S, Lr + R] read
@@ -155,6 +156,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--tree", default=None)
+    ap.add_argument("--tag", default="", help="appended to the JSON's prefix (split runs: one file each)")
     ap.add_argument("--only", default=None,
                     help="one dims (demo, ling-flash), or the paths whose name contains this (XLA's always)")
     ap.add_argument("--max-len", type=int, default=None, help="cache slots S (8192; --interpret: 640)")
@@ -177,8 +179,8 @@ def main(argv=None):
         for t in ts:
             for live in [n for n in lives if t <= n <= a.max_len]:
                 bench_case(rows, failures, errors, dname, cfg, fs, q_lat_of, t, live, a)
-                bk.write_result(a.out, "kernels-mla-triton", rows, ceiling, a.tree)
-    path = bk.write_result(a.out, "kernels-mla-triton", rows, ceiling, a.tree)
+                bk.write_result(a.out, "kernels-mla-triton" + a.tag, rows, ceiling, a.tree)
+    path = bk.write_result(a.out, "kernels-mla-triton" + a.tag, rows, ceiling, a.tree)
     print(f"wrote {path}\n" + "".join(f"not compiled: {e}\n" for e in errors)
           + ("\n".join(failures) or "all checks passed"))
     return 1 if failures else 0
