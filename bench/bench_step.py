@@ -405,7 +405,7 @@ def programs(a, cfg, mesh, rules, kernels, fused: tuple[bool, bool] = (False, Tr
                           p2p_allreduce=a.p2p_allreduce,
                           moe_router_tables=a.moe_router_tables, moe_router_norm=a.moe_router_norm,
                           moe_router_scatter=a.moe_router_scatter, moe_shared_segments=a.moe_shared_segments,
-                          mla_live_prefix=a.mla_live_prefix, moe_fp8_scheme=a.moe_fp8_scheme,
+                          mla_live_prefix=a.mla_live_prefix, mla_triton=a.mla_triton, moe_fp8_scheme=a.moe_fp8_scheme,
                           moe_n_tokens=a.moe_n_tokens, moe_fp8_n_tokens=a.moe_fp8_n_tokens,
                           moe_fp8_split_k=a.moe_fp8_split_k, fp8_linear_scale=a.fp8_linear_scale)
              if kernels != "reference" else None)
@@ -550,6 +550,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "XLA's matvec + add (on by default; A/B: --baseline-set linear_residual_triton=0)")
     ap.add_argument("--mla-live-prefix", action="store_true", help="KernelCalls.mla_live_prefix=True: decode/verify "
                     "MLA attention over the live prefix only (pallas_kernels/mla_attention.py; off by default)")
+    ap.add_argument("--mla-triton", action="store_true", help="KernelCalls.mla_triton=True: decode/verify MLA "
+                    "attention + W_uv (and, at small heads, q_nope W_uk and the q rope) in 2 Triton launches over the "
+                    "live prefix (pallas_kernels/mla_triton.py) instead of XLA's over every slot (off by default; A/B: "
+                    "--baseline-set mla_triton=0)")
     ap.add_argument("--p2p-allreduce", action="store_true", help="KernelCalls.p2p_allreduce=True (--tp >= 2): each "
                     "MoE layer's all-reduce + residual add + next RMSNorm as one peer-to-peer Mosaic kernel instead "
                     "of psum (shapes the kernel rejects stay on psum)")
@@ -670,7 +674,8 @@ def run_all(a, cfg, tp, mesh, rules):
                  p2p_allreduce=a.p2p_allreduce,
                  moe_router_tables=a.moe_router_tables, moe_router_norm=a.moe_router_norm,
                  moe_router_scatter=a.moe_router_scatter, moe_shared_segments=a.moe_shared_segments,
-                 mla_live_prefix=a.mla_live_prefix, moe_fp8_scheme=a.moe_fp8_scheme, moe_n_tokens=a.moe_n_tokens,
+                 mla_live_prefix=a.mla_live_prefix, mla_triton=a.mla_triton, moe_fp8_scheme=a.moe_fp8_scheme,
+                 moe_n_tokens=a.moe_n_tokens,
                  moe_fp8_n_tokens=a.moe_fp8_n_tokens, moe_fp8_split_k=a.moe_fp8_split_k,
                  fp8_linear_scale=a.fp8_linear_scale, fp8_activations=a.fp8_activations,
                  baseline_set=a.baseline_set, tree=tree_of(a.tree),
@@ -689,6 +694,7 @@ def run_all(a, cfg, tp, mesh, rules):
     prefix += "" if a.norm_linear_triton else "-nonlt"
     prefix += "" if a.linear_residual_triton else "-nolrt"
     prefix += "-live" if a.mla_live_prefix else ""
+    prefix += "-mlat" if a.mla_triton else ""
     prefix += "" if a.moe_fp8_scheme == KernelCalls.moe_fp8_scheme else f"-moe{a.moe_fp8_scheme}"
     prefix += "" if a.moe_n_tokens == 64 else f"-n{a.moe_n_tokens}"
     prefix += "" if a.moe_fp8_n_tokens == KernelCalls.moe_fp8_n_tokens else f"-fp8n{a.moe_fp8_n_tokens}"

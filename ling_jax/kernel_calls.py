@@ -29,6 +29,10 @@ Shapes (per call, the layers' view; a subclass sees its per-device slices inside
               w_up, w_down), shared, live_rows [B] or None               -> (y [T, D] f32, ids [T, A]) or None
               (the router's launch also aligns the experts: moe_router_tables on Triton; moe_router_norm: the
               norm of a Normed in that launch too)
+  mla_attention: q_lat [B, T, H, Lr], q_rope [B, T, H, R] (rotated), cache [B, S, Lr + R]
+              (or the stacked [L, B, S, Lr + R] read at `layer`), positions [B, T] int32, kv_b [H, P + Vh, Lr],
+              q_heads [B, T, H, P + R] unrotated (or None)                -> o [B, T, H, Vh] f32, or None
+  mla_context: the same without kv_b                                       -> ctx [B, T, H, Lr], or None
   norm_linear: h a layers.linear.Normed of x [B, T, D] (or of a tuple of inputs), projections of weights
               [*N_s, D] (swiglu: (gate, up) [F, D])                        -> (y_s [B, T, *N_s], ...) or None
   linear_residual: o [B, T, K], w [N, K], residual [B, T, N]             -> [B, T, N], or None
@@ -57,6 +61,7 @@ from pallas_kernels import fused_linear as _fused_linear
 from pallas_kernels import fused_linear_fp8 as _fused_linear_fp8
 from pallas_kernels import kda_verify as _kda_verify
 from pallas_kernels import mla_attention as _mla_attention
+from pallas_kernels import mla_triton as _mla_triton
 from pallas_kernels import norm_linear_triton as _norm_linear_triton
 from pallas_kernels import moe as _moe_triton
 from pallas_kernels import moe_mosaic as _moe_mosaic
@@ -69,6 +74,11 @@ MOE_IMPLS = ("auto", "mosaic", "triton")
 MOE_FP8_SCHEMES = ("weight", "partial", "partial-bits")  # the weight-only forms (w8a8: Numerics.fp8_activations)
 FP8_LINEAR_SCALES = ("partial", "weight")  # the weight-only forms of fused_linear_fp8 (e4m3: the same)
 KDA_EPILOGUE_MAX_HEAD = 64  # the widest V whose whole-head verify program keeps its [K, V] f32 state in registers
+# Largest W_uk (H x P x Lr, all heads of a device) the Triton MLA attend programs absorb q_nope with: each reads all
+# of it (from L2) and runs H masked [BM, P] x [P, Lr] dots, instead of XLA's q_lat einsum kernel (and at T > 1 the
+# q_nope / W_uk slices feeding its gemm). The v2 demo's 5 x 64 x 128 x 2 B = 80 KiB; Ling's 32 x 128 x 512 x 2 B
+# = 4 MiB stays in XLA.
+MLA_ABSORB_MAX_BYTES = 128 * 1024
 
 
 @dataclass(frozen=True)
@@ -102,6 +112,17 @@ class KernelCalls:
       only). Off by default: on H200 it beats XLA's attention over every slot at a live length of 1024 (28 vs
       34 us at T = 1, 25 vs 46 us at T = 6) but loses at 8192 with T >= 6 (53 vs 46 us at T = 6, 114 vs 56 us at
       T = 17; bench/results/kernels-head-mla-h200-2026-12-01.json): its blocks are re-read per 128-column slice.
+    mla_triton: decode/verify MLA attention AND its W_uv output product through pallas_kernels/mla_triton.py
+      (Triton, split-K over the live prefix: an attend launch over the live key blocks and a combine launch that
+      also applies W_uv per head), the layer's `mla_attention`; it serves the call before mla_live_prefix would.
+      It takes any heads, widths (powers of 2 or not: masked tiles) and slot counts, the cache in bf16 / f16 /
+      f32 and the stacked cache in place: no XLA concatenate, slice or copy around it, so the attention of an MLA
+      layer pass is 2 launches instead of XLA's ~10 over every allocated slot (the scores gemm, max / sum
+      reductions, converts, the PV gemm and its split-K reduce, W_uv's reduce, the layer's slice of the stack).
+      Rounding: p in the cache dtype before P @ latent, normalised at the end (the model rounds the normalised
+      probabilities), ctx in the cache dtype before W_uv as in the model. Batch-invariant (fixed tiles and split
+      partition, splits summed in order): a row's output does not depend on T or the other rows. Off until timed
+      on the GPU (bench/kernels_mla_triton.py; bench_step --mla-triton --baseline-set mla_triton=0).
     moe_router_tables: where the Triton MoE serves a decode / verify call (T <= router_segments.MAX_TOKENS = 32),
       the router is ONE launch that also emits the MoE's alignment tables (pallas_kernels.router_segments ->
       moe.moe_segments): router, up, down, and the shared expert's XLA fusions where its width is not I (the v2
@@ -247,6 +268,7 @@ class KernelCalls:
     kda_verify_epilogue: bool = False
     kda_fused_decode: bool = False
     mla_live_prefix: bool = False
+    mla_triton: bool = False
     moe_router_tables: bool = True
     moe_router_norm: bool = False
     moe_router_scatter: bool = True
@@ -527,13 +549,48 @@ class KernelCalls:
         """Absorbed MLA context over the live prefix (Mosaic GPU), or None where the kernel does not take the
         shapes (fp32, slots not a multiple of its block, small latent widths): the caller runs the jnp form.
         cache [B, S, F] or the stacked [L, B, S, F] read at `layer` in place."""
-        cfg = self._mla_config(q_lat, q_rope, cache) if self.mla_live_prefix else None
+        cfg = self._mla_config(q_lat, q_rope, cache)
         if cfg is None:
             return None
         return _mla_attention.mla_attention(q_lat, q_rope, cache, positions, scale=scale, config=cfg, layer=layer)
 
+    def mla_attention(self, q_lat, q_rope, cache, positions, kv_b, *, v_head_dim: int, scale: float,
+                      layer: int | None = None, q_heads=None, rope_theta: float | None = None):
+        """Absorbed MLA attention with its W_uv product over the live prefix (Triton, mla_triton), or None where
+        the field is off or the operands do not fit it: the caller tries mla_context, then the jnp form.
+        kv_b: the layer's kv_b_proj as [H, P + Vh, Lr] (W_uk | W_uv rows per head); cache [B, S, F] or the
+        stacked [L, B, S, F] read at `layer` in place -> o [B, T, H, Vh] f32 (attend_absorbed's).
+        q_heads (with rope_theta): the unrotated heads [B, T, H, P + R]: the kernel rotates their rope columns
+        (q_rope is then unused), and absorbs q_nope @ W_uk itself (q_lat unused too) where W_uk is at most
+        MLA_ABSORB_MAX_BYTES.
+        """
+        cfg = self._mla_triton_config(q_lat, q_rope, cache, kv_b)
+        if cfg is None:
+            return None
+        kw = dict(scale=scale, v_head_dim=v_head_dim, config=cfg, layer=layer)
+        if q_heads is None:
+            return _mla_triton.mla_triton(q_lat, q_rope, cache, positions, kv_b, **kw)
+        p = kv_b.shape[1] - v_head_dim
+        absorb = kv_b.shape[0] * p * kv_b.shape[2] * kv_b.dtype.itemsize <= MLA_ABSORB_MAX_BYTES
+        return _mla_triton.mla_triton(q_heads if absorb else q_lat, q_heads, cache, positions, kv_b,
+                                      absorb_q=absorb, rope_theta=rope_theta, rope_offset=p, **kw)
+
+    def _mla_triton_config(self, q_lat, q_rope, cache, kv_b):
+        """The Triton MLA kernel's tiles for these operands, or None (field off, a dtype it does not read).
+        block_s 64 where the latent tile is at most 256 columns (the demo's 128: [64, 128] bf16 = 16 KB a
+        pipeline stage), 32 at Ling's 512 (32 KB a stage, 3 stages in SMEM); fixed per dims, never by T."""
+        floats = (jnp.bfloat16, jnp.float16, jnp.float32)
+        if not self.mla_triton or any(a.dtype not in floats for a in (q_lat, q_rope, cache, kv_b)):
+            return None
+        lr = q_lat.shape[-1]
+        return _mla_triton.MlaTritonConfig(block_s=64 if lr <= 256 else 32, split_blocks=4 if lr <= 256 else 8,
+                                           interpret=self.interpret)
+
     def _mla_config(self, q_lat, q_rope, cache):
-        """The MLA kernel's config for these operands, or None where it does not apply."""
+        """The MLA kernel's config for these operands, or None where it does not apply (mla_live_prefix off,
+        a dtype or shape it does not take)."""
+        if not self.mla_live_prefix:
+            return None
         cfg = _mla_attention.MlaAttentionConfig(interpret=self.interpret)
         if len({q_lat.dtype, q_rope.dtype, cache.dtype}) != 1 or cache.dtype not in (jnp.bfloat16, jnp.float16):
             return None

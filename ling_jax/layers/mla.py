@@ -29,11 +29,16 @@ from ling_jax.quant import dense
 LATENT_NORM_EPS = 1e-6
 
 
+def _kv_b(p, cfg, dtype):
+    """kv_b_proj [H*(P+Vh), Lr] -> [H, P + Vh, Lr]: W_uk | W_uv per head (fp8 weights dequantised to dtype)."""
+    H, P, Vh = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+    return dense(p["kv_b_proj"], dtype).reshape(H, P + Vh, -1)
+
+
 def _split_kv_b(p, cfg, dtype):
     """kv_b_proj [H*(P+Vh), Lr] -> W_uk [H, P, Lr], W_uv [H, Vh, Lr] (fp8 weights dequantised to dtype)."""
-    H, P, Vh = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
-    w = dense(p["kv_b_proj"], dtype).reshape(H, P + Vh, -1)
-    return w[:, :P], w[:, P:]
+    w = _kv_b(p, cfg, dtype)
+    return w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]
 
 
 def mla_projections(p, x, cfg, kernels=None, fp8_activations: bool = False):
@@ -45,18 +50,20 @@ def mla_projections(p, x, cfg, kernels=None, fp8_activations: bool = False):
     return norm_projections(x, projs, kernels, fp8_activations=fp8_activations)
 
 
-def mla_queries(p, q, positions, cfg, kernels=None, fp8_activations: bool = False):
-    """q [B, T, H*(P+R)] (or q_a [B, T, Lq]: then q = q_b_proj(RMSNorm(q_a))) -> (q_nope [B, T, H, P],
-    q_rope rotated [B, T, H, R])."""
+def mla_query_heads(p, q, cfg, kernels=None, fp8_activations: bool = False):
+    """q [B, T, H*(P+R)] (or q_a [B, T, Lq]: then q = q_b_proj(RMSNorm(q_a))) -> the heads [B, T, H, P + R]
+    (q_nope | q_pe, q_pe before its rotation)."""
     B, T, _ = q.shape
-    H = cfg.num_attention_heads
     if cfg.q_lora_rank is not None:
         q_a = Normed(q, p["q_a_layernorm"], LATENT_NORM_EPS)
         (q,) = norm_projections(q_a, (Projection(p["q_b_proj"]),), kernels, fp8_activations=fp8_activations)
-    q = q.reshape(B, T, H, cfg.qk_head_dim)
+    return q.reshape(B, T, cfg.num_attention_heads, cfg.qk_head_dim)
+
+
+def rotate_queries(q_pe, positions, cfg):
+    """q_pe [B, T, H, R] -> q_rope rotated at positions [B, T]."""
     cos, sin = rope_angles(positions, cfg.qk_rope_head_dim, cfg.rope_theta)  # [B, T, R/2]
-    q_rope = apply_rope_interleaved(q[..., cfg.qk_nope_head_dim :], cos[:, :, None], sin[:, :, None])
-    return q[..., : cfg.qk_nope_head_dim], q_rope
+    return apply_rope_interleaved(q_pe, cos[:, :, None], sin[:, :, None])
 
 
 def mla_cache_rows(p, c, positions, cfg):
@@ -110,14 +117,24 @@ def absorbed_context(q_lat, q_rope, cache, positions, cfg):
     return jnp.einsum("bhts,bsf->bthf", probs.astype(cache.dtype), cache)[..., : cfg.kv_lora_rank]
 
 
-def attend_absorbed(p, q_nope, q_rope, cache, positions, cfg, *, kernels=None, layer: int | None = None):
+def attend_absorbed(p, q_nope, q_rope, cache, positions, cfg, *, kernels=None, layer: int | None = None,
+                    q_heads=None):
     """Decode/verify path: attention over latent rows with W_uk, W_uv absorbed. Returns [B, T, H, Vh] f32.
-    cache: [B, S, F], or the stacked [L, B, S, F] read at `layer`. kernels: a KernelCalls whose MLA kernel reads
-    the live prefix only (None, or a shape it does not take: the jnp context over every slot)."""
-    w_uk, w_uv = _split_kv_b(p, cfg, q_nope.dtype)
+    cache: [B, S, F], or the stacked [L, B, S, F] read at `layer`. kernels: a KernelCalls whose MLA kernels read
+    the live prefix only: mla_attention (context and W_uv in the kernel, given the whole [H, P + Vh, Lr] weight:
+    a slice of it would be an XLA copy), else mla_context (the context), else (None, or shapes neither takes)
+    the jnp context over every slot. q_heads: the unrotated heads [B, T, H, P + R] (mla_query_heads), from which
+    mla_attention may rotate the rope queries and absorb q_nope @ W_uk in its prologue (then q_rope, q_lat and
+    their slices are unused and XLA drops the kernels that made them)."""
+    kv_b = _kv_b(p, cfg, q_nope.dtype)
+    w_uk, w_uv = kv_b[:, : cfg.qk_nope_head_dim], kv_b[:, cfg.qk_nope_head_dim :]
     q_lat = jnp.einsum("bthp,hpl->bthl", q_nope, w_uk)  # query in latent space
     ctx = None
     if kernels is not None:
+        o = kernels.mla_attention(q_lat, q_rope, cache, positions, kv_b, v_head_dim=cfg.v_head_dim,
+                                  scale=cfg.qk_head_dim**-0.5, layer=layer, q_heads=q_heads, rope_theta=cfg.rope_theta)
+        if o is not None:
+            return o
         ctx = kernels.mla_context(q_lat, q_rope, cache, positions, scale=cfg.qk_head_dim**-0.5, layer=layer)
     if ctx is None:
         ctx = absorbed_context(q_lat, q_rope, cache if layer is None else cache[layer], positions, cfg)
@@ -145,10 +162,11 @@ def mla_layer(p, x, cache, lengths, cfg, *, absorbed: bool, layer: int | None = 
     B, T, _ = x.shape
     positions = lengths[:, None].astype(jnp.int32) + jnp.arange(T, dtype=jnp.int32)[None, :]
     q, c, gate = mla_projections(p, x, cfg, kernels, fp8_activations)
-    q_nope, q_rope = mla_queries(p, q, positions, cfg, kernels, fp8_activations)
+    q = mla_query_heads(p, q, cfg, kernels, fp8_activations)
+    q_nope, q_rope = q[..., : cfg.qk_nope_head_dim], rotate_queries(q[..., cfg.qk_nope_head_dim :], positions, cfg)
     cache = write_cache(cache, mla_cache_rows(p, c, positions, cfg), lengths, layer)
     if absorbed:
-        o = attend_absorbed(p, q_nope, q_rope, cache, positions, cfg, kernels=kernels, layer=layer)
+        o = attend_absorbed(p, q_nope, q_rope, cache, positions, cfg, kernels=kernels, layer=layer, q_heads=q)
     else:
         o = attend_plain(p, q_nope, q_rope, cache if layer is None else cache[layer], positions, cfg)
     o = (o * gate[..., None]).reshape(B, T, -1).astype(x.dtype)
