@@ -275,3 +275,23 @@ def test_demo_nextn_greedy_equals_plain_greedy_with_the_residual_epilogue(dtype)
   assert len(nextn) > 1 + 8 + 4, "few drafts accepted: the test would hardly exercise acceptance"
   n = min(len(plain), len(nextn))
   assert nextn[:n] == plain[:n], (plain, nextn)
+
+
+def test_sharded_calls_refuse_the_residual_epilogue_and_bench_step_takes_it():
+  """Under TP the MoE's partial sums are all-reduced before the add: ShardedKernelCalls rejects the field and
+  kernel_calls_for turns it off on more than one device (the rest carries over). bench_step's flag reaches the
+  KernelCalls and --baseline-set takes it."""
+  from bench import bench_step
+  from compile.sharding import ShardedKernelCalls, kernel_calls_for
+  from ling_jax.model import RuntimeOptions
+
+  with pytest.raises(ValueError, match="moe_residual_epilogue=True"):
+    ShardedKernelCalls(interpret=True, mesh=jax.make_mesh((1,), ("tp",)), moe_residual_epilogue=True)
+  mesh = jax.make_mesh((2,), ("tp",), devices=jax.devices()[:2])
+  sharded = kernel_calls_for(RuntimeOptions(kernels=ON), mesh).calls
+  assert isinstance(sharded, ShardedKernelCalls) and not sharded.moe_residual_epilogue
+  assert sharded.moe_shared_segments
+  ap = bench_step.build_parser()
+  a = ap.parse_args(["--model", "models/ling-demo", "--moe-residual-epilogue"])
+  assert a.moe_residual_epilogue
+  assert bench_step.parse_baseline_set(ap, a, "moe_residual_epilogue=0") == {"moe_residual_epilogue": False}
