@@ -405,6 +405,7 @@ def programs(a, cfg, mesh, rules, kernels, fused: tuple[bool, bool] = (False, Tr
                           p2p_allreduce=a.p2p_allreduce,
                           moe_router_tables=a.moe_router_tables, moe_router_norm=a.moe_router_norm,
                           moe_router_scatter=a.moe_router_scatter, moe_shared_segments=a.moe_shared_segments,
+                          moe_residual_epilogue=a.moe_residual_epilogue,
                           mla_live_prefix=a.mla_live_prefix, mla_triton=a.mla_triton, moe_fp8_scheme=a.moe_fp8_scheme,
                           moe_n_tokens=a.moe_n_tokens, moe_fp8_n_tokens=a.moe_fp8_n_tokens,
                           moe_fp8_split_k=a.moe_fp8_split_k, fp8_linear_scale=a.fp8_linear_scale)
@@ -535,6 +536,10 @@ def build_parser() -> argparse.ArgumentParser:
                     default=GPU_DEFAULTS["moe_shared_segments"], help="KernelCalls.moe_shared_segments=True: a "
                     "shared expert of width n x I (the v2 demo: 192 = 3 x 64) inside the Triton MoE kernels as n "
                     "chunks instead of XLA's dots (on by default; A/B: --baseline-set moe_shared_segments=0)")
+    ap.add_argument("--moe-residual-epilogue", action="store_true", help="KernelCalls.moe_residual_epilogue=True: "
+                    "the MoE layer's residual add in the Triton MoE's down launch (moe_down_residual: the fused "
+                    "combine + add) instead of moe_down + XLA's combine-and-add fusion (router-tables chain, T <= 32; "
+                    "off by default; A/B: --baseline-set moe_residual_epilogue=0)")
     ap.add_argument("--kda-verify-epilogue", action=argparse.BooleanOptionalAction,
                     default=GPU_DEFAULTS["kda_verify_epilogue"], help="KernelCalls.kda_verify_epilogue=True: the "
                     "KDA output norm + gate inside the verify kernel (one program per head, heads V <= 64: the demo) "
@@ -674,6 +679,7 @@ def run_all(a, cfg, tp, mesh, rules):
                  p2p_allreduce=a.p2p_allreduce,
                  moe_router_tables=a.moe_router_tables, moe_router_norm=a.moe_router_norm,
                  moe_router_scatter=a.moe_router_scatter, moe_shared_segments=a.moe_shared_segments,
+                 moe_residual_epilogue=a.moe_residual_epilogue,
                  mla_live_prefix=a.mla_live_prefix, mla_triton=a.mla_triton, moe_fp8_scheme=a.moe_fp8_scheme,
                  moe_n_tokens=a.moe_n_tokens,
                  moe_fp8_n_tokens=a.moe_fp8_n_tokens, moe_fp8_split_k=a.moe_fp8_split_k,
@@ -693,6 +699,7 @@ def run_all(a, cfg, tp, mesh, rules):
     prefix += "" if a.kda_verify_epilogue else "-nokvep"
     prefix += "" if a.norm_linear_triton else "-nonlt"
     prefix += "" if a.linear_residual_triton else "-nolrt"
+    prefix += "-mre" if a.moe_residual_epilogue else ""
     prefix += "-live" if a.mla_live_prefix else ""
     prefix += "-mlat" if a.mla_triton else ""
     prefix += "" if a.moe_fp8_scheme == KernelCalls.moe_fp8_scheme else f"-moe{a.moe_fp8_scheme}"

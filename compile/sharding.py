@@ -202,6 +202,9 @@ class ShardedKernelCalls(KernelCalls):
     fused_linear: not sharded yet (the output projections would need their partial sums reduced before the
       residual add): the sharded calls run the model's jnp projections, and fused_linear=True (or
       fused_linear_fp8=True, norm_linear_triton=True, linear_residual_triton=True) is an error.
+    moe_residual_epilogue: an error too. Under TP each device's MoE kernel gives a partial sum that is all-reduced
+      before the residual add (the add of one device's epilogue would be summed N times), and routed_moe does not
+      run under shard_map; the model adds after the psum (or in allreduce_residual_norm).
     """
 
     mesh: Mesh | None = None
@@ -210,10 +213,14 @@ class ShardedKernelCalls(KernelCalls):
     fused_linear_fp8: bool = False
     norm_linear_triton: bool = False
     linear_residual_triton: bool = False
+    moe_residual_epilogue: bool = False
 
     def __post_init__(self):
         if self.mesh is None:
             raise ValueError("ShardedKernelCalls needs a mesh")
+        if self.moe_residual_epilogue:
+            raise ValueError("ShardedKernelCalls(moe_residual_epilogue=True): the MoE's partial sums are all-reduced "
+                             "before the residual add, so the add cannot ride in one device's kernel; use False")
         for name in ("fused_linear", "fused_linear_fp8", "norm_linear_triton", "linear_residual_triton"):
             if getattr(self, name):
                 raise ValueError(f"ShardedKernelCalls({name}=True): the fused projections are not run under "
@@ -363,12 +370,12 @@ class ShardedKernelCalls(KernelCalls):
 def kernel_calls_for(opts, mesh: Mesh, rules: ShardingRules = ShardingRules()):
     """RuntimeOptions whose Pallas calls run under shard_map on `mesh` (unchanged for 1 device or the jnp path).
     The per-kernel choices of the options' KernelCalls carry over to the sharded one, except fused_linear,
-    fused_linear_fp8, norm_linear_triton and linear_residual_triton (not sharded yet: see ShardedKernelCalls), which
-    are off on more than one device."""
+    fused_linear_fp8, norm_linear_triton and linear_residual_triton (not sharded yet: see ShardedKernelCalls) and
+    moe_residual_epilogue (the MoE is all-reduced before its add), which are off on more than one device."""
     calls = opts.calls
     if mesh.size == 1 or calls is None or isinstance(calls, ShardedKernelCalls):
         return opts
     fields = {f.name: getattr(calls, f.name) for f in dataclasses.fields(KernelCalls)}
     fields["fused_linear"] = fields["fused_linear_fp8"] = fields["norm_linear_triton"] = False
-    fields["linear_residual_triton"] = False
+    fields["linear_residual_triton"] = fields["moe_residual_epilogue"] = False
     return opts.replace(kernels=ShardedKernelCalls(**fields, mesh=mesh, rules=rules))

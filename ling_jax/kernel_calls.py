@@ -27,6 +27,7 @@ Shapes (per call, the layers' view; a subclass sees its per-device slices inside
               or None when the Pallas router does not fit the dims (the caller routes in jnp)
   routed_moe: route's arguments (x: or a layers.linear.Normed of the residual rows [T, D]), the experts (w_gate,
               w_up, w_down), shared, live_rows [B] or None               -> (y [T, D] f32, ids [T, A]) or None
+              (residual [..., D]: (residual + y in its dtype, ids); moe_residual_epilogue: the add in the down launch)
               (the router's launch also aligns the experts: moe_router_tables on Triton; moe_router_norm: the
               norm of a Normed in that launch too)
   mla_attention: q_lat [B, T, H, Lr], q_rope [B, T, H, R] (rotated), cache [B, S, Lr + R]
@@ -174,6 +175,17 @@ class KernelCalls:
       and `moe`. Its numerics are the kernels' (g, u, silu(g) and the shared product kept in fp32 where the model
       rounds them to bf16: a bf16 rounding apart, as the width-I shared segment always was). On by default on the GPU since
       2026-12-07 (GPU_DEFAULTS; A/B: bench_step --baseline-set moe_shared_segments=0).
+    moe_residual_epilogue: where the router-tables chain serves a MoE call (routed_moe: Triton, T <= 32) with its
+      shared expert inside the kernels (width I, or moe_shared_segments), the layer's residual add in the down
+      launch's epilogue (pallas_kernels/moe.py moe_segments(residual=...), `moe_down_residual`: the fused combine,
+      one program per column tile of all T rows, so each output element is written, and the residual added, once)
+      instead of v1's moe_down + XLA's combine-and-add fusion (the `loop_add_fusion` of every KDA / MLA + MoE pass
+      in the 2026-12-07 offline census). The model's rounding points (the MoE sum to the activation dtype, then the
+      stream's add); the fp32 sum over the slots in the combine's order (ascending expert, then the shared chunks),
+      not v1's: an fp32 rounding apart before the bf16 round, batch invariant. One device only
+      (ShardedKernelCalls: the MoE's partial sums are all-reduced before the add). Off until timed on the GPU
+      (bench_step --moe-residual-epilogue --baseline-set moe_residual_epilogue=0): the combine walks the slots
+      serially in each of D / 16 programs where v1 runs one program per slot and tile.
     moe_n_tokens: the Mosaic MoE's token columns N (16, 32 or a multiple of 64; a call with more tokens uses
       64, and Triton above that). Every weight tile is multiplied with an [N, BK] x tile, so N = 64 at T = 1 streams
       as many activation bytes through SMEM as the up kernel's weight rows (and the down kernel's h' tiles
@@ -273,6 +285,7 @@ class KernelCalls:
     moe_router_norm: bool = False
     moe_router_scatter: bool = True
     moe_shared_segments: bool = False
+    moe_residual_epilogue: bool = False
     moe_n_tokens: int = 64
     moe_tiles: _moe_mosaic.MosaicMoeConfig | None = None
     fused_linear: bool = False
@@ -397,7 +410,7 @@ class KernelCalls:
                              norm_topk_prob=cfg.norm_topk_prob, config=rc)
 
     def routed_moe(self, x, gate_w, expert_bias, cfg, experts, shared, *, limit: float, shared_limit: float,
-                   live_rows=None, rows_per_seq: int = 0, fp8_activations: bool = False):
+                   live_rows=None, rows_per_seq: int = 0, fp8_activations: bool = False, residual=None):
         """Router and MoE with the alignment inside the router's launch -> (y [T, D] f32, ids [T, A]), or None
         where no such chain applies (the caller routes and calls `moe`): on the Triton MoE, moe_router_tables
         (T <= its MAX_TOKENS), not where the router tiles do not fit; the Mosaic MoE has none. live_rows int32[B]
@@ -407,7 +420,10 @@ class KernelCalls:
         router's program computes that RMSNorm and the MoE reads its xn; otherwise the model's norm
         (Normed.value(), then the rows).
         fp8_activations with fp8 weights: None (the chain does not quantise activations: `moe` runs the w8a8
-        kernel)."""
+        kernel).
+        residual [..., D] or None: return (residual + y rounded to x's dtype, the model's `x + moe(x)`, ids); with
+        moe_residual_epilogue the add is the down kernel's epilogue where it takes the call (shared expert in the
+        kernels, residual of x's dtype), else the model's add after it."""
         if fp8_activations and _any_fp8(experts, shared):
             return None
         rows = jax.ShapeDtypeStruct((math.prod(x.shape[:-1]), x.shape[-1]), x.dtype)  # what the choices read
@@ -434,11 +450,20 @@ class KernelCalls:
         else:
             xn = _normed(x, rows.shape)
             r = _router_segments.route_segments(xn, gate_w, expert_bias, live_rows, has_shared=in_kernel, **route_kw)
+        # the residual add in the down kernel's epilogue
+        fold = (residual is not None and self.moe_residual_epilogue and (shared is None or in_kernel)
+                and residual.dtype == rows.dtype and rows.shape[0] <= _moe_triton.RESIDUAL_MAX_TOKENS)
         y = _moe_triton.moe_segments(xn, r.order, r.seg, r.tok, r.w_rows, w_gate, w_up, w_down, limit=limit,
                                      shared=dense_shared if in_kernel else None, shared_limit=shared_limit,
-                                     config=self._triton_moe_config(w_gate)).astype(jnp.float32)
+                                     residual=residual.reshape(rows.shape) if fold else None,
+                                     config=self._triton_moe_config(w_gate))
+        if fold:
+            return y.reshape(residual.shape), r.ids
+        y = y.astype(jnp.float32)
         if shared is not None and not in_kernel:  # as `moe`: a shared width other than I through the model
             y = y + shared_expert(xn, shared, shared_limit)
+        if residual is not None:  # the model's add (moe_layer's rounding, then `x + y`)
+            return residual + y.astype(rows.dtype).reshape(residual.shape), r.ids
         return y, r.ids
 
     def _shared_in_triton(self, shared, w_gate) -> bool:

@@ -151,12 +151,11 @@ def ffn(p, x, cfg: ModelConfig, i: int, opts: RuntimeOptions, return_load: bool 
     h = Normed(x, p["post_norm"], cfg.rms_norm_eps)
     if cfg.is_moe(i):  # the router and the MoE kernel (shared expert included) both read the normed rows
         boundary = None if next_norm is None else (x, next_norm, cfg.rms_norm_eps)  # (the router's kernel may norm)
-        y = moe_layer(p["mlp"], h, cfg, routed_limit=cfg.routed_limit(i), shared_limit=cfg.shared_limit(i),
-                      router_fp32=opts.numerics.router_fp32, return_load=return_load, kernels=opts.calls,
-                      live_rows=live_rows, boundary=boundary, fp8_activations=opts.numerics.quantises_activations)
-        if boundary is not None:  # moe_layer returned the boundary (x', normed) itself
-            return y
-        return (x + y[0], y[1]) if return_load else x + y
+        # x' = x + MoE(x) from moe_layer (the add in the MoE's kernel where it folds it), or the boundary (x', normed)
+        return moe_layer(p["mlp"], h, cfg, routed_limit=cfg.routed_limit(i), shared_limit=cfg.shared_limit(i),
+                         router_fp32=opts.numerics.router_fp32, return_load=return_load, kernels=opts.calls,
+                         live_rows=live_rows, boundary=boundary, residual=x if boundary is None else None,
+                         fp8_activations=opts.numerics.quantises_activations)
     if next_norm is not None:
         raise ValueError(f"layer {i} is dense: only a MoE layer's boundary is fused (next_norm must be None)")
     # the clamp lists limit MoE layers' experts only (SGLang); a dense MLP is never clamped

@@ -29,16 +29,49 @@ Kernel plan (no host sync, no limit on E):
      A of y.reshape(T, A, D) (an XLA reduce that fuses into its consumer, no gather).
 `moe` aligns the ids itself (step 1); `moe_segments` takes the tables from the router's own launch
 (pallas_kernels/router_segments.py): router -> up -> down.
+
 The shared expert rides as one extra segment (all T tokens, weight 1) when Is == I. A shared expert of width
 Is = n I (n > 1, the v2 demo's 192 = 3 x 64) rides as n chunks of that segment: the tables still carry ONE
 shared slot P (rows P + t), and the up / down grids have n - 1 more programs (slots P + c) that read the slot's
 rows but the columns [c I, (c + 1) I) of the shared gate / up (and of the shared down's reduction axis) and keep
 their h / y rows at P + c T + t (SwiGLU is per column of Is, so the n chunks' down products sum to the whole
-expert's: out[t] += sum_c y[P + c T + t] in fp32, chunk order). No XLA dot is left for the shared expert.
+expert's: out[t] += sum_c y[P + c T + t] in fp32, chunk order). No XLA dot is left for the shared expert. The
+fused combine walks the n chunks after the routed slots (h rows P + c T + t, the slot's tok / w rows).
 Empty segment slots load nothing.
 
+The residual add in the down launch (`moe_segments(..., residual=r)`, decode / verify rows T <=
+RESIDUAL_MAX_TOKENS; KernelCalls.moe_residual_epilogue), `moe_down_residual`:
+  out[t] = round(f32(r[t]) + f32(round(moe[t], x.dtype)), r.dtype)
+the model's `x + moe_layer(x)` with its two rounding points (moe_layer rounds the fp32 MoE sum to the activation
+dtype, then the residual stream's add rounds again). Every output element must have ONE writer, so that the
+residual is added exactly once. v1's `moe_down` has A + n writers per output row (one program per slot the token
+is in, each writing its own y row), so the add cannot ride there without a second pass over y; that pass is the
+XLA `loop_add_fusion` after it (the sum over A, the chunks' adds, the round, the residual add: one launch per
+MoE pass). So the residual path runs the fused combine at split 1 (grid D / BDC): program j owns the columns
+[j BDC, (j + 1) BDC) of ALL T rows, walks every active slot in order (ascending expert, then the shared chunks
+0 .. n - 1) into its fp32 accumulator [T', BDC], rounds it, adds the residual's tile and stores the tile, once.
+The launch after the MoE goes and so does the y buffer. (Folding the add into the next layer's norm_linear_small
+prologue instead would keep v1's grid, but every one of that kernel's programs re-norms the whole rows, so each
+would read all (P + n T) fp32 y rows, 54 KB at the demo's T = 6 and ~550 KB at Ling's; and the last MoE layer
+feeds the final norm, which is XLA's.)
+Row blocks: a segment has at most T rows where each token's experts are distinct (the router's top-k, the only
+producer of these tables), so the path runs ceil(T / M) static row blocks per slot and unrolls the K loop over I:
+the loop over the slots is the innermost loop, which Triton's pipeliner can overlap (the general fused combine
+nests a dynamic row-block loop in it; measured at Ling's dims it walked the slots one HBM round trip at a time,
+bench/KERNEL_NOTES.md).
+Bytes (the v2 demo at T = 6, bf16: 24 pairs on <= 16 experts + 3 shared chunks, D 320, I 64): each active
+expert's down weight once (D I 2 = 40 KB, as v1) and the shared [D, 192] once; the h rows (P + n T) I 2 = 5.4 KB
+per program from L2 (20 programs at BDC 16: 107 KB; v1: ~27 KB); the residual and the output T D 2 = 3.8 KB once
+each. Removed: v1's fp32 y rows (P + n T) D 4 = 54 KB, written by moe_down and read back by the XLA fusion.
+Cost: the slot walk is serial in each program (D / BDC programs where v1 has S x D / BD), hence off by default
+until timed (bench_step --moe-residual-epilogue --baseline-set moe_residual_epilogue=0).
+Numerics: the same fp32 products w * (h @ wd.T) as v1, summed in the fused combine's order (ascending expert id,
+then the chunks) where v1 sums y over A in pick order in XLA: on vs off differ by fp32 rounding before the bf16
+round (in bf16, an ulp where a sum lands near a rounding tie). The order depends on the token's own experts only
+(batch invariant, below).
+
 Batch invariance of the fused combine: token t's accumulator gets exact zeros from rows of
-other tokens and its own A products in ascending expert-id order, then the shared product;
+other tokens and its own A products in ascending expert-id order, then the shared product (its chunks in order);
 that order depends on t's own expert set only. Each row's GEMM (tl.dot over a fixed K loop)
 depends on that row only. So a token's output is bitwise the same alone or in any batch
 (when its A experts are distinct, as top-k gives; a token that picks one expert twice gets
@@ -112,6 +145,11 @@ class MoeConfig:
                            ("block_dc", self.block_dc, d)):
       if dim % blk:
         raise ValueError(f"{name}={blk} must divide {dim}")
+
+
+# The residual path's largest T: it unrolls ceil(T / block_m) row blocks per slot (router_segments.MAX_TOKENS, the
+# tables' producer, sends at most 32 rows).
+RESIDUAL_MAX_TOKENS = 32
 
 
 # ----------------------------------------------------------------------------- epilogue
@@ -319,11 +357,12 @@ def _up_kernel(seg_ref, tok_ref, x_ref, wg_ref, wu_ref, *rest, cfg, d, limit, sh
            h_ref, start, length, col0, limit=shared_limit, h_off=c * length)
 
 
-def _down_rows(h_ref, wd, r0, mask, *, bn, bk, i):
+def _down_rows(h_ref, wd, r0, mask, *, bn, bk, i, unroll=False):
   """[M, BN] fp32 = h[r0:r0+M] @ wd.T over I in BK steps (masked rows read as 0).
 
-  wd: a callable kb -> [BN, BK] tile (a loop over kb), or a tuple of the I/BK tiles already
-  loaded (prefetched; the loop is unrolled).
+  wd: a callable kb -> [BN, BK] tile (a loop over kb; unroll: a Python loop, so no scf.for is left
+  inside the caller's loop), or a tuple of the I/BK tiles already loaded (prefetched; the loop is
+  unrolled). Either way the K steps are added in order 0, BK, 2 BK, ...
   """
   bm = mask.shape[0]
 
@@ -333,8 +372,8 @@ def _down_rows(h_ref, wd, r0, mask, *, bn, bk, i):
     return acc + _dot_t(hb, wd[kb] if isinstance(wd, tuple) else wd(kb))
 
   acc = jnp.zeros((bm, bn), jnp.float32)
-  if isinstance(wd, tuple):
-    for kb in range(len(wd)):
+  if isinstance(wd, tuple) or unroll:
+    for kb in range(len(wd) if isinstance(wd, tuple) else i // bk):
       acc = k_step(kb, acc)
     return acc
   return lax.fori_loop(0, i // bk, k_step, acc)
@@ -391,10 +430,13 @@ def _down_kernel(seg_ref, order_ref, h_ref, w_ref, wd_ref, *rest, cfg, i, n_rout
            h_off=c * length)
 
 
-def _combine_segment(h_ref, w_ref, tok_ref, wd, acc, start, length, *, cfg, i):
-  """acc[T', BDC] += sum over the segment's rows m of onehot(tok[m]) * w[m] * (h[m] @ wd.T).
+def _combine_segment(h_ref, w_ref, tok_ref, wd, acc, start, length, *, cfg, i, h_off=0, max_rows=None):
+  """acc[T', BDC] += sum over the segment's rows m of onehot(tok[m]) * w[m] * (h[h_off + m] @ wd.T).
 
-  Rows of other tokens contribute exact zeros (a select, not a multiply: no 0 * inf).
+  Rows of other tokens contribute exact zeros (a select, not a multiply: no 0 * inf). h_off: a
+  shared chunk's h rows past the table's (its tok / w rows are the table's). max_rows: a static
+  bound on the segment's length (the residual path: T), so its row blocks and the K loop are
+  unrolled (no loop inside the caller's slot loop); None: any length (a loop over row blocks).
   """
   bm, tp = cfg.block_m, acc.shape[0]
   rows = lax.broadcasted_iota(jnp.int32, (bm, 1), 0)
@@ -403,28 +445,37 @@ def _combine_segment(h_ref, w_ref, tok_ref, wd, acc, start, length, *, cfg, i):
   def m_block(mb, acc):
     r0 = start + mb * bm
     mask = rows + mb * bm < length                                      # [M, 1]
-    y = _down_rows(h_ref, wd, r0, mask, bn=cfg.block_dc, bk=cfg.block_kd, i=i)   # [M, BDC]
+    y = _down_rows(h_ref, wd, r0 + h_off, mask, bn=cfg.block_dc, bk=cfg.block_kd, i=i,
+                   unroll=max_rows is not None)                         # [M, BDC]
     w = plt.load(w_ref.at[pl.ds(r0, bm)], mask=mask[:, 0], other=0.0)    # [M]
     tok = plt.load(tok_ref.at[pl.ds(r0, bm)], mask=mask[:, 0], other=-1)   # [M]
     hit = tids == tok[None, :, None]                                    # [T', M, 1]
     return acc + jnp.sum(jnp.where(hit, (y * w[:, None])[None], 0.0), axis=1)
 
-  return lax.fori_loop(0, pl.cdiv(length, bm), m_block, acc)
+  if max_rows is None:
+    return lax.fori_loop(0, pl.cdiv(length, bm), m_block, acc)
+  for mb in range(pl.cdiv(max_rows, bm)):
+    acc = m_block(mb, acc)
+  return acc
 
 
 def _down_combine_kernel(seg_ref, tok_ref, h_ref, w_ref, wd_ref, *rest, cfg, i, t, tp, e,
-                         n_routed_slots, has_shared):
+                         n_routed_slots, has_shared, n_chunks=1, moe_dtype=None, with_residual=False):
   """Grid (D/BDC, split): out[j, :, cols] = sum over program j's slots in order (ascending
-  expert, the shared slot last in the last split)."""
-  if has_shared:
-    swd_ref, out_ref = rest
-  else:
-    (out_ref,) = rest
+  expert, the shared slot last in the last split: its n_chunks chunks in order).
+  with_residual (split 1): out[:, cols] = round(f32(residual) + f32(round(acc, moe_dtype))), each
+  element written by this one program, so the residual is added once; the slots' rows are then
+  at most T (each token's experts distinct) and unrolled (see `_combine_segment`)."""
+  rest = list(rest)
+  swd_ref = rest.pop(0) if has_shared else None
+  res_ref = rest.pop(0) if with_residual else None
+  (out_ref,) = rest
   db, j = pl.program_id(0), pl.program_id(1)
   split = cfg.combine_split
   col0 = db * cfg.block_dc
   cols, bk = pl.ds(col0, cfg.block_dc), cfg.block_kd
-  seg_body = functools.partial(_combine_segment, h_ref, w_ref, tok_ref, cfg=cfg, i=i)
+  seg_body = functools.partial(_combine_segment, h_ref, w_ref, tok_ref, cfg=cfg, i=i,
+                               max_rows=t if with_residual else None)
   # Slots are sorted by expert, empty ones last: this program's slots are [s_lo, s_hi).
   pp = _pow2(n_routed_slots)
   lane = lax.broadcasted_iota(jnp.int32, (1, pp), 1) < n_routed_slots
@@ -455,10 +506,18 @@ def _down_combine_kernel(seg_ref, tok_ref, h_ref, w_ref, wd_ref, *rest, cfg, i, 
   if has_shared:
     s = n_routed_slots
     length = seg_ref[1, s] if split == 1 else jnp.where(j == split - 1, seg_ref[1, s], 0)
-    acc = seg_body(lambda kb: swd_ref[cols, pl.ds(kb * bk, bk)], acc, seg_ref[0, s], length)
+    for c in range(n_chunks):   # chunk c: the reduction columns [c I, (c + 1) I), its h rows c T past the slot's
+      acc = seg_body(lambda kb, c=c: swd_ref[cols, pl.ds(c * i + kb * bk, bk)], acc, seg_ref[0, s], length,
+                     h_off=c * t)
   rows = lax.broadcasted_iota(jnp.int32, (tp, 1), 0)
+  live = jnp.broadcast_to(rows < t, acc.shape)
   dst = out_ref.at[pl.ds(0, tp), cols] if split == 1 else out_ref.at[j, pl.ds(0, tp), cols]
-  plt.store(dst, acc.astype(out_ref.dtype), mask=jnp.broadcast_to(rows < t, acc.shape))
+  if with_residual:   # the model's rounding points: the MoE sum to the activation dtype, then the stream's add
+    res = plt.load(res_ref.at[pl.ds(0, tp), cols], mask=live, other=0.0)
+    out = res.astype(jnp.float32) + acc.astype(moe_dtype).astype(jnp.float32)
+  else:
+    out = acc
+  plt.store(dst, out.astype(out_ref.dtype), mask=live)
 
 
 # ----------------------------------------------------------------------------- wrapper
@@ -483,8 +542,7 @@ def _rows(topk_ids, topk_weights, cfg, has_shared):
 def moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, limit=0.0, shared=None,
         shared_limit=0.0, config=None):
   """Pallas (Triton) MoE: x [T, D], topk_ids / topk_weights [T, A], experts [E, I, D] / [E, D, I], shared (gate
-  [Is, D], up [Is, D], down [D, Is], Is a multiple of I: n chunks, see the module docstring; the fused combine
-  takes Is == I only) or None -> [T, D] in x.dtype; the reference is the model's ling_jax.layers.moe.moe_experts,
+  [Is, D], up [Is, D], down [D, Is], Is a multiple of I: n chunks, see the module docstring) or None -> [T, D] in x.dtype; the reference is the model's ling_jax.layers.moe.moe_experts,
   rounded to x.dtype."""
   cfg = config or MoeConfig()
   order, seg, tok, w_rows = _rows(topk_ids, topk_weights, cfg, shared is not None)
@@ -494,16 +552,20 @@ def moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, limit=0.0, shared=No
 
 @functools.partial(jax.jit, static_argnames=("limit", "shared_limit", "config"))
 def moe_segments(x, order, seg, tok, w_rows, w_gate, w_up, w_down, *, limit=0.0, shared=None, shared_limit=0.0,
-                 config=None):
+                 residual=None, config=None):
   """`moe` on tables a caller built (pallas_kernels.router_segments.route_segments: the router's own launch), in
   _align's layout: order [P], seg [3, S], tok [R], w_rows [R] (S = P + 1 and R = P + T with the shared expert)
-  -> [T, D] in x.dtype. Nothing runs between the router and the up kernel."""
+  -> [T, D] in x.dtype. Nothing runs between the router and the up kernel.
+  residual [T, D] or None: return residual + the MoE (rounded to x.dtype first, then the add, in residual's
+  dtype: the model's `x + moe_layer(x)`) from the down launch's epilogue (the fused combine, split 1; T <=
+  RESIDUAL_MAX_TOKENS; see the module docstring). The tables must come from a top-k (each token's experts
+  distinct, so no segment has more than T rows), as route_segments builds them."""
   return _moe_rows(x, order, seg, tok, w_rows, w_gate, w_up, w_down, limit=limit, shared=shared,
-                   shared_limit=shared_limit, cfg=config or MoeConfig())
+                   shared_limit=shared_limit, cfg=config or MoeConfig(), residual=residual)
 
 
-def _moe_rows(x, order, seg, tok, w_rows, w_gate, w_up, w_down, *, limit, shared, shared_limit, cfg):
-  """The up and down launches (and the combine) on the alignment tables."""
+def _moe_rows(x, order, seg, tok, w_rows, w_gate, w_up, w_down, *, limit, shared, shared_limit, cfg, residual=None):
+  """The up and down launches (and the combine; with residual, the add too) on the alignment tables."""
   t, d = x.shape
   e, i, d2 = w_gate.shape
   p = order.shape[0]
@@ -517,9 +579,15 @@ def _moe_rows(x, order, seg, tok, w_rows, w_gate, w_up, w_down, *, limit, shared
     raise ValueError(f"shared expert {shared[0].shape} / {shared[2].shape}: the kernels run it as segments of the "
                      f"routed width I={i}, so its width must be a multiple of I (ling_jax.kernel_calls runs another "
                      f"width through the model)")
-  if n_chunks > 1 and cfg.fuse_combine:
-    raise ValueError(f"shared expert width {shared[0].shape[0]} = {n_chunks} x I: the fused combine takes one shared "
-                     f"segment of width I (fuse_combine=False runs the chunks)")
+  if residual is not None:
+    if residual.shape != (t, d):
+      raise ValueError(f"residual {residual.shape} must be [T, D] = {(t, d)}")
+    if t > RESIDUAL_MAX_TOKENS:
+      raise ValueError(f"residual with T={t} rows > {RESIDUAL_MAX_TOKENS}: the residual path unrolls T rows per "
+                       "slot (decode / verify rows); add the residual to the MoE's output instead")
+    if cfg.combine_split != 1:
+      raise ValueError(f"residual with combine_split={cfg.combine_split}: the partials are summed after the kernel, "
+                       "so no program could add the residual once; use combine_split=1")
 
   has_shared = shared is not None
   # a shared expert of n chunks: n - 1 more programs (slots P + 1 ..) and their h / y rows past the tables'
@@ -539,16 +607,19 @@ def _moe_rows(x, order, seg, tok, w_rows, w_gate, w_up, w_down, *, limit, shared
   )(seg, tok, x, w_gate, w_up, *extra_up)
 
   extra_down = (shared[2],) if has_shared else ()
-  if cfg.fuse_combine:
+  if cfg.fuse_combine or residual is not None:
     split = cfg.combine_split
+    with_residual = residual is not None
     down = functools.partial(_down_combine_kernel, cfg=cfg, i=i, t=t, tp=_pow2(t), e=e,
-                             n_routed_slots=p, has_shared=has_shared)
+                             n_routed_slots=p, has_shared=has_shared, n_chunks=max(n_chunks, 1),
+                             moe_dtype=x.dtype, with_residual=with_residual)
+    out_dtype = residual.dtype if with_residual else x.dtype if split == 1 else jnp.float32
     out = pl.pallas_call(
         down, grid=(d // cfg.block_dc, split),
-        out_shape=jax.ShapeDtypeStruct((t, d) if split == 1 else (split, t, d),
-                                       x.dtype if split == 1 else jnp.float32),
-        compiler_params=params, interpret=cfg.interpret, name="moe_down_combine",
-    )(seg, tok, h, w_rows, w_down, *extra_down)
+        out_shape=jax.ShapeDtypeStruct((t, d) if split == 1 else (split, t, d), out_dtype),
+        compiler_params=params, interpret=cfg.interpret,
+        name="moe_down_residual" if with_residual else "moe_down_combine",
+    )(seg, tok, h, w_rows, w_down, *extra_down, *((residual,) if with_residual else ()))
     if split == 1:
       return out
     return functools.reduce(lambda acc, q: acc + q, list(out)).astype(x.dtype)  # fixed order

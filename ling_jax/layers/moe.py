@@ -140,7 +140,7 @@ def expert_load(ids, num_experts: int):
 
 
 def moe_layer(p, x, cfg, *, routed_limit: float, shared_limit: float, router_fp32: bool, return_load: bool = False,
-              kernels=None, live_rows=None, boundary=None, fp8_activations: bool = False):
+              kernels=None, live_rows=None, boundary=None, residual=None, fp8_activations: bool = False):
     """x [..., D] -> [..., D]. p: gate_w [E, D], expert_bias [E], w_gate, w_up, w_down, shared {gate,up,down}_proj.
     x: the normed input, or a layers.linear.Normed of the residual stream (one input; not computed yet): the
     router's kernel computes that norm where `kernels.routed_moe` takes it, every other path x.value().
@@ -151,8 +151,13 @@ def moe_layer(p, x, cfg, *, routed_limit: float, shared_limit: float, router_fp3
     boundary: (residual [..., D], norm weight [D], eps) or None: return the layer boundary (residual + y, its
     RMSNorm with that weight) in place of y, computed with the MoE in one `kernels.moe_residual_norm` call (under
     TP: the all-reduce of the partial sums fused with the add and the norm). Needs kernels.
+    residual: [..., D] or None: return residual + y (y rounded to the activation dtype first: the model's
+    `x + moe(x)`), the add in the MoE's down kernel where `kernels.routed_moe` folds it (moe_residual_epilogue).
+    Not with boundary (which adds the residual itself).
     fp8_activations: fp8 experts' GEMM inputs quantised (moe_experts; the kernels' w8a8 form). The router's input
     is not (the gate is bf16 in the format)."""
+    if boundary is not None and residual is not None:
+        raise ValueError("moe_layer: boundary carries its residual; pass boundary or residual, not both")
     if boundary is not None and kernels is None:
         raise ValueError("moe_layer(boundary=...) needs kernels (KernelCalls.moe_residual_norm); the jnp model adds "
                          "and norms in the caller")
@@ -167,8 +172,10 @@ def moe_layer(p, x, cfg, *, routed_limit: float, shared_limit: float, router_fp3
         rows = x if normed is not None and len(normed.parts) == 1 else flat(x if normed is None else x.value())
         fused = kernels.routed_moe(rows, gate_w, p["expert_bias"], cfg, (p["w_gate"], p["w_up"], p["w_down"]),
                                    shared, limit=routed_limit, shared_limit=shared_limit, live_rows=live_rows,
-                                   rows_per_seq=shape[-2], fp8_activations=fp8_activations)
+                                   rows_per_seq=shape[-2], fp8_activations=fp8_activations, residual=residual)
         if fused is not None:
+            if residual is not None:  # routed_moe returned residual + y (the add in its kernel, or the model's)
+                return with_load(fused[0], fused[1])
             y = fused[0].astype(dtype).reshape(shape)
             return with_load(y if boundary is None else add_rms_norm(boundary[0], y, *boundary[1:]), fused[1])
     xt = flat(x if normed is None else normed.value())  # every other path: the model's norm in XLA
@@ -194,4 +201,4 @@ def moe_layer(p, x, cfg, *, routed_limit: float, shared_limit: float, router_fp3
         y = moe_experts(*experts, limit=routed_limit, shared=shared, shared_limit=shared_limit,
                         fp8_activations=fp8_activations)
     y = y.astype(dtype).reshape(shape)
-    return with_load(y, ids)
+    return with_load(y if residual is None else residual + y, ids)
