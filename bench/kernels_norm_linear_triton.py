@@ -6,8 +6,8 @@ XLA's form of the same math (the model's jnp), at the v2 demo's dims (models/lin
   (kernels-norm-linear-triton-<dev>-<date>.json; --only demo / --only ling for a subset)
 
 Per case and T in (1, 6, 17): the kernel under tiles_for's config ("rule", what KernelCalls runs) and, with
---sweep, under each SWEEP variant of it (one design choice undone each: the split accumulators, every K step in
-flight, BN = 16, 4 warps), checked on the GPU against the model's jnp (rel err <= 1e-2 per output; T > 1: row 2
+--sweep, under each SWEEP variant of it (one design choice changed each: the split accumulators, every K
+step in flight, BN, BK, 4 warps), checked on the GPU against the model's jnp (rel err <= 1e-2 per output; T > 1: row 2
 bitwise equal to the T = 1 call on that row, batch invariance), then timed with bench_kernels.timeit (profiler
 span per call over input sets rotated past --cold-bytes of weights), as is the XLA baseline; `kernels_per_call`
 says how many launches each side is (XLA: the norm's reduce + a matvec fusion per projection, or matvec + add).
@@ -29,10 +29,14 @@ from pallas_kernels.fused_linear import Proj
 from pallas_kernels.norm_linear_triton import linear_residual_small, norm_linear_small, tiles_for
 
 BF, F32, EPS = jnp.bfloat16, jnp.float32, 1e-6
-SWEEP = {  # variant name -> the rule's config -> the variant (each undoes one choice of the module docstring)
+SWEEP = {  # variant name -> the rule's config -> the variant, or None (not run): each changes one choice of the
+    # module docstring (1 split: one MMA chain; 2 stages: one K step in flight; BN x2: half the programs; BK x2:
+    # half the K steps, wider; 8 warps)
     "1 split": lambda c: dataclasses.replace(c, splits=1),
     "2 stages": lambda c: dataclasses.replace(c, num_stages=2),
     "BN x2": lambda c: dataclasses.replace(c, block_n=2 * c.block_n, splits=max(1, c.splits // 2)),
+    "BK x2": lambda c: (dataclasses.replace(c, block_k=2 * c.block_k, splits=None, num_stages=None)
+                        if c.block_k <= 128 else None),
     "8 warps": lambda c: dataclasses.replace(c, num_warps=8),
 }
 # name -> (D, ((kind, [N, D] shape, limit), ...)), or (K, N) with None for projection + residual
@@ -52,12 +56,14 @@ CASES = {
 }
 
 
-def rule_config(case):
-    """tiles_for's config for the case's weights (what the kernel runs with config=None)."""
+def rule_config(case, config=None):
+    """tiles_for's config for the case's weights: what the kernel runs with config=None (or config's set fields
+    and the rule's others)."""
     dims, specs = CASES[case]
     if specs is None:
-        return tiles_for((dims[1],), dims[0], 1)
-    return tiles_for(tuple(shape[0] for _, shape, _ in specs), dims, max(1 + (k == "swiglu") for k, _, _ in specs))
+        return tiles_for((dims[1],), dims[0], 1, config)
+    return tiles_for(tuple(shape[0] for _, shape, _ in specs), dims, max(1 + (k == "swiglu") for k, _, _ in specs),
+                     config)
 
 
 def make_sets(case, t, nsets, key):
@@ -123,7 +129,9 @@ def main(argv=None):
     rows, failures, ceiling = [], [], bk.hbm_ceiling()
     for case in [c for c in CASES if a.only is None or a.only in c]:
         rule = dataclasses.replace(rule_config(case), interpret=a.interpret)
-        configs = {"rule": rule} | ({k: v(rule) for k, v in SWEEP.items()} if a.sweep else {})
+        variants = {k: v(rule) for k, v in SWEEP.items()} if a.sweep else {}
+        variants = {k: rule_config(case, v) for k, v in variants.items() if v is not None}
+        configs = {"rule": rule} | {k: v for k, v in variants.items() if v != rule}
         for t in (1, 6, 17):
             probe = make_sets(case, t, 1, jax.random.key(0))[0]
             nbytes = sum(x.size * x.dtype.itemsize for x in probe)

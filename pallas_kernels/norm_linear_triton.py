@@ -15,7 +15,10 @@ ling_jax.layers.norms.rms_norm; tests compare with them):
   r   [T]     = rsqrt(sum_d x^2 * (1/D) + eps)             fp32 squares; the sum in this kernel's fixed order
   xn  [T, D]  = nw * round(x * r, x.dtype)                 rms_norm's two rounding points (nw * normed in the
                                                             dtype of nw * x)
-  acc [T, N_s] = xn @ W_s^T                                 fp32 accumulation, K steps in order 0, BK, 2 BK, ...
+  acc [T, N_s] = xn @ W_s^T                                 fp32: S = splits accumulators, acc_j over the
+                                                            columns kb BK + j BK / S .. (+ BK / S) for the K
+                                                            steps kb = 0, 1, ... in order, then acc_0 + acc_1
+                                                            + ... in order (plan 4. below)
 Epilogues (fused_linear.Proj kinds), the model's rounding points:
   "linear"   y = round(acc, Proj.out)                      (einsum output)
   "sigmoid"  y = sigmoid(f32(round(acc, Proj.logit)))      (KDA beta, MLA gate), f32
