@@ -1,14 +1,17 @@
 """The Triton norm + projections / projection + residual kernels (pallas_kernels/norm_linear_triton.py) against
-XLA's form of the same math (the model's jnp), at the v2 demo's dims (models/ling-demo) and Ling-3.0-flash's KDA.
+XLA's form of the same math (the model's jnp), at the v2 demo's dims (models/ling-demo) and Ling-3.0-flash's.
 
-  python3 -m bench.kernels_norm_linear_triton --out $OUT   (GPU, ~2 min; kernels-norm-linear-triton-<dev>-<date>.json)
+  python3 -m bench.kernels_norm_linear_triton --out $OUT            (GPU, ~100 s: the rule's tiles vs XLA)
+  python3 -m bench.kernels_norm_linear_triton --out $OUT --sweep    (+ SWEEP's variants of the rule, ~4 min)
+  (kernels-norm-linear-triton-<dev>-<date>.json; --only demo / --only ling for a subset)
 
-Per case and T in (1, 6, 17), each config of CONFIGS (the first is the kernel's default) is checked on the GPU
-against the model's jnp (rel err <= 1e-2 per output; T > 1: row 2 bitwise equal to the T = 1 call on that row,
-batch invariance), then timed with bench_kernels.timeit (profiler span per call over input sets rotated past
---cold-bytes of weights), as is the XLA baseline; `kernels_per_call` says how many launches each side is (XLA: the
-norm's reduce + a matvec fusion per projection, or matvec + add). Prints the best config per case vs XLA and exits
-non-zero if any check failed (after writing the JSON).
+Per case and T in (1, 6, 17): the kernel under tiles_for's config ("rule", what KernelCalls runs) and, with
+--sweep, under each SWEEP variant of it (one design choice changed each: the split accumulators, every K
+step in flight, BN, BK, 4 warps), checked on the GPU against the model's jnp (rel err <= 1e-2 per output; T > 1: row 2
+bitwise equal to the T = 1 call on that row, batch invariance), then timed with bench_kernels.timeit (profiler
+span per call over input sets rotated past --cold-bytes of weights), as is the XLA baseline; `kernels_per_call`
+says how many launches each side is (XLA: the norm's reduce + a matvec fusion per projection, or matvec + add).
+Prints the rule (and the best variant) per case vs XLA and exits non-zero if any check failed (after the JSON).
 """
 from __future__ import annotations
 
@@ -23,15 +26,18 @@ import numpy as np
 from bench import bench_kernels as bk
 from ling_jax.layers.linear import Normed, Projection, linear, norm_projections
 from pallas_kernels.fused_linear import Proj
-from pallas_kernels.norm_linear_triton import NormLinearConfig, linear_residual_small, norm_linear_small
+from pallas_kernels.norm_linear_triton import linear_residual_small, norm_linear_small, tiles_for
 
 BF, F32, EPS = jnp.bfloat16, jnp.float32, 1e-6
-CONFIGS = {
-    "bn64-bk64-w4": NormLinearConfig(),
-    "bn32-bk64-w4": NormLinearConfig(block_n=32),
-    "bn32-bk128-w2": NormLinearConfig(block_n=32, block_k=128, num_warps=2),
-    "bn128-bk64-w4": NormLinearConfig(block_n=128),
-    "bn64-bk128-w4-s2": NormLinearConfig(block_k=128, num_stages=2),
+SWEEP = {  # variant name -> the rule's config -> the variant, or None (not run): each changes one choice of the
+    # module docstring (1 split: one MMA chain; 2 stages: one K step in flight; BN x2: half the programs; BK x2:
+    # half the K steps, wider; 8 warps)
+    "1 split": lambda c: dataclasses.replace(c, splits=1),
+    "2 stages": lambda c: dataclasses.replace(c, num_stages=2),
+    "BN x2": lambda c: dataclasses.replace(c, block_n=2 * c.block_n, splits=max(1, c.splits // 2)),
+    "BK x2": lambda c: (dataclasses.replace(c, block_k=2 * c.block_k, splits=None, num_stages=None)
+                        if c.block_k <= 128 else None),
+    "8 warps": lambda c: dataclasses.replace(c, num_warps=8),
 }
 # name -> (D, ((kind, [N, D] shape, limit), ...)), or (K, N) with None for projection + residual
 CASES = {
@@ -42,7 +48,22 @@ CASES = {
     "demo o_proj+res 320->320": ((320, 320), None),
     "demo down+res 960->320": ((960, 320), None),
     "ling kda w_qkvfg|b_proj": (2560, (("linear", (20480, 2560), 0.0), ("linear", (32, 2560), 0.0))),
+    "ling mla q|kv_a|g": (2560, (("linear", (6144, 2560), 0.0), ("linear", (576, 2560), 0.0),
+                                 ("sigmoid", (32, 2560), 0.0))),
+    "ling dense gate|up": (2560, (("swiglu", (6144, 2560), 7.0),)),
+    "ling o_proj+res 4096->2560": ((4096, 2560), None),
+    "ling down+res 6144->2560": ((6144, 2560), None),
 }
+
+
+def rule_config(case, config=None):
+    """tiles_for's config for the case's weights: what the kernel runs with config=None (or config's set fields
+    and the rule's others)."""
+    dims, specs = CASES[case]
+    if specs is None:
+        return tiles_for((dims[1],), dims[0], 1, config)
+    return tiles_for(tuple(shape[0] for _, shape, _ in specs), dims, max(1 + (k == "swiglu") for k, _, _ in specs),
+                     config)
 
 
 def make_sets(case, t, nsets, key):
@@ -100,13 +121,17 @@ def main(argv=None):
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--tree", default=None)
     ap.add_argument("--only", default=None, help="cases whose name contains this")
+    ap.add_argument("--sweep", action="store_true", help="also time SWEEP's variants of the rule's config")
     ap.add_argument("--cold-bytes", type=int, default=100_000_000, help="weight bytes rotated per timing")
     ap.add_argument("--interpret", action="store_true", help="the kernels in the interpreter (a CPU smoke run "
-                    "of the checks; its times mean nothing)")
+                    "of the checks; its times mean nothing; use --only demo)")
     a = ap.parse_args(argv)
-    configs = {k: dataclasses.replace(c, interpret=True) for k, c in CONFIGS.items()} if a.interpret else CONFIGS
     rows, failures, ceiling = [], [], bk.hbm_ceiling()
     for case in [c for c in CASES if a.only is None or a.only in c]:
+        rule = dataclasses.replace(rule_config(case), interpret=a.interpret)
+        variants = {k: v(rule) for k, v in SWEEP.items()} if a.sweep else {}
+        variants = {k: rule_config(case, v) for k, v in variants.items() if v is not None}
+        configs = {"rule": rule} | {k: v for k, v in variants.items() if v != rule}
         for t in (1, 6, 17):
             probe = make_sets(case, t, 1, jax.random.key(0))[0]
             nbytes = sum(x.size * x.dtype.itemsize for x in probe)
@@ -114,7 +139,7 @@ def main(argv=None):
             _, ref = fns(case, None)
             xla = {}
             t_xla = bk.timeit(ref, sets, detail=xla)
-            best = None
+            times = {}
             for cname, cfg in configs.items():
                 f, _ = fns(case, cfg)
                 try:
@@ -125,16 +150,17 @@ def main(argv=None):
                 if err > 1e-2 or inv is False:
                     failures.append(f"{case} T={t} {cname}: rel err {err:.2e}, batch invariant {inv}")
                 det = {}
-                tk = bk.timeit(f, sets, detail=det)
+                times[cname] = tk = bk.timeit(f, sets, detail=det)
                 rows.append(dict(name=f"{case} T={t} {cname}", case=case, t=t, config_name=cname, time_us=tk,
                                  bytes=nbytes, baseline="XLA (the model's jnp)", baseline_time_us=t_xla,
                                  baseline_kernels_per_call=xla.get("kernels_per_call"),
                                  kernels_per_call=det.get("kernels_per_call"), rel_err=err, batch_invariant=inv,
                                  config=str(cfg), nsets=len(sets)))
-                best = min(best or (tk, cname), (tk, cname))
-            if best:
-                print(f"{case:28s} T={t:2d}: best {best[1]:18s} {best[0]:7.2f} us vs XLA {t_xla:7.2f} us "
-                      f"({xla.get('kernels_per_call')} kernels)", flush=True)
+            if "rule" in times:
+                best = min(times, key=times.get)
+                print(f"{case:28s} T={t:2d}: rule {times['rule']:7.2f} us vs XLA {t_xla:7.2f} us "
+                      f"({xla.get('kernels_per_call')} kernels), {times['rule'] / t_xla:5.2f}x"
+                      + (f"; best {best} {times[best]:7.2f} us" if len(times) > 1 else ""), flush=True)
             bk.write_result(a.out, "kernels-norm-linear-triton", rows, ceiling, a.tree)
     print("\n".join(failures) or "all checks passed")
     return 1 if failures else 0
