@@ -93,3 +93,23 @@ def batch1_server(tmp_path_factory):
                  "--dist-init-addr", "10.1.2.3:5000")
     yield srv
     srv.stop()
+
+
+def greedy_emissions(cfg, params, prompt, opts: RuntimeOptions, runs, *, max_len: int, chunk: int, dtype):
+    """{steps: [first token, then the tokens the device loop emitted]} for each (steps, n_steps) of `runs` (0:
+    plain decode, else NEXTN with that many steps): the prompt through the jnp prefill (one state per relay), then
+    n_steps device steps with `opts`. The lossless tests compare emissions[0] with emissions[steps]."""
+    from ling_jax.runner import Generator, generate_on_device
+    from ling_jax.sampling import SamplingOptions
+    from ling_jax.spec import SpecConfig
+
+    emitted = {}
+    for steps, n_steps in runs:
+        spec = SpecConfig("NEXTN", steps) if steps else SpecConfig("NONE")
+        gen = Generator(cfg, params, spec=spec, max_len=max_len, chunked_prefill_size=chunk, dtype=dtype,
+                        opts=opts.replace(kernels=None))
+        state, first, _ = gen.prefill(prompt, SamplingOptions().device(cfg.vocab_size), jax.random.key(0), True)
+        state = jax.block_until_ready(state)
+        _, buf, count = jax.block_until_ready(generate_on_device(cfg, spec, n_steps, opts=opts)(params, state))
+        emitted[steps] = [int(first[0])] + [int(t) for t in np.asarray(buf[0, : int(count[0])])]
+    return emitted

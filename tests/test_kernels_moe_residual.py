@@ -251,10 +251,8 @@ def test_demo_nextn_greedy_equals_plain_greedy_with_the_residual_epilogue(dtype)
   jnp."""
   from ling_jax.config import load_config
   from ling_jax.model import Numerics, RuntimeOptions
-  from ling_jax.runner import Generator, generate_on_device
-  from ling_jax.sampling import SamplingOptions
-  from ling_jax.spec import SpecConfig
   from ling_jax.weights import load_params
+  from tests.conftest import greedy_emissions
 
   cfg = load_config(MODEL)
   params = load_params(cfg, MODEL, dtype=dtype)
@@ -262,15 +260,7 @@ def test_demo_nextn_greedy_equals_plain_greedy_with_the_residual_epilogue(dtype)
   opts = RuntimeOptions(numerics=numerics, kernels=ON)
   from ling_jax.tokenizer import load_tokenizer
   prompt = load_tokenizer(MODEL).encode("    def _read_status(self):\n        line = str(self.fp.readline(")
-  emitted = {}
-  for steps, n_steps in ((0, 24), (3, 8)):
-    spec = SpecConfig("NEXTN", steps) if steps else SpecConfig("NONE")
-    gen = Generator(cfg, params, spec=spec, max_len=64, chunked_prefill_size=16, dtype=dtype,
-                    opts=opts.replace(kernels=None))
-    state, first, _ = gen.prefill(prompt, SamplingOptions().device(cfg.vocab_size), jax.random.key(0), True)
-    state = jax.block_until_ready(state)
-    _, buf, count = jax.block_until_ready(generate_on_device(cfg, spec, n_steps, opts=opts)(params, state))
-    emitted[steps] = [int(first[0])] + [int(t) for t in np.asarray(buf[0, : int(count[0])])]
+  emitted = greedy_emissions(cfg, params, prompt, opts, ((0, 24), (3, 8)), max_len=64, chunk=16, dtype=dtype)
   plain, nextn = emitted[0], emitted[3]
   assert len(nextn) > 1 + 8 + 4, "few drafts accepted: the test would hardly exercise acceptance"
   n = min(len(plain), len(nextn))

@@ -19,7 +19,7 @@ from ling_jax.kernel_calls import KernelCalls
 from ling_jax.model import RuntimeOptions, forward, lm_logits
 from ling_jax.state import init_state
 from ling_jax.weights import load_params
-from tests.conftest import rel_err
+from tests.conftest import greedy_emissions, rel_err
 
 MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "ling-demo")
 pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(MODEL, "model.safetensors.index.json")),
@@ -76,23 +76,12 @@ def test_nextn_greedy_equals_plain_greedy_with_triton_mla():
     agree to rounding there), no target_rows: plain decode runs the kernel at T = 1, NEXTN (steps 3) verify at
     T = 4 and the MTP's drafts at T = 1; the tokens are plain greedy's, drafts accepted. The prompt through the jnp
     prefill (one state for both relays), then the steps with the kernel."""
-    from ling_jax.runner import Generator, generate_on_device
-    from ling_jax.sampling import SamplingOptions
-    from ling_jax.spec import SpecConfig
-
     cfg = load_config(MODEL)
     params = load_params(cfg, MODEL, dtype=jnp.float32)
     opts = RuntimeOptions(kernels=KernelCalls(interpret=True, mla_triton=True))
     prompt = [int(t) for t in jax.random.randint(jax.random.key(2), (40,), 2, cfg.vocab_size)]
-    emitted = {}
-    for steps, n_steps in ((0, 12), (3, 4)):
-        spec = SpecConfig("NEXTN", steps) if steps else SpecConfig("NONE")
-        gen = Generator(cfg, params, spec=spec, max_len=128, chunked_prefill_size=64, dtype=jnp.float32,
-                        opts=opts.replace(kernels=None))
-        state, first, _ = gen.prefill(prompt, SamplingOptions().device(cfg.vocab_size), jax.random.key(0), True)
-        state = jax.block_until_ready(state)
-        _, buf, count = jax.block_until_ready(generate_on_device(cfg, spec, n_steps, opts=opts)(params, state))
-        emitted[steps] = [int(first[0])] + [int(t) for t in np.asarray(buf[0, : int(count[0])])]
+    emitted = greedy_emissions(cfg, params, prompt, opts, ((0, 12), (3, 4)), max_len=128, chunk=64,
+                               dtype=jnp.float32)
     plain, nextn = emitted[0], emitted[3]
     assert len(plain) == 13
     assert len(nextn) > 1 + 4, "no draft was accepted: the test would not exercise acceptance"
