@@ -214,16 +214,17 @@ class KernelCalls:
       or T = 17 (bench/results/kernels-fused-linear-h200-2026-12-01-persistent.json), and the wired step was not
       yet run on the GPU (bench_step --baseline-fused-linear is the A/B, bench.check_gpu_wiring the check).
     norm_linear_triton: the projections of one normed input at T <= norm_linear_triton.MAX_ROWS = 17 rows (decode and
-      verify) with bf16 weights, activations and norm weight through pallas_kernels/norm_linear_triton.py (Triton):
-      the RMSNorm recomputed in every program and every projection in ONE launch, odd widths by masks (no XLA
+      verify) with bf16 weights, activations and norm weight, weights of at most MAX_WEIGHT_BYTES = 8 MiB a call
+      (past it XLA streams the weights faster: 2.4x at Ling's w_qkvfg on the H100, so on Ling this is XLA's), through
+      pallas_kernels/norm_linear_triton.py (Triton): the RMSNorm recomputed in every program and every projection in ONE launch, odd widths by masks (no XLA
       pad / slice), before the Mosaic kernel of fused_linear. Where fused_linear's XLA path is a reduce kernel
       plus a matvec fusion per projection (the demo's KDA pass: RMS sum, b_proj, w_qkvfg), this is one kernel.
       One input only (the MTP's [enorm | hnorm] goes on to fused_linear / the jnp), one device only (as
       fused_linear). Same rounding points as the model's jnp; the norm's sum and the K order are the kernel's
       (fixed: batch invariant). On by default on the GPU since 2026-12-07 (GPU_DEFAULTS).
     linear_residual_triton: the output projections with the residual add (KDA o_proj, MLA dense, the dense
-      down_proj) at T <= 17 rows, bf16, through the same module's linear_residual_small: one launch in place of
-      XLA's matvec + add (or fused_linear's Mosaic kernel, which it goes before). One device only; on by default since
+      down_proj) at T <= 17 rows, bf16, weights <= 8 MiB (MAX_WEIGHT_BYTES), through the same module's
+      linear_residual_small: one launch in place of XLA's matvec + add (or fused_linear's Mosaic kernel, which it goes before). One device only; on by default since
       2026-12-07 (GPU_DEFAULTS).
     p2p_allreduce: with TP > 1, the all-reduce at a layer boundary (psum of the partial sums, the residual add,
       the next RMSNorm) runs as ONE peer-to-peer Mosaic GPU kernel (pallas_kernels/allreduce.py: remote stores
@@ -682,7 +683,8 @@ class KernelCalls:
         weights = [w for p in projections for w in (p.weight if p.kind == "swiglu" else (p.weight,))]
         rows = math.prod(x.shape[:-1])
         if (rows > _norm_linear_triton.MAX_ROWS or x.dtype != jnp.bfloat16 or norm_w.dtype != jnp.bfloat16
-                or any(isinstance(w, Fp8Weight) or w.dtype != jnp.bfloat16 for w in weights)):
+                or any(isinstance(w, Fp8Weight) or w.dtype != jnp.bfloat16 for w in weights)
+                or sum(w.size * w.dtype.itemsize for w in weights) > _norm_linear_triton.MAX_WEIGHT_BYTES):
             return None
         flat_w = lambda w: w.reshape(-1, w.shape[-1])                          # [*N, D] -> [N, D]: free
         args = tuple(tuple(map(flat_w, p.weight)) if p.kind == "swiglu" else flat_w(p.weight) for p in projections)
@@ -755,7 +757,8 @@ class KernelCalls:
         residual of at most MAX_ROWS rows, or None."""
         rows = math.prod(o.shape[:-1])
         if (rows > _norm_linear_triton.MAX_ROWS or isinstance(w, Fp8Weight)
-                or any(a.dtype != jnp.bfloat16 for a in (o, w, residual))):
+                or any(a.dtype != jnp.bfloat16 for a in (o, w, residual))
+                or w.size * w.dtype.itemsize > _norm_linear_triton.MAX_WEIGHT_BYTES):
             return None
         cfg = _norm_linear_triton.NormLinearConfig(interpret=self.interpret)
         out = _norm_linear_triton.linear_residual_small(o.reshape(rows, o.shape[-1]), w,

@@ -82,6 +82,12 @@ from jax.experimental.pallas import triton as plt
 from pallas_kernels.fused_linear import Proj
 
 MAX_ROWS = 17  # the rows KernelCalls sends here: decode (B) and verify (B (1 + NEXTN drafts)) calls
+# The weight bytes of one call KernelCalls sends here at most. Measured on one H100 (bench/results/
+# kernels-norm-linear-triton-nvidia-h100-80gb-hbm3-2026-12-07-rule.json): at the demo's <= 1.2 MB weights the kernel
+# beats XLA (0.41-0.93x its time for the input projections), at Ling's 105 MB KDA w_qkvfg it reaches 34 % of the
+# HBM floor against XLA's 84 % (101 vs 41 us). Ling's smallest projection (o_proj, 21 MB) is past this bound too,
+# so on Ling every projection goes to XLA until the rule has tiles that stream large weights.
+MAX_WEIGHT_BYTES = 8 << 20
 ONE_WAVE = 132  # SMs of an H100 / H200 SXM: the programs that run at once, one per SM
 CHAINS = 4  # independent MMA accumulator chains per warp (module docstring, 4.): [BT, BN] gives BN / 16 at 4 warps
 W_STAGE_BYTES = 16 * 1024  # weight bytes per pipeline stage at most (sets BK where the program count is high)

@@ -138,6 +138,10 @@ def test_kernel_calls_route_small_bf16_calls_only():
     two = Normed((x[:6], x[6:]), (nw, nw), EPS)
     eh = (Projection(jnp.zeros((320, 640), jnp.bfloat16)),)
     assert calls.norm_linear(two, eh) is None                                             # [enorm | hnorm]
+    big = (Projection(jnp.zeros((2056, 2048), jnp.bfloat16)),)                          # 8.03 MiB > 8 MiB
+    assert nlt.MAX_WEIGHT_BYTES < 2056 * 2048 * 2
+    assert calls.norm_linear(Normed(jnp.ones((6, 2048), jnp.bfloat16), jnp.ones((2048,), jnp.bfloat16), EPS),
+                             big) is None                                                  # XLA streams it faster
 
 
 # output projections: (K, N): the demo's KDA o_proj / MLA dense (320 -> 320), its dense down_proj (960 -> 320), and
@@ -204,6 +208,8 @@ def test_kernel_calls_route_small_bf16_output_projections_only():
     assert calls.linear_residual(o18, w18, r18) is None                                  # T = 18 > 17
     o32, w32, r32 = _residual_inputs("demo o_proj", 6, jnp.float32)
     assert calls.linear_residual(o32, w32, r32) is None                                  # fp32
+    w_big = jnp.zeros((2056, 2048), jnp.bfloat16)                                         # past MAX_WEIGHT_BYTES
+    assert calls.linear_residual(jnp.ones((6, 2048), jnp.bfloat16), w_big, jnp.ones((6, 2056), jnp.bfloat16)) is None
 
 
 def test_tiles_rule_at_the_demo_and_ling_shapes():
