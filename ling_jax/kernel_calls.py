@@ -122,8 +122,11 @@ class KernelCalls:
       reductions, converts, the PV gemm and its split-K reduce, W_uv's reduce, the layer's slice of the stack).
       Rounding: p in the cache dtype before P @ latent, normalised at the end (the model rounds the normalised
       probabilities), ctx in the cache dtype before W_uv as in the model. Batch-invariant (fixed tiles and split
-      partition, splits summed in order): a row's output does not depend on T or the other rows. Off until timed
-      on the GPU (bench/kernels_mla_triton.py; bench_step --mla-triton --baseline-set mla_triton=0).
+      partition, splits summed in order): a row's output does not depend on T or the other rows. Measured on one
+      H100 (2026-12-07, demo, on top of GPU_DEFAULTS, 8 steps a dispatch, same run): plain 224.0 -> 210.9 us,
+      NEXTN5 575.0 -> 571.3 us (step-ling-demo-kdaverify-mlat-mlat-ab-h10080gbhbm3x1-2026-12-07.json); the layer's
+      attention alone 13.2 vs 15.2 us (T = 1, live 4096) and 10.5 / 15.3 vs 22.7 us (T = 6, live 512 / 4096)
+      (kernels-mla-triton-demo-nvidia-h100-80gb-hbm3-2026-12-07.json).
     moe_router_tables: where the Triton MoE serves a decode / verify call (T <= router_segments.MAX_TOKENS = 32),
       the router is ONE launch that also emits the MoE's alignment tables (pallas_kernels.router_segments ->
       moe.moe_segments): router, up, down, and the shared expert's XLA fusions where its width is not I (the v2
@@ -185,7 +188,10 @@ class KernelCalls:
       not v1's: an fp32 rounding apart before the bf16 round, batch invariant. One device only
       (ShardedKernelCalls: the MoE's partial sums are all-reduced before the add). Off until timed on the GPU
       (bench_step --moe-residual-epilogue --baseline-set moe_residual_epilogue=0): the combine walks the slots
-      serially in each of D / 16 programs where v1 runs one program per slot and tile.
+      serially in each of D / 16 programs where v1 runs one program per slot and tile. Measured SLOWER on one H100
+      (2026-12-07, demo, on top of GPU_DEFAULTS, same run): plain 226.3 -> 247.8 us, NEXTN5 579.3 -> 690.1 us
+      (step-ling-demo-kdaverify-mre-mre-ab-h10080gbhbm3x1-2026-12-07.json): the serial walk costs more than the
+      add launch it removes. Stays off.
     moe_n_tokens: the Mosaic MoE's token columns N (16, 32 or a multiple of 64; a call with more tokens uses
       64, and Triton above that). Every weight tile is multiplied with an [N, BK] x tile, so N = 64 at T = 1 streams
       as many activation bytes through SMEM as the up kernel's weight rows (and the down kernel's h' tiles
