@@ -400,7 +400,7 @@ def programs(a, cfg, mesh, rules, kernels, fused: tuple[bool, bool] = (False, Tr
     fused_linear_fp8)."""
     out = []
     calls = (kernel_calls(kernels, kda_verify_epilogue=a.kda_verify_epilogue, norm_linear_triton=a.norm_linear_triton,
-                          linear_residual_triton=a.linear_residual_triton,
+                          linear_residual_triton=a.linear_residual_triton, lm_head_argmax=a.lm_head_argmax,
                           fused_linear=fused[0], fused_linear_fp8=fused[1],
                           p2p_allreduce=a.p2p_allreduce,
                           moe_router_tables=a.moe_router_tables, moe_router_norm=a.moe_router_norm,
@@ -414,7 +414,9 @@ def programs(a, cfg, mesh, rules, kernels, fused: tuple[bool, bool] = (False, Tr
     nextn = [int(k) for k in a.steps.split(",")]
     for mode, K, dv in ([] if a.skip_plain else [("plain", 0, None)]) + [("nextn", k, None) for k in nextn] + (
             [("nextn", k, a.draft_vocab) for k in (nextn if a.draft_vocab else [])]):
-        out.append((mode, K, Program(cfg, mode=mode, steps=max(K, 1), max_len=a.ctx + 1024, opts=opts), dv))
+        # adjusts_logits=False: random_state's sampling is greedy with neutral transforms (lets --lm-head-argmax in)
+        out.append((mode, K, Program(cfg, mode=mode, steps=max(K, 1), max_len=a.ctx + 1024, opts=opts,
+                                     adjusts_logits=False), dv))
     return out
 
 
@@ -553,6 +555,12 @@ def build_parser() -> argparse.ArgumentParser:
                     default=GPU_DEFAULTS["linear_residual_triton"], help="KernelCalls.linear_residual_triton=True: "
                     "the output projections + residual add at T <= 17 rows (bf16) in ONE Triton launch instead of "
                     "XLA's matvec + add (on by default; A/B: --baseline-set linear_residual_triton=0)")
+    # off by default (not in GPU_DEFAULTS until timed): --lm-head-argmax turns it on, --no-lm-head-argmax off
+    ap.add_argument("--lm-head-argmax", action=argparse.BooleanOptionalAction,
+                    default=GPU_DEFAULTS.get("lm_head_argmax", KernelCalls.lm_head_argmax),
+                    help="KernelCalls.lm_head_argmax=True: the greedy steps' final norm + lm_head + argmax as two "
+                    "Triton launches, no logits (pallas_kernels/lm_head_argmax_triton.py; off by default; A/B: "
+                    "--baseline-set lm_head_argmax=0)")
     ap.add_argument("--mla-live-prefix", action="store_true", help="KernelCalls.mla_live_prefix=True: decode/verify "
                     "MLA attention over the live prefix only (pallas_kernels/mla_attention.py; off by default)")
     ap.add_argument("--mla-triton", action="store_true", help="KernelCalls.mla_triton=True: decode/verify MLA "
@@ -675,7 +683,7 @@ def run_all(a, cfg, tp, mesh, rules):
     fused = a.fused_linear
     extra.update(kernels=a.kernels, kda_verify_epilogue=a.kda_verify_epilogue,
                  norm_linear_triton=a.norm_linear_triton, linear_residual_triton=a.linear_residual_triton,
-                 fused_linear=fused, fused_linear_fp8=a.fused_linear_fp8,
+                 lm_head_argmax=a.lm_head_argmax, fused_linear=fused, fused_linear_fp8=a.fused_linear_fp8,
                  p2p_allreduce=a.p2p_allreduce,
                  moe_router_tables=a.moe_router_tables, moe_router_norm=a.moe_router_norm,
                  moe_router_scatter=a.moe_router_scatter, moe_shared_segments=a.moe_shared_segments,
@@ -700,6 +708,7 @@ def run_all(a, cfg, tp, mesh, rules):
     prefix += "" if a.norm_linear_triton else "-nonlt"
     prefix += "" if a.linear_residual_triton else "-nolrt"
     prefix += "-mre" if a.moe_residual_epilogue else ""
+    prefix += "-lha" if a.lm_head_argmax else ""
     prefix += "-live" if a.mla_live_prefix else ""
     prefix += "-mlat" if a.mla_triton else ""
     prefix += "" if a.moe_fp8_scheme == KernelCalls.moe_fp8_scheme else f"-moe{a.moe_fp8_scheme}"

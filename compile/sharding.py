@@ -205,6 +205,8 @@ class ShardedKernelCalls(KernelCalls):
     moe_residual_epilogue: an error too. Under TP each device's MoE kernel gives a partial sum that is all-reduced
       before the residual add (the add of one device's epilogue would be summed N times), and routed_moe does not
       run under shard_map; the model adds after the psum (or in allreduce_residual_norm).
+    lm_head_argmax: not sharded (the lm_head is split over the vocabulary: each device's (max, index) would need a
+      cross-device argmax): the model's logits path, and lm_head_argmax=True is an error.
     """
 
     mesh: Mesh | None = None
@@ -214,6 +216,7 @@ class ShardedKernelCalls(KernelCalls):
     norm_linear_triton: bool = False
     linear_residual_triton: bool = False
     moe_residual_epilogue: bool = False
+    lm_head_argmax: bool = False
 
     def __post_init__(self):
         if self.mesh is None:
@@ -225,6 +228,9 @@ class ShardedKernelCalls(KernelCalls):
             if getattr(self, name):
                 raise ValueError(f"ShardedKernelCalls({name}=True): the fused projections are not run under "
                                  f"shard_map yet; use {name}=False (the jnp projections, sharded by XLA)")
+        if self.lm_head_argmax:
+            raise ValueError("ShardedKernelCalls(lm_head_argmax=True): the vocabulary-sharded lm_head's argmax is not "
+                             "run under shard_map; use lm_head_argmax=False (the logits, sharded by XLA)")
         super().__post_init__()
 
     def _moe_partial(self, n_experts: int, *, limit: float, shared_limit: float, fp8_activations: bool = False):
@@ -370,12 +376,13 @@ class ShardedKernelCalls(KernelCalls):
 def kernel_calls_for(opts, mesh: Mesh, rules: ShardingRules = ShardingRules()):
     """RuntimeOptions whose Pallas calls run under shard_map on `mesh` (unchanged for 1 device or the jnp path).
     The per-kernel choices of the options' KernelCalls carry over to the sharded one, except fused_linear,
-    fused_linear_fp8, norm_linear_triton and linear_residual_triton (not sharded yet: see ShardedKernelCalls) and
-    moe_residual_epilogue (the MoE is all-reduced before its add), which are off on more than one device."""
+    fused_linear_fp8, norm_linear_triton, linear_residual_triton and lm_head_argmax (not sharded yet: see
+    ShardedKernelCalls) and moe_residual_epilogue (the MoE is all-reduced before its add), which are off on more
+    than one device."""
     calls = opts.calls
     if mesh.size == 1 or calls is None or isinstance(calls, ShardedKernelCalls):
         return opts
     fields = {f.name: getattr(calls, f.name) for f in dataclasses.fields(KernelCalls)}
     fields["fused_linear"] = fields["fused_linear_fp8"] = fields["norm_linear_triton"] = False
-    fields["linear_residual_triton"] = fields["moe_residual_epilogue"] = False
+    fields["linear_residual_triton"] = fields["moe_residual_epilogue"] = fields["lm_head_argmax"] = False
     return opts.replace(kernels=ShardedKernelCalls(**fields, mesh=mesh, rules=rules))

@@ -61,14 +61,17 @@ class Program:
     # The step a request without `logprobs` runs (ling_jax.runner compiles the logprob outputs only when asked):
     # the top-k over the vocabulary is a sort on the GPU (32 us per step on the demo model, bench_step census).
     with_logprobs: bool = False
+    # False: the program serves only requests with neutral penalties and no logit bias (the benches' states), so a
+    # greedy step may take its tokens from the fused lm_head + argmax (ling_jax.spec.argmax_only)
+    adjusts_logits: bool = True
 
     def fn(self):
+        kw = dict(cfg=self.cfg, is_greedy=self.is_greedy, opts=self.opts, with_logprobs=self.with_logprobs,
+                  adjusts_logits=self.adjusts_logits)
         if self.mode == "nextn":
-            return functools.partial(spec_step, cfg=self.cfg, steps=self.steps, is_greedy=self.is_greedy,
-                                     opts=self.opts, with_logprobs=self.with_logprobs)
+            return functools.partial(spec_step, steps=self.steps, **kw)
         if self.mode == "plain":
-            return functools.partial(plain_step, cfg=self.cfg, is_greedy=self.is_greedy, opts=self.opts,
-                                     with_logprobs=self.with_logprobs)
+            return functools.partial(plain_step, **kw)
         raise ValueError(f"mode {self.mode!r}: expected 'nextn' or 'plain'")
 
     def abstract_state(self):
@@ -268,7 +271,7 @@ def cache_key(prog: Program, mesh: Mesh, abstract_args, options: dict) -> str:
     args = jax.tree.map(lambda a: (a.shape, str(a.dtype), str(getattr(a, "sharding", None))), abstract_args)
     parts = [repr(sorted(cfg.items())), repr(dict(mesh.shape)), devs[0].device_kind, devs[0].platform,
              repr((prog.mode, prog.steps, prog.batch, prog.max_len, prog.dtype, prog.is_greedy, prog.opts,
-                   prog.with_logprobs)),
+                   prog.with_logprobs) + (() if prog.adjusts_logits else (False,))),
              repr(jax.tree.leaves(args)), str(jax.tree.structure(args)), jax.__version__, repr(sorted(options.items()))]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
 

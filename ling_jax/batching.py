@@ -195,14 +195,24 @@ class BatchGenerator:
         return gen.prefill_fn(is_greedy)(gen.run_params, state, *chunk)
 
     @functools.lru_cache(maxsize=None)
-    def batch_step_fn(self, rows: int, is_greedy: bool, with_logprobs: bool):
+    def batch_step_fn(self, rows: int, is_greedy: bool, with_logprobs: bool, adjusts_logits: bool = True):
         """(run_params, group of `rows` rows) -> (the group after one dispatch, StepOutput [rows, ...]; with
         decode_steps = N > 1 N steps in one program (runner.Generator.dispatch_step's lax.scan over the step), its
         outputs [N, rows, ...]); the group is donated (updated in place). rows = 1: the batch-1 program itself, on a
-        batch-1 state."""
+        batch-1 state. adjusts_logits: the steps' static flag (False: every row's request leaves its logits as
+        they are, runner.Generator.adjusts_logits)."""
         if rows == 1:
-            return self.gen.step_fn(is_greedy, with_logprobs)
-        return AliasedStep(self.gen.dispatch_step(is_greedy, with_logprobs))
+            return self.gen.step_fn(is_greedy, with_logprobs, *(() if adjusts_logits else (False,)))
+        return AliasedStep(self.gen.dispatch_step(is_greedy, with_logprobs, adjusts_logits))
+
+    def step_variants(self) -> list[tuple]:
+        """(is_greedy, with_logprobs[, adjusts_logits]) of every step program a group can need: greedy / sampled,
+        with / without logprobs, and the greedy step of neutral requests where it is another program (the fused
+        lm_head + argmax on: Generator.adjusts_logits)."""
+        out = [(g, lp) for g in (True, False) for lp in (False, True)]
+        if not self.gen.adjusts_logits(SamplingOptions(), False):
+            out.append((True, False, False))  # (the flag given only where False, as _dispatch calls it)
+        return out
 
     @functools.lru_cache(maxsize=None)
     def insert_fn(self):
@@ -237,17 +247,17 @@ class BatchGenerator:
                 self.staging = self.start_fn(is_greedy)(gen.run_params, self.staging, neutral, jax.random.key(0),
                                                         *chunk)[0]
                 self.staging = gen.prefill_fn(is_greedy)(gen.run_params, self.staging, *chunk)[0]
-        for lp in (False, True):
-            self.staging, out = self.batch_step_fn(1, True, lp)(gen.run_params, self.staging)
-            jax.block_until_ready(out)
+        for variant in self.step_variants():
+            if variant[0]:  # the greedy ones
+                self.staging, out = self.batch_step_fn(1, *variant)(gen.run_params, self.staging)
+                jax.block_until_ready(out)
         group, rows = self.fresh_slot(), 1
         for bucket in self.row_buckets[1:]:
             idx = np.minimum(np.arange(bucket), rows).astype(np.int32)  # the full group, the new row, padding
             group, rows = self.regroup_fn()(group, self.staging, idx), bucket
-            for is_greedy in (True, False):
-                for lp in (False, True):
-                    group, out = self.batch_step_fn(bucket, is_greedy, lp)(gen.run_params, group)
-                    jax.block_until_ready(out)
+            for variant in self.step_variants():
+                group, out = self.batch_step_fn(bucket, *variant)(gen.run_params, group)
+                jax.block_until_ready(out)
             group = self.insert_fn()(group, np.int32(bucket - 1), self.staging)
             for smaller in self.row_buckets[: self.row_buckets.index(bucket)]:
                 jax.block_until_ready(self.regroup_fn()(group, None, np.arange(smaller, dtype=np.int32)))
@@ -480,9 +490,11 @@ class _Turns:
             return None
         is_greedy = all(r.options.is_greedy for _, r in rows)
         with_lp = any(r.top_logprobs is not None for _, r in rows)
+        # (the flag passed only where False: the other programs' cache keys are those of before)
+        neutral = () if any(bg.gen.adjusts_logits(r.options, with_lp) for _, r in rows) else (False,)
         with jax.transfer_guard("disallow"):
-            self.group, out = bg.batch_step_fn(len(self.members), is_greedy, with_lp)(bg.gen.run_params,
-                                                                                        self.group)
+            self.group, out = bg.batch_step_fn(len(self.members), is_greedy, with_lp, *neutral)(bg.gen.run_params,
+                                                                                                  self.group)
         out = (out.tokens, out.n_emit) + ((out.logprobs,) if with_lp else ())
         for a in jax.tree.leaves(out):
             a.copy_to_host_async()

@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 
 from ling_jax.config import ModelConfig
-from ling_jax.model import RuntimeOptions, commit, forward, lm_logits
+from ling_jax.model import RuntimeOptions, commit, forward, lm_argmax, lm_logits
 from ling_jax.sampling import SamplingParams, TokenHistory, adjust_logits, logprobs, pick, split_key
-from ling_jax.spec import StepOutput, _row, chunk_rows
+from ling_jax.spec import StepOutput, _row, argmax_only, chunk_rows
 from ling_jax.state import DecodeState, init_state
 
 
@@ -68,9 +68,11 @@ def plain_prefill_chunk(params, state: PlainState, tokens, n_prompt, cfg: ModelC
 
 
 def plain_step(params, state: PlainState, cfg: ModelConfig, *, is_greedy: bool, opts=RuntimeOptions(),
-               with_logprobs: bool = True):
+               with_logprobs: bool = True, adjusts_logits: bool = True):
     """Feed the bonus, emit the next token. Returns (state, StepOutput with one token per row; logprobs None
-    when with_logprobs is False)."""
+    when with_logprobs is False). adjusts_logits=False (static: no request of the program adjusts its logits,
+    see spec.spec_step): a greedy step without logprobs may take its token from the fused lm_head + argmax
+    (spec.argmax_only), no logits made."""
     k_tok, key = split_key(state.key, 2)
     B = state.bonus.shape[0]
     one = jnp.ones((B,), jnp.int32)
@@ -82,9 +84,16 @@ def plain_step(params, state: PlainState, cfg: ModelConfig, *, is_greedy: bool, 
         out = forward(params, rows, state.target, cfg, mode="verify", n_valid=one, opts=opts)
         target = commit(out.state, out.pending, one, opts)
     h = state.history
-    adjusted = adjust_logits(lm_logits(params, out.hidden[:, 0], opts), state.sampling, h.prompt, h.output)
-    tok, _ = pick(k_tok, adjusted, state.sampling, is_greedy)
-    lp = jax.tree.map(lambda a: a[:, None], logprobs(adjusted, tok, state.sampling, is_greedy)) if with_logprobs \
-        else None
+    got = None
+    if out.final is not None and argmax_only(opts, is_greedy=is_greedy, adjusts_logits=adjusts_logits,
+                                             with_logprobs=with_logprobs):
+        got = lm_argmax(params, out.final._replace(x=out.final.x[:, 0]), opts)
+    if got is not None:  # argmax of the logits themselves (adjust_logits is the identity here), none written
+        tok, lp = got[0], None
+    else:
+        adjusted = adjust_logits(lm_logits(params, out.hidden[:, 0], opts), state.sampling, h.prompt, h.output)
+        tok, _ = pick(k_tok, adjusted, state.sampling, is_greedy)
+        lp = jax.tree.map(lambda a: a[:, None], logprobs(adjusted, tok, state.sampling, is_greedy)) \
+            if with_logprobs else None
     history = h.add_output(tok[:, None], jnp.ones((B, 1), bool))
     return state.replace(target=target, bonus=tok, key=key, history=history), StepOutput(tok[:, None], one, lp)

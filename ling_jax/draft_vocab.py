@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ling_jax.errors import CheckpointError
-from ling_jax.model import RuntimeOptions, lm_logits
+from ling_jax.model import RuntimeOptions, lm_argmax, lm_logits
 from ling_jax.quant import dense
 from ling_jax.safetensors_io import SafetensorsFile, save_file
 
@@ -120,4 +120,15 @@ def draft_logits(params, hidden, opts: RuntimeOptions = RuntimeOptions()):
     return full.at[..., dv["ids"]].set(hot)
 
 
-__all__ = ["hot_tokens", "to_eagle3", "from_eagle3", "save", "load", "with_draft_vocab", "draft_logits", "FILE"]
+def draft_argmax(params, h, opts: RuntimeOptions = RuntimeOptions()):
+    """The greedy draft token argmax draft_logits(params, RMSNorm h) without the logits (model.lm_argmax; over
+    the hot rows when params carries a draft_vocab: ids[argmax of the hot logits], the lowest target id on ties
+    as ids ascend, draft_logits' argmax whenever a hot logit is above -inf) -> (tokens int32[...], the normed rows [..., D]), or None where no kernel takes the call."""
+    dv = params.get("draft_vocab")
+    if dv is None:
+        return lm_argmax(params, h, opts)
+    got = lm_argmax({"lm_head": dv["lm_head"], "embed": params["embed"]}, h, opts)
+    return None if got is None else (jnp.take(dv["ids"], got[0]), got[1])
+
+
+__all__ = ["hot_tokens", "to_eagle3", "from_eagle3", "save", "load", "with_draft_vocab", "draft_logits", "draft_argmax", "FILE"]

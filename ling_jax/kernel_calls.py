@@ -37,6 +37,9 @@ Shapes (per call, the layers' view; a subclass sees its per-device slices inside
   norm_linear: h a layers.linear.Normed of x [B, T, D] (or of a tuple of inputs), projections of weights
               [*N_s, D] (swiglu: (gate, up) [F, D])                        -> (y_s [B, T, *N_s], ...) or None
   linear_residual: o [B, T, K], w [N, K], residual [B, T, N]             -> [B, T, N], or None
+  head_argmax: h a layers.linear.Normed of x [..., D] (the final norm), w the lm_head [V, D]
+                                                                           -> (tokens int32[...], normed [..., D])
+                                                                              or None
   allreduce_residual_norm (per device, inside shard_map over `axis`): partial [T, D] f32/bf16, residual [T, D],
               norm weight [D]                                              -> (residual [T, D], normed [T, D])
   (None: the kernel does not take the call; the caller runs the model's jnp form)
@@ -61,6 +64,7 @@ from pallas_kernels import kda_decode as _kda_decode
 from pallas_kernels import fused_linear as _fused_linear
 from pallas_kernels import fused_linear_fp8 as _fused_linear_fp8
 from pallas_kernels import kda_verify as _kda_verify
+from pallas_kernels import lm_head_argmax_triton as _lm_head_argmax
 from pallas_kernels import mla_attention as _mla_attention
 from pallas_kernels import mla_triton as _mla_triton
 from pallas_kernels import norm_linear_triton as _norm_linear_triton
@@ -232,6 +236,16 @@ class KernelCalls:
       down_proj) at T <= 17 rows, bf16, weights <= 8 MiB (MAX_WEIGHT_BYTES), through the same module's
       linear_residual_small: one launch in place of XLA's matvec + add (or fused_linear's Mosaic kernel, which it goes before). One device only; on by default since
       2026-12-07 (GPU_DEFAULTS).
+    lm_head_argmax: the greedy token of a pass whose program needs no logits (a greedy step without logprobs
+      serving requests that do not adjust their logits: the steps' static adjusts_logits=False, see
+      ling_jax/spec.py) through pallas_kernels/lm_head_argmax_triton.py: the final RMSNorm, the lm_head over
+      vocabulary tiles and each tile's (max, first index) in one Triton launch, the tiles' reduction in a second,
+      and no [T, V] logits: plain decode's and verify's target head, each NEXTN draft's and the extend's MTP head
+      (the normed rows come back from the kernel too: the MTP chain and the extend read them). T <= 17 rows; x,
+      norm weight and lm_head (or a draft vocabulary's rows) all bf16 or all fp32 (an fp8 lm_head keeps the
+      logits path); one device only (the lm_head is vocabulary-sharded under TP). Tie-break and NaN as
+      jnp.argmax; the norm's sum and the K order are the kernel's (fixed: batch invariant). Off until timed on
+      the GPU (bench_step --lm-head-argmax --baseline-set lm_head_argmax=0).
     p2p_allreduce: with TP > 1, the all-reduce at a layer boundary (psum of the partial sums, the residual add,
       the next RMSNorm) runs as ONE peer-to-peer Mosaic GPU kernel (pallas_kernels/allreduce.py: remote stores
       + semaphores, fixed device order) instead of XLA's psum (NCCL: 18-19 us per small dependent all-reduce on
@@ -298,6 +312,7 @@ class KernelCalls:
     fused_linear: bool = False
     norm_linear_triton: bool = False
     linear_residual_triton: bool = False
+    lm_head_argmax: bool = False
     fused_linear_fp8: bool = True
     p2p_allreduce: bool = False
     fp8_linear_scale: str = "partial"
@@ -770,6 +785,22 @@ class KernelCalls:
         out = _norm_linear_triton.linear_residual_small(o.reshape(rows, o.shape[-1]), w,
                                                         residual.reshape(rows, w.shape[0]), config=cfg)
         return out.reshape(residual.shape)
+
+    def head_argmax(self, h, w):
+        """argmax_v (RMSNorm(h) @ w^T) per row without the logits (lm_head_argmax; pallas_kernels/
+        lm_head_argmax_triton.py) -> (tokens int32[...], the normed rows [..., D]), or None where it does not take
+        the call: the field off, h not a one-input Normed, more than MAX_ROWS rows, an fp8 lm_head, dtypes other
+        than all bf16 or all fp32 (lm_logits would promote: not the kernel's math)."""
+        if not self.lm_head_argmax or not isinstance(h, Normed) or len(h.parts) != 1 or isinstance(w, Fp8Weight):
+            return None
+        ((x, norm_w),) = h.parts
+        rows = math.prod(x.shape[:-1])
+        if (rows > _lm_head_argmax.MAX_ROWS or x.dtype not in (jnp.bfloat16, jnp.float32)
+                or norm_w.dtype != x.dtype or w.dtype != x.dtype):
+            return None
+        cfg = _lm_head_argmax.HeadArgmaxConfig(interpret=self.interpret)
+        tokens, normed = _lm_head_argmax.head_argmax(x.reshape(rows, x.shape[-1]), norm_w, w, eps=h.eps, config=cfg)
+        return tokens.reshape(x.shape[:-1]), normed.reshape(x.shape)
 
     def allreduce_residual_norm(self, partial, residual, weight, *, eps: float, axis: str):
         """The layer boundary under TP, per device (call inside shard_map over mesh axis `axis`): y = the sum

@@ -124,6 +124,9 @@ class ForwardOutput(NamedTuple):
     pending: KdaPending | None  # verify only: stacked over KDA layers
     expert_load: jax.Array | None = None  # int32[MoE layers, E] tokens routed to each expert (only when asked)
     layer_hidden: jax.Array | None = None  # [B, T, len(capture) * D]: residual stream after the captured layers
+    # hidden not yet computed: Normed(last layer's output [B, T, D], final norm), for a kernel that folds the final
+    # norm in (lm_argmax); None where a fused layer boundary computed hidden
+    final: Normed | None = None
 
 
 def embed(params, tokens):
@@ -136,6 +139,25 @@ def lm_logits(params, hidden, opts: RuntimeOptions = RuntimeOptions()):
     if opts.numerics.lm_head_fp32:
         return jnp.einsum("...d,vd->...v", hidden.astype(jnp.float32), w.astype(jnp.float32))
     return jnp.einsum("...d,vd->...v", hidden, w, preferred_element_type=jnp.float32)
+
+
+def head_fused(opts: RuntimeOptions) -> bool:
+    """Whether the kernel calls run a greedy token's lm_head + argmax as one kernel (KernelCalls.lm_head_argmax):
+    a static choice of the step (ling_jax/spec.py: argmax_only), made before any logits are traced."""
+    calls = opts.calls
+    return calls is not None and calls.lm_head_argmax
+
+
+def lm_argmax(params, h: Normed, opts: RuntimeOptions = RuntimeOptions()):
+    """argmax_v lm_logits(params, RMSNorm h) without the logits: (tokens int32[...], the normed rows [..., D])
+    from the fused kernel (KernelCalls.head_argmax), or None where no kernel takes the call (the caller computes
+    the logits). h: a Normed of the rows [..., D] with the final norm (ForwardOutput.final). The same token as
+    jnp.argmax of lm_logits (first index on ties) up to the kernel's sum order, in either lm_head_fp32 form
+    (bf16 products are exact in fp32)."""
+    calls = opts.calls
+    if calls is None:
+        return None
+    return calls.head_argmax(h, params["lm_head"] if "lm_head" in params else params["embed"])
 
 
 def ffn(p, x, cfg: ModelConfig, i: int, opts: RuntimeOptions, return_load: bool = False, live_rows=None,
@@ -261,7 +283,8 @@ def forward(params, tokens, state: DecodeState, cfg: ModelConfig, *, mode: str, 
     else:
         stacked = jax.tree.map(lambda *a: jnp.stack(a), *pending) if pending else None
     load = (jnp.stack(loads) if loads else None) if expert_load else None
-    return ForwardOutput(hidden, new_state, stacked, load, layer_hidden)
+    final = Normed(x, params["final_norm"], cfg.rms_norm_eps) if normed is None else None
+    return ForwardOutput(hidden, new_state, stacked, load, layer_hidden, final)
 
 
 def commit(state: DecodeState, pending: KdaPending, n_accept, opts: RuntimeOptions = RuntimeOptions()) -> DecodeState:

@@ -19,11 +19,13 @@ from ling_jax.model import RuntimeOptions, embed, mla_block
 
 
 def mtp_forward(params, tokens, hidden, cache, start, cfg: ModelConfig, *, absorbed: bool,
-                opts: RuntimeOptions = RuntimeOptions(), expert_load: bool = False):
+                opts: RuntimeOptions = RuntimeOptions(), expert_load: bool = False, lazy_norm: bool = False):
     """tokens int32[B, T] (tok_{t+1}), hidden [B, T, D] (h_t), cache [B, S, F], start int32[B] (row of t=0).
 
     Writes cache rows start..start+T-1. Returns (h' [B, T, D] after final_layernorm, cache), plus the MTP
     layer's expert load int32[E] (or None if dense) when expert_load is set (training's router balancing).
+    lazy_norm: h' is a layers.linear.Normed (final_layernorm not yet computed: the fused lm_head + argmax norms
+    it, model.lm_argmax) where no fused layer boundary computed it.
     """
     if not cfg.mtp_layers:
         raise ValueError(f"{cfg.name} has no MTP layer (num_nextn_predict_layers=0): NEXTN needs one")
@@ -37,5 +39,9 @@ def mtp_forward(params, tokens, hidden, cache, start, cfg: ModelConfig, *, absor
     fused = opts.calls is not None and opts.calls.fuses_layer_boundary and cfg.is_moe(i)
     x, cache, *load = mla_block(p, x, cache, start, cfg, i, absorbed=absorbed, opts=opts, return_load=expert_load,
                                 next_norm=p["final_norm"] if fused else None)
-    x, h = x if fused else (x, rms_norm(x, p["final_norm"], cfg.rms_norm_eps))
+    if fused:
+        x, h = x
+    else:
+        h = Normed(x, p["final_norm"], cfg.rms_norm_eps)
+        h = h if lazy_norm else h.value()  # (Normed.value is rms_norm)
     return (h, cache, load[0]) if expert_load else (h, cache)

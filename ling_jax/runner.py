@@ -32,7 +32,7 @@ from ling_jax.aliased_step import AliasedStep
 from ling_jax.config import ModelConfig
 from ling_jax.decode import plain_init, plain_prefill_chunk, plain_step
 from ling_jax.dspark_step import dspark_init, dspark_prefill_chunk, dspark_step
-from ling_jax.model import RuntimeOptions
+from ling_jax.model import RuntimeOptions, head_fused
 from ling_jax.sampling import MAX_TOP_LOGPROBS, SamplingOptions, SamplingParams
 from ling_jax.spec import SpecConfig, spec_init, spec_prefill_chunk, spec_step
 
@@ -173,30 +173,49 @@ class Generator:
         """prefill_chunk as one jitted program; the state is donated."""
         return jax.jit(self.prefill_chunk(is_greedy), donate_argnums=(1,))
 
-    def step(self, is_greedy: bool, with_logprobs: bool):
-        """The step function (run_params, state) -> (state, StepOutput), not jitted (the batched programs wrap it)."""
+    def step(self, is_greedy: bool, with_logprobs: bool, adjusts_logits: bool = True):
+        """The step function (run_params, state) -> (state, StepOutput), not jitted (the batched programs wrap it).
+        adjusts_logits: the steps' static flag (False only for programs of requests that leave their logits as
+        they are: `adjusts_logits`)."""
         if self.spec.is_dspark:
             dspark = functools.partial(dspark_step, cfg=self.cfg, dcfg=self.dcfg, spec=self.spec, is_greedy=is_greedy,
                                        opts=self.opts, with_logprobs=with_logprobs)
             return lambda pp, state: dspark(pp[0], pp[1], state)  # run_params = (target, draft)
-        kw = dict(cfg=self.cfg, is_greedy=is_greedy, opts=self.opts, with_logprobs=with_logprobs)
+        kw = dict(cfg=self.cfg, is_greedy=is_greedy, opts=self.opts, with_logprobs=with_logprobs,
+                  adjusts_logits=adjusts_logits)
         if self.spec.enabled:
             return functools.partial(spec_step, steps=self.K, **kw)
         return functools.partial(plain_step, **kw)
 
-    def dispatch_step(self, is_greedy: bool, with_logprobs: bool = False):
+    def dispatch_step(self, is_greedy: bool, with_logprobs: bool = False, adjusts_logits: bool = True):
         """The function one dispatch runs, not jitted: the step, or with decode_steps = N > 1 N steps (its outputs
         gain a leading axis [N, ...])."""
-        fn = self.step(is_greedy, with_logprobs)
+        fn = self.step(is_greedy, with_logprobs, adjusts_logits)
         if self.decode_steps > 1:
             fn = functools.partial(_continuous_steps, step=fn, n=self.decode_steps)
         return fn
 
     @functools.lru_cache(maxsize=None)
-    def step_fn(self, is_greedy: bool, with_logprobs: bool = False):
+    def step_fn(self, is_greedy: bool, with_logprobs: bool = False, adjusts_logits: bool = True):
         """The whole step as ONE jitted program on donated state (its buffers updated in place), whose outputs
         also reuse their buffers (aliased_step: XLA's CUDA graph of the step is recorded once, not every call)."""
-        return AliasedStep(self.dispatch_step(is_greedy, with_logprobs))
+        return AliasedStep(self.dispatch_step(is_greedy, with_logprobs, adjusts_logits))
+
+    def adjusts_logits(self, options: SamplingOptions, with_logprobs: bool) -> bool:
+        """The static adjusts_logits of the step a request runs: False only where that licenses the fused lm_head
+        + argmax (a greedy request without logprobs whose penalties and logit bias are neutral, and the kernel
+        calls run it: KernelCalls.lm_head_argmax), True otherwise, so every other request runs the program it ran
+        before (and no new program is built while the kernel is off)."""
+        if not self.spec.is_dspark and options.is_greedy and not with_logprobs and not options.adjusts_logits:
+            return not head_fused(self.opts)
+        return True
+
+    def request_step_fn(self, options: SamplingOptions, with_logprobs: bool):
+        """step_fn for a request: its greedy / logprobs flags and `adjusts_logits` (called as every request called
+        it before where that is True, so the programs' cache keys are those of before)."""
+        if self.adjusts_logits(options, with_logprobs):
+            return self.step_fn(options.is_greedy, with_logprobs)
+        return self.step_fn(options.is_greedy, with_logprobs, False)
 
     def check_inputs(self, prompt, max_new_tokens: int, top_logprobs: int | None) -> list[int]:
         """A request's prompt as ints, checked with its lengths and top_logprobs (every stream's first step)."""
@@ -276,7 +295,7 @@ class Generator:
             stats.total_s = time.perf_counter() - t0
             return
 
-        step, N = self.step_fn(is_greedy, top_logprobs is not None), self.decode_steps
+        step, N = self.request_step_fn(options, top_logprobs is not None), self.decode_steps
         in_flight = None  # the dispatch whose outputs are read next (one dispatch late)
         while True:
             # every step emits at least one token: dispatch while the request is not already sure to be done
@@ -359,6 +378,10 @@ def warm_up(gen, progress=None):
             for lp in ((None, 0) if i == 0 else (None,)):
                 gen.generate(prompt, max_new_tokens=3, temperature=0.0 if is_greedy else 1.0, seed=0,
                              stop_token_ids=(), top_logprobs=lp)
+            if i == 0 and is_greedy and not gen.adjusts_logits(SamplingOptions(), False):
+                # the neutral greedy requests ran the fused head's step: a penalty builds the one that adjusts
+                gen.generate(prompt, max_new_tokens=3, temperature=0.0, seed=0, stop_token_ids=(),
+                             presence_penalty=0.5)
         if progress:
             progress()
 

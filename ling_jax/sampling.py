@@ -75,6 +75,14 @@ class SamplingOptions:
         """Temperature 0 selects the greedy program (a static flag of the step, compiled once)."""
         return self.temperature == 0.0
 
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether adjust_logits may change this request's logits (a penalty or a logit bias is set). False: it is
+        the identity, so a greedy token is argmax of the logits themselves and the step may be one whose static
+        adjusts_logits is False (the fused lm_head + argmax, ling_jax/spec.py: argmax_only)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or bool(self.logit_bias))
+
     def device(self, vocab_size: int) -> "SamplingParams":
         bias = np.zeros((vocab_size,), np.float32)
         for tok, b in self.logit_bias:

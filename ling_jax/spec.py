@@ -16,6 +16,11 @@ One step:
 Sampling: every token choice (seed, drafts, verify rows) goes through the request's transform (penalties, logit
 bias, temperature, top-k/p, min-p: ling_jax/sampling.py), each row with the output counts of the tokens before it,
 so draft and target are transformed alike and the verdict is lossless for the transformed target.
+Which tokens need logits is static: a greedy step whose requests do not adjust their logits (adjusts_logits=False:
+neutral penalties, no logit bias, so adjust_logits is the identity and the token is argmax of the logits themselves)
+needs none for its drafts and extend, nor for its verify rows without logprobs; there, with the fused head
+(KernelCalls.lm_head_argmax, `argmax_only`), each of those heads is ONE kernel of final norm + lm_head + argmax
+(model.lm_argmax). Every other program (sampled, penalties or bias possible, logprobs) computes the logits as before.
 Prefill runs in chunks of C positions (spec_prefill_chunk), one program for every prompt length.
 KDA stage-then-commit choice (bytes per step at Ling-3.0-flash size, |S| = 35 x 32 x 128 x 128 x 4 B = 73.4 MB):
   * staging every verify row's state: write (K+1) x |S| in verify + copy |S| at commit = 8 x 73.4 MB at K=5;
@@ -34,8 +39,9 @@ import jax
 import jax.numpy as jnp
 
 from ling_jax.config import ModelConfig
-from ling_jax.draft_vocab import draft_logits
-from ling_jax.model import RuntimeOptions, commit, forward, lm_logits
+from ling_jax.draft_vocab import draft_argmax, draft_logits
+from ling_jax.layers.linear import Normed
+from ling_jax.model import RuntimeOptions, commit, forward, head_fused, lm_argmax, lm_logits
 from ling_jax.nextn import mtp_forward
 from ling_jax.sampling import (Logprobs, SamplingParams, TokenHistory, adjust_logits, chain_counts, fold_key, greedy,
                                greedy_rows, greedy_verdict, logprobs, pick, probs, sampled_verdict, split_key)
@@ -147,11 +153,28 @@ def _row(a, idx):
     return jnp.take_along_axis(a, idx.reshape((-1, 1) + (1,) * (a.ndim - 2)), axis=1)[:, 0]
 
 
-def _choose(params, hidden, history: TokenHistory, sp: SamplingParams, key, is_greedy: bool, opts):
-    """A draft token from the MTP head's hidden state [B, D] under the request's transform: (token, q | None).
-    The draft's logits cover the draft vocabulary (ling_jax.draft_vocab; the full one unless params carry one)."""
+def argmax_only(opts: RuntimeOptions, *, is_greedy: bool, adjusts_logits: bool, with_logprobs: bool = False) -> bool:
+    """Whether a head's token is argmax of the logits themselves and nothing else reads them (static): a greedy
+    program whose requests leave their logits as they are (adjusts_logits False), no logprobs asked of this head,
+    and the fused lm_head + argmax on (model.head_fused). Then the head runs model.lm_argmax and, where that takes
+    the call, no logits are made; where it does not, the logits path below (the same token: adjust_logits is the
+    identity on neutral fields)."""
+    return is_greedy and not adjusts_logits and not with_logprobs and head_fused(opts)
+
+
+def _choose(params, hidden, history: TokenHistory, sp: SamplingParams, key, is_greedy: bool, opts,
+            argmax: bool = False):
+    """A draft token from the MTP head's hidden state [B, D] (or its Normed: the final layernorm not yet computed)
+    under the request's transform: (token, q | None, the normed hidden [B, D]). The draft's logits cover the
+    draft vocabulary (ling_jax.draft_vocab; the full one unless params carry one). argmax (static, argmax_only):
+    the fused head where it takes the call, no logits."""
+    if argmax and isinstance(hidden, Normed):
+        got = draft_argmax(params, hidden, opts)
+        if got is not None:
+            return got[0], None, got[1]
+    hidden = hidden.value() if isinstance(hidden, Normed) else hidden
     adjusted = adjust_logits(draft_logits(params, hidden, opts), sp, history.prompt, history.output)
-    return pick(key, adjusted, sp, is_greedy)
+    return (*pick(key, adjusted, sp, is_greedy), hidden)
 
 
 # ---- chunked prefill --------------------------------------------------------------------------------------
@@ -203,7 +226,7 @@ def spec_prefill_chunk(params, state: SpecState, tokens, next_token, n_prompt, c
     h_mtp, draft_cache = mtp_forward(params, shifted, out.hidden, state.draft_cache, start, cfg, absorbed=False,
                                      opts=opts)
     h_last = _row(h_mtp, last)
-    seed, seed_q = _choose(params, h_last, history, sp, k_seed, is_greedy, opts)
+    seed, seed_q, _ = _choose(params, h_last, history, sp, k_seed, is_greedy, opts)
     keep = lambda new, old: jnp.where(ends.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
     state = state.replace(target=out.state, bonus=bonus, draft_cache=draft_cache, seed=keep(seed, state.seed),
                           draft_hidden=keep(h_last, state.draft_hidden), key=key, history=history,
@@ -214,10 +237,13 @@ def spec_prefill_chunk(params, state: SpecState, tokens, next_token, n_prompt, c
 # ---- the step, in parts -----------------------------------------------------------------------------------
 
 
-def draft(params, state: SpecState, cfg: ModelConfig, *, steps: int, is_greedy: bool, opts=RuntimeOptions()):
+def draft(params, state: SpecState, cfg: ModelConfig, *, steps: int, is_greedy: bool, opts=RuntimeOptions(),
+          adjusts_logits: bool = True):
     """d1 = seed, then steps-1 chained MTP forwards; draft i+1 is transformed with the output counts of the chain
     so far (d_1..d_i after the bonus), as its verify row will be. Returns (drafts int32[B, K], q f32[B, K, V] |
-    None, cache)."""
+    None, cache). adjusts_logits=False (static: no request of the program adjusts its logits): with the fused
+    head each draft is one lm_head + argmax kernel (argmax_only), whose normed row is the next row's hidden."""
+    argmax = argmax_only(opts, is_greedy=is_greedy, adjusts_logits=adjusts_logits)
     L = state.target.lengths
     tok, h, cache = state.seed, state.draft_hidden, state.draft_cache
     history = state.history
@@ -225,9 +251,10 @@ def draft(params, state: SpecState, cfg: ModelConfig, *, steps: int, is_greedy: 
     keys = split_key(fold_key(state.key, 1), max(steps - 1, 1))
     for i in range(steps - 1):
         history = history.add_output(tok[:, None], jnp.ones_like(tok[:, None], bool))
-        h_out, cache = mtp_forward(params, tok[:, None], h[:, None], cache, L + i, cfg, absorbed=True, opts=opts)
-        h = h_out[:, 0]
-        tok, q = _choose(params, h, history, state.sampling, keys[i], is_greedy, opts)
+        h_out, cache = mtp_forward(params, tok[:, None], h[:, None], cache, L + i, cfg, absorbed=True, opts=opts,
+                                   lazy_norm=argmax)
+        h = h_out._replace(x=h_out.x[:, 0]) if isinstance(h_out, Normed) else h_out[:, 0]
+        tok, q, h = _choose(params, h, history, state.sampling, keys[i], is_greedy, opts, argmax)
         drafts.append(tok)
         qs.append(q)
     q = None if is_greedy else jnp.stack(qs, axis=1)
@@ -257,11 +284,13 @@ class Verified(NamedTuple):
 
 def verify_and_commit(params, state: SpecState, drafts, q, cfg: ModelConfig, *, is_greedy: bool,
                       opts=RuntimeOptions(), capture: tuple[int, ...] = (), limit=None,
-                      with_logprobs: bool = True) -> Verified:
+                      with_logprobs: bool = True, adjusts_logits: bool = True) -> Verified:
     """Target over [bonus, d1..dK]; each row j transformed with the counts of bonus, d_1..d_j; chain verdict
     (per row in a mixed batch: greedy rows take the greedy verdict); commit n+1 rows. `state` is any relay state
     with target, bonus, sampling, history and key (SpecState or dspark_step.DSparkState). capture: target layers
-    returned in layer_hidden; limit int32[B] | None: only d_1..d_limit are proposed (the verdicts' limit)."""
+    returned in layer_hidden; limit int32[B] | None: only d_1..d_limit are proposed (the verdicts' limit).
+    adjusts_logits=False (static) without logprobs: with the fused head the verify rows' tokens come from one
+    lm_head + argmax kernel (argmax_only), which also norms the rows the extend reads; no logits."""
     K = drafts.shape[1]
     rows = jnp.concatenate([state.bonus[:, None], drafts], axis=1)
     live = None
@@ -273,16 +302,24 @@ def verify_and_commit(params, state: SpecState, drafts, q, cfg: ModelConfig, *, 
     out = forward(params, rows, state.target, cfg, mode="verify", n_valid=live, opts=opts, capture=capture)
     hidden = out.hidden[:, : K + 1]
     sp = state.sampling
-    counts = chain_counts(state.history.output, drafts)  # [B, K+1, V]
-    adjusted = adjust_logits(lm_logits(params, hidden, opts), sp, state.history.prompt[:, None], counts)
-    if is_greedy:
-        n, bonus = greedy_verdict(drafts, greedy(adjusted), limit)
+    got = None
+    if out.final is not None and argmax_only(opts, is_greedy=is_greedy, adjusts_logits=adjusts_logits,
+                                             with_logprobs=with_logprobs):
+        got = lm_argmax(params, out.final._replace(x=out.final.x[:, : K + 1]), opts)
+    if got is not None:  # argmax of the logits themselves (adjust_logits is the identity here), none written
+        target_tokens, hidden = got
+        n, bonus = greedy_verdict(drafts, target_tokens, limit)
     else:
-        n, bonus = sampled_verdict(fold_key(state.key, 2), drafts, q, probs(adjusted, sp), limit)
-        g = greedy_rows(sp, 1)
-        if g is not None:  # a mixed batch: its temperature-0 rows decide as the greedy program does
-            n_g, bonus_g = greedy_verdict(drafts, greedy(adjusted), limit)
-            n, bonus = jnp.where(g, n_g, n), jnp.where(g, bonus_g, bonus)
+        counts = chain_counts(state.history.output, drafts)  # [B, K+1, V]
+        adjusted = adjust_logits(lm_logits(params, hidden, opts), sp, state.history.prompt[:, None], counts)
+        if is_greedy:
+            n, bonus = greedy_verdict(drafts, greedy(adjusted), limit)
+        else:
+            n, bonus = sampled_verdict(fold_key(state.key, 2), drafts, q, probs(adjusted, sp), limit)
+            g = greedy_rows(sp, 1)
+            if g is not None:  # a mixed batch: its temperature-0 rows decide as the greedy program does
+                n_g, bonus_g = greedy_verdict(drafts, greedy(adjusted), limit)
+                n, bonus = jnp.where(g, n_g, n), jnp.where(g, bonus_g, bonus)
     target = commit(out.state, out.pending, n + 1, opts)
     j = jnp.arange(K + 1)[None, :]
     committed = jnp.where(j < n[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), bonus[:, None])
@@ -293,23 +330,27 @@ def verify_and_commit(params, state: SpecState, drafts, q, cfg: ModelConfig, *, 
 
 
 def extend(params, state: SpecState, cache, committed, target_hidden, n, history: TokenHistory, cfg: ModelConfig,
-           *, is_greedy: bool, opts=RuntimeOptions()):
+           *, is_greedy: bool, opts=RuntimeOptions(), adjusts_logits: bool = True):
     """MTP rows L..L+K over (committed tokens, target hidden); the next seed comes from row L+n, transformed with
     `history` (the counts through the new bonus). Rows past L+n hold rejected guesses and are overwritten by the
-    next draft. Returns (seed, seed_q, h, cache)."""
+    next draft. Returns (seed, seed_q, h, cache). adjusts_logits=False (static): with the fused head the seed is
+    one lm_head + argmax kernel over row L+n (argmax_only), which also norms that row (h)."""
     L = state.target.lengths
-    h_mtp, cache = mtp_forward(params, committed, target_hidden, cache, L, cfg, absorbed=True, opts=opts)
-    h = _row(h_mtp, n)
-    seed, seed_q = _choose(params, h, history, state.sampling, fold_key(state.key, 3), is_greedy, opts)
+    argmax = argmax_only(opts, is_greedy=is_greedy, adjusts_logits=adjusts_logits)
+    h_mtp, cache = mtp_forward(params, committed, target_hidden, cache, L, cfg, absorbed=True, opts=opts,
+                               lazy_norm=argmax)
+    h = h_mtp._replace(x=_row(h_mtp.x, n)) if isinstance(h_mtp, Normed) else _row(h_mtp, n)  # (a norm per row)
+    seed, seed_q, h = _choose(params, h, history, state.sampling, fold_key(state.key, 3), is_greedy, opts, argmax)
     return seed, seed_q, h, cache
 
 
 def spec_step_with_drafts(params, state: SpecState, drafts, q, cache, cfg: ModelConfig, *, is_greedy: bool,
-                          opts=RuntimeOptions(), with_logprobs: bool = True):
+                          opts=RuntimeOptions(), with_logprobs: bool = True, adjusts_logits: bool = True):
     """verify -> commit -> extend for given drafts (the step's second half; tests inject drafts here)."""
-    v = verify_and_commit(params, state, drafts, q, cfg, is_greedy=is_greedy, opts=opts, with_logprobs=with_logprobs)
+    v = verify_and_commit(params, state, drafts, q, cfg, is_greedy=is_greedy, opts=opts, with_logprobs=with_logprobs,
+                          adjusts_logits=adjusts_logits)
     seed, seed_q, h, cache = extend(params, state, cache, v.committed, v.hidden, v.n, v.history, cfg,
-                                    is_greedy=is_greedy, opts=opts)
+                                    is_greedy=is_greedy, opts=opts, adjusts_logits=adjusts_logits)
     K = drafts.shape[1]
     if state.accept_hist.ndim == 2:  # per row (a joined batch)
         hist = state.accept_hist + jax.nn.one_hot(v.n, K + 1, dtype=jnp.int32)
@@ -322,12 +363,16 @@ def spec_step_with_drafts(params, state: SpecState, drafts, q, cache, cfg: Model
 
 
 def spec_step(params, state: SpecState, cfg: ModelConfig, *, steps: int, is_greedy: bool, opts=RuntimeOptions(),
-              with_logprobs: bool = True):
+              with_logprobs: bool = True, adjusts_logits: bool = True):
     """One NEXTN step: draft -> verify -> commit -> extend. Returns (state, StepOutput). with_logprobs=False (a
-    static flag: the program serving requests that asked for none) skips the target rows' log_softmax and top-k."""
-    drafts, q, cache = draft(params, state, cfg, steps=steps, is_greedy=is_greedy, opts=opts)
+    static flag: the program serving requests that asked for none) skips the target rows' log_softmax and top-k.
+    adjusts_logits=False (static: the program serves only requests with neutral penalties and no logit bias,
+    sampling.SamplingOptions.adjusts_logits): a greedy program may then take its tokens from the fused lm_head +
+    argmax (argmax_only) instead of the logits."""
+    drafts, q, cache = draft(params, state, cfg, steps=steps, is_greedy=is_greedy, opts=opts,
+                             adjusts_logits=adjusts_logits)
     return spec_step_with_drafts(params, state, drafts, q, cache, cfg, is_greedy=is_greedy, opts=opts,
-                                 with_logprobs=with_logprobs)
+                                 with_logprobs=with_logprobs, adjusts_logits=adjusts_logits)
 
 
 def spec_from_flags(algorithm: str, num_steps: int | None, eagle_topk: int | None, num_draft_tokens: int | None,
