@@ -401,7 +401,7 @@ def programs(a, cfg, mesh, rules, kernels, fused: tuple[bool, bool] = (False, Tr
     out = []
     calls = (kernel_calls(kernels, kda_verify_epilogue=a.kda_verify_epilogue, norm_linear_triton=a.norm_linear_triton,
                           linear_residual_triton=a.linear_residual_triton, lm_head_argmax=a.lm_head_argmax,
-                          fused_linear=fused[0], fused_linear_fp8=fused[1],
+                          mtp_input_triton=a.mtp_input_triton, fused_linear=fused[0], fused_linear_fp8=fused[1],
                           p2p_allreduce=a.p2p_allreduce,
                           moe_router_tables=a.moe_router_tables, moe_router_norm=a.moe_router_norm,
                           moe_router_scatter=a.moe_router_scatter, moe_shared_segments=a.moe_shared_segments,
@@ -561,6 +561,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="KernelCalls.lm_head_argmax=True: the greedy steps' final norm + lm_head + argmax as two "
                     "Triton launches, no logits (pallas_kernels/lm_head_argmax_triton.py; off by default; A/B: "
                     "--baseline-set lm_head_argmax=0)")
+    ap.add_argument("--mtp-input-triton", action=argparse.BooleanOptionalAction,
+                    default=GPU_DEFAULTS.get("mtp_input_triton", KernelCalls.mtp_input_triton),
+                    help="KernelCalls.mtp_input_triton=True: the MTP's embedding gather + enorm / hnorm + eh_proj at "
+                    "T <= 17 rows in ONE Triton launch (pallas_kernels/mtp_input_triton.py; off by default; A/B: "
+                    "--baseline-set mtp_input_triton=0)")
     ap.add_argument("--mla-live-prefix", action="store_true", help="KernelCalls.mla_live_prefix=True: decode/verify "
                     "MLA attention over the live prefix only (pallas_kernels/mla_attention.py; off by default)")
     ap.add_argument("--mla-triton", action="store_true", help="KernelCalls.mla_triton=True: decode/verify MLA "
@@ -683,7 +688,7 @@ def run_all(a, cfg, tp, mesh, rules):
     fused = a.fused_linear
     extra.update(kernels=a.kernels, kda_verify_epilogue=a.kda_verify_epilogue,
                  norm_linear_triton=a.norm_linear_triton, linear_residual_triton=a.linear_residual_triton,
-                 lm_head_argmax=a.lm_head_argmax, fused_linear=fused, fused_linear_fp8=a.fused_linear_fp8,
+                 lm_head_argmax=a.lm_head_argmax, mtp_input_triton=a.mtp_input_triton, fused_linear=fused, fused_linear_fp8=a.fused_linear_fp8,
                  p2p_allreduce=a.p2p_allreduce,
                  moe_router_tables=a.moe_router_tables, moe_router_norm=a.moe_router_norm,
                  moe_router_scatter=a.moe_router_scatter, moe_shared_segments=a.moe_shared_segments,
@@ -709,6 +714,7 @@ def run_all(a, cfg, tp, mesh, rules):
     prefix += "" if a.linear_residual_triton else "-nolrt"
     prefix += "-mre" if a.moe_residual_epilogue else ""
     prefix += "-lha" if a.lm_head_argmax else ""
+    prefix += "-mit" if a.mtp_input_triton else ""
     prefix += "-live" if a.mla_live_prefix else ""
     prefix += "-mlat" if a.mla_triton else ""
     prefix += "" if a.moe_fp8_scheme == KernelCalls.moe_fp8_scheme else f"-moe{a.moe_fp8_scheme}"

@@ -201,7 +201,8 @@ class ShardedKernelCalls(KernelCalls):
     kda_verify / kda_commit: every head-indexed operand split over "tp"; heads are independent, no collective.
     fused_linear: not sharded yet (the output projections would need their partial sums reduced before the
       residual add): the sharded calls run the model's jnp projections, and fused_linear=True (or
-      fused_linear_fp8=True, norm_linear_triton=True, linear_residual_triton=True) is an error.
+      fused_linear_fp8=True, norm_linear_triton=True, linear_residual_triton=True, mtp_input_triton=True) is an
+      error.
     moe_residual_epilogue: an error too. Under TP each device's MoE kernel gives a partial sum that is all-reduced
       before the residual add (the add of one device's epilogue would be summed N times), and routed_moe does not
       run under shard_map; the model adds after the psum (or in allreduce_residual_norm).
@@ -216,6 +217,7 @@ class ShardedKernelCalls(KernelCalls):
     norm_linear_triton: bool = False
     linear_residual_triton: bool = False
     moe_residual_epilogue: bool = False
+    mtp_input_triton: bool = False
     lm_head_argmax: bool = False
 
     def __post_init__(self):
@@ -224,7 +226,8 @@ class ShardedKernelCalls(KernelCalls):
         if self.moe_residual_epilogue:
             raise ValueError("ShardedKernelCalls(moe_residual_epilogue=True): the MoE's partial sums are all-reduced "
                              "before the residual add, so the add cannot ride in one device's kernel; use False")
-        for name in ("fused_linear", "fused_linear_fp8", "norm_linear_triton", "linear_residual_triton"):
+        for name in ("fused_linear", "fused_linear_fp8", "norm_linear_triton", "linear_residual_triton",
+                     "mtp_input_triton"):
             if getattr(self, name):
                 raise ValueError(f"ShardedKernelCalls({name}=True): the fused projections are not run under "
                                  f"shard_map yet; use {name}=False (the jnp projections, sharded by XLA)")
@@ -376,13 +379,14 @@ class ShardedKernelCalls(KernelCalls):
 def kernel_calls_for(opts, mesh: Mesh, rules: ShardingRules = ShardingRules()):
     """RuntimeOptions whose Pallas calls run under shard_map on `mesh` (unchanged for 1 device or the jnp path).
     The per-kernel choices of the options' KernelCalls carry over to the sharded one, except fused_linear,
-    fused_linear_fp8, norm_linear_triton, linear_residual_triton and lm_head_argmax (not sharded yet: see
-    ShardedKernelCalls) and moe_residual_epilogue (the MoE is all-reduced before its add), which are off on more
-    than one device."""
+    fused_linear_fp8, norm_linear_triton, linear_residual_triton, mtp_input_triton and lm_head_argmax (not sharded
+    yet: see ShardedKernelCalls) and moe_residual_epilogue (the MoE is all-reduced before its add), which are off on
+    more than one device."""
     calls = opts.calls
     if mesh.size == 1 or calls is None or isinstance(calls, ShardedKernelCalls):
         return opts
     fields = {f.name: getattr(calls, f.name) for f in dataclasses.fields(KernelCalls)}
     fields["fused_linear"] = fields["fused_linear_fp8"] = fields["norm_linear_triton"] = False
-    fields["linear_residual_triton"] = fields["moe_residual_epilogue"] = fields["lm_head_argmax"] = False
+    fields["linear_residual_triton"] = fields["moe_residual_epilogue"] = fields["mtp_input_triton"] = False
+    fields["lm_head_argmax"] = False
     return opts.replace(kernels=ShardedKernelCalls(**fields, mesh=mesh, rules=rules))

@@ -37,6 +37,8 @@ Shapes (per call, the layers' view; a subclass sees its per-device slices inside
   norm_linear: h a layers.linear.Normed of x [B, T, D] (or of a tuple of inputs), projections of weights
               [*N_s, D] (swiglu: (gate, up) [F, D])                        -> (y_s [B, T, *N_s], ...) or None
   linear_residual: o [B, T, K], w [N, K], residual [B, T, N]             -> [B, T, N], or None
+  mtp_input:  tokens int32[B, T], embed [V, D], hidden [B, T, D], enorm / hnorm [D], eh_proj [N, 2D]
+                                                                           -> [B, T, N], or None
   head_argmax: h a layers.linear.Normed of x [..., D] (the final norm), w the lm_head [V, D]
                                                                            -> (tokens int32[...], normed [..., D])
                                                                               or None
@@ -67,6 +69,7 @@ from pallas_kernels import kda_verify as _kda_verify
 from pallas_kernels import lm_head_argmax_triton as _lm_head_argmax
 from pallas_kernels import mla_attention as _mla_attention
 from pallas_kernels import mla_triton as _mla_triton
+from pallas_kernels import mtp_input_triton as _mtp_input
 from pallas_kernels import norm_linear_triton as _norm_linear_triton
 from pallas_kernels import moe as _moe_triton
 from pallas_kernels import moe_mosaic as _moe_mosaic
@@ -236,6 +239,12 @@ class KernelCalls:
       down_proj) at T <= 17 rows, bf16, weights <= 8 MiB (MAX_WEIGHT_BYTES), through the same module's
       linear_residual_small: one launch in place of XLA's matvec + add (or fused_linear's Mosaic kernel, which it goes before). One device only; on by default since
       2026-12-07 (GPU_DEFAULTS).
+    mtp_input_triton: the MTP layer's input projection eh_proj([enorm(embed(tok)) | hnorm(h)]) at T <= 17 rows,
+      bf16 (every NEXTN draft pass and the extend) through pallas_kernels/mtp_input_triton.py: the embedding rows
+      gathered in the kernel, both RMSNorms and eh_proj in one launch, where XLA runs a reduce per norm and the dot
+      fusion (3 launches a draft pass, 4 in the extend). Same rounding points as the model's jnp (each norm's sum
+      and the K order the kernel's: batch invariant). One device only; off until timed (bench_step
+      --mtp-input-triton).
     lm_head_argmax: the greedy token of a pass whose program needs no logits (a greedy step without logprobs
       serving requests that do not adjust their logits: the steps' static adjusts_logits=False, see
       ling_jax/spec.py) through pallas_kernels/lm_head_argmax_triton.py: the final RMSNorm, the lm_head over
@@ -313,6 +322,7 @@ class KernelCalls:
     norm_linear_triton: bool = False
     linear_residual_triton: bool = False
     lm_head_argmax: bool = False
+    mtp_input_triton: bool = False
     fused_linear_fp8: bool = True
     p2p_allreduce: bool = False
     fp8_linear_scale: str = "partial"
@@ -785,6 +795,19 @@ class KernelCalls:
         out = _norm_linear_triton.linear_residual_small(o.reshape(rows, o.shape[-1]), w,
                                                         residual.reshape(rows, w.shape[0]), config=cfg)
         return out.reshape(residual.shape)
+
+    def mtp_input(self, tokens, embed, hidden, enorm, hnorm, w, *, eps: float):
+        """eh_proj([rms_norm(embed[tokens], enorm) | rms_norm(hidden, hnorm)]) in one kernel (mtp_input_triton;
+        pallas_kernels/mtp_input_triton.py) -> [B, T, N], or None where it does not take the call: the field off,
+        more than MAX_ROWS rows, anything not bf16 (an fp8 eh_proj included)."""
+        rows = math.prod(tokens.shape)
+        if (not self.mtp_input_triton or rows > _mtp_input.MAX_ROWS or isinstance(w, Fp8Weight)
+                or any(a.dtype != jnp.bfloat16 for a in (embed, hidden, enorm, hnorm, w))):
+            return None
+        cfg = _mtp_input.NormLinearConfig(interpret=self.interpret)
+        y = _mtp_input.mtp_input_small(tokens.reshape(rows), embed, hidden.reshape(rows, -1), enorm, hnorm, w,
+                                       eps=eps, config=cfg)
+        return y.reshape(tokens.shape + (w.shape[0],))
 
     def head_argmax(self, h, w):
         """argmax_v (RMSNorm(h) @ w^T) per row without the logits (lm_head_argmax; pallas_kernels/

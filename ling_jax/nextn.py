@@ -30,10 +30,15 @@ def mtp_forward(params, tokens, hidden, cache, start, cfg: ModelConfig, *, absor
     if not cfg.mtp_layers:
         raise ValueError(f"{cfg.name} has no MTP layer (num_nextn_predict_layers=0): NEXTN needs one")
     p = params["mtp"][0]
-    e = embed(params, tokens)
-    eh = Normed((e, hidden.astype(e.dtype)), (p["enorm"], p["hnorm"]), cfg.rms_norm_eps)  # [enorm(e) | hnorm(h)]
-    (x,) = norm_projections(eh, (Projection(p["eh_proj"]),), opts.calls,
-                            fp8_activations=opts.numerics.quantises_activations)  # (eh_proj: bf16 by fp8_policy)
+    x = None
+    if opts.calls is not None:  # the gather, both norms and eh_proj in one kernel, where one takes the call
+        x = opts.calls.mtp_input(tokens, params["embed"], hidden.astype(params["embed"].dtype), p["enorm"],
+                                 p["hnorm"], p["eh_proj"], eps=cfg.rms_norm_eps)
+    if x is None:
+        e = embed(params, tokens)
+        eh = Normed((e, hidden.astype(e.dtype)), (p["enorm"], p["hnorm"]), cfg.rms_norm_eps)  # [enorm(e) | hnorm(h)]
+        (x,) = norm_projections(eh, (Projection(p["eh_proj"]),), opts.calls,
+                                fp8_activations=opts.numerics.quantises_activations)  # (eh_proj: bf16 by fp8_policy)
     i = cfg.mtp_layers[0]
     # where the kernel calls fuse a MoE layer's boundary (TP + p2p_allreduce), the final norm rides in it
     fused = opts.calls is not None and opts.calls.fuses_layer_boundary and cfg.is_moe(i)

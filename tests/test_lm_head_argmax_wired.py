@@ -4,7 +4,8 @@ mode): where it serves, and that no request gets another answer.
 Oracle: the same Generator with the field off (every other kernel the same, interpreted), whose tokens are argmax of
 the adjusted logits. Greedy requests with neutral penalties and no logprobs run the steps' static
 adjusts_logits=False: plain decode's head and NEXTN's 4 drafts, verify and extend each take the kernel (a census of
-the calls at trace time), and 64 greedy tokens are those of the field off, plain and NEXTN5 alike. Requests that
+the calls at trace time), and 64 greedy tokens are those of the field off, plain and NEXTN5 alike (NEXTN5 also with
+the MTP's input in one kernel, KernelCalls.mtp_input_triton). Requests that
 need the logits (sampled, logprobs, a penalty, a logit bias) run the program they ran before: no head_argmax call
 is traced for them and their tokens and logprobs equal the field off's. The programs themselves: with the field off
 adjusts_logits=False changes nothing (the same jaxpr); with it on the demo's bench_step programs have no logits,
@@ -32,28 +33,36 @@ pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(MODEL, "model.sa
                                 reason="models/ling-demo is not checked out")
 PROMPT = [17, 302, 45, 2001, 9, 9, 771, 1200, 33, 34, 35, 36, 512, 88, 1023, 64]
 TRACED: list = []  # (rows, vocabulary, whether the kernel took it), appended when a head_argmax call is traced
+MTP_TRACED: list = []  # (rows, whether the kernel took it) of each mtp_input call traced
 
 
 class Census(KernelCalls):
-    """KernelCalls that records each fused-head call."""
+    """KernelCalls that records each fused-head call (and each MTP input call)."""
 
     def head_argmax(self, h, w):
         out = super().head_argmax(h, w)
         TRACED.append((math.prod(h.parts[0][0].shape[:-1]), w.shape[0], out is not None))
         return out
 
+    def mtp_input(self, tokens, *args, **kw):
+        out = super().mtp_input(tokens, *args, **kw)
+        MTP_TRACED.append((math.prod(tokens.shape), out is not None))
+        return out
+
 
 _GENS: dict = {}
 
 
-def generator(algorithm: str, fused: bool) -> Generator:
-    """One Generator per (algorithm, field), kept for the module: its programs compile once."""
-    key = (algorithm, fused)
+def generator(algorithm: str, fused: bool, mtp_input: bool = False) -> Generator:
+    """One Generator per (algorithm, fields), kept for the module: its programs compile once. fused: the field on;
+    mtp_input: KernelCalls.mtp_input_triton too (the MTP's input in one kernel)."""
+    key = (algorithm, fused, mtp_input)
     if key not in _GENS:
         cfg = load_config(MODEL)
         params = load_params(cfg, MODEL, dtype=jnp.bfloat16)
         spec = SpecConfig("NEXTN", 5) if algorithm == "NEXTN" else SpecConfig("NONE")
-        calls = Census(interpret=True, lm_head_argmax=True) if fused else KernelCalls(interpret=True)
+        calls = (Census(interpret=True, lm_head_argmax=True, mtp_input_triton=mtp_input) if fused
+                 else KernelCalls(interpret=True))
         _GENS[key] = Generator(cfg, params, spec=spec, max_len=128, dtype=jnp.bfloat16,
                                opts=RuntimeOptions(kernels=calls))
     return _GENS[key]
@@ -73,6 +82,20 @@ def test_greedy_tokens_with_the_fused_head_equal_the_logits_path(algorithm, head
     assert on_stats.accept_lengths == off_stats.accept_lengths
     if algorithm == "NEXTN":
         assert on_stats.mean_accept_length > 2.0, on_stats.as_dict()
+
+
+def test_nextn_greedy_with_the_mtp_input_kernel_too():
+    """KernelCalls.mtp_input_triton on as well: every MTP pass of the step (4 drafts, the extend's 6 rows; not the
+    prefill's chunk of 32 rows) takes the kernel, and the 64 greedy tokens and accept lengths are the field off's."""
+    TRACED.clear()
+    MTP_TRACED.clear()
+    on, on_stats = generator("NEXTN", True, mtp_input=True).generate(PROMPT, max_new_tokens=64, stop_token_ids=())
+    per_trace = [(1, True)] * 4 + [(6, True)]
+    step = [m for m in MTP_TRACED if m != (32, False)]  # the prefill chunk's call: too many rows for the kernel
+    assert step and step == per_trace * (len(step) // len(per_trace)), MTP_TRACED
+    off, off_stats = generator("NEXTN", False).generate(PROMPT, max_new_tokens=64, stop_token_ids=())
+    assert on == off, next(i for i, (a, b) in enumerate(zip(on, off)) if a != b)
+    assert on_stats.accept_lengths == off_stats.accept_lengths
 
 
 REQUESTS = {
