@@ -149,3 +149,29 @@ def test_demo_step_has_no_logits_with_the_fused_head(mode, heads):
     vocab_f32 = lambda v: v.aval.shape[-1:] == (4096,) and v.aval.dtype == jnp.float32
     logits = [name(e) for e in eqns if any(map(vocab_f32, e[3].outvars))]
     assert not logits, logits
+
+
+def test_only_neutral_greedy_requests_get_the_fused_program():
+    """Generator.adjusts_logits, the program a request runs (test-tiny, nothing compiled but the batcher's empty
+    slot): with the field on, False (the fused head's program) only for a greedy request without logprobs whose
+    penalties and logit bias are neutral (top_p / top_k / min_p do not touch a greedy token); True for every other
+    request, and for every request with the field off. The batcher warms the extra program only with the field on."""
+    from ling_jax.batching import BatchGenerator
+    from ling_jax.config import get_preset
+    from ling_jax.sampling import SamplingOptions
+    from ling_jax.weights import init_params
+
+    cfg = get_preset("test-tiny")
+    params = init_params(cfg, 0, jnp.float32)
+    gen = lambda calls: Generator(cfg, params, max_len=32, dtype=jnp.float32, opts=RuntimeOptions(kernels=calls))
+    on, off = gen(KernelCalls(interpret=True, lm_head_argmax=True)), gen(KernelCalls(interpret=True))
+    neutral = [SamplingOptions(), SamplingOptions(top_p=0.5, top_k=3, min_p=0.2)]
+    adjusting = [SamplingOptions(temperature=0.7), SamplingOptions(repetition_penalty=1.1),
+                 SamplingOptions(presence_penalty=0.1), SamplingOptions(frequency_penalty=-0.2),
+                 SamplingOptions(logit_bias=((3, 0.5),))]
+    assert [on.adjusts_logits(o, False) for o in neutral] == [False, False]
+    assert all(on.adjusts_logits(o, True) for o in neutral)                       # logprobs need the logits
+    assert all(on.adjusts_logits(o, False) for o in adjusting)
+    assert all(off.adjusts_logits(o, lp) for o in neutral + adjusting for lp in (False, True))
+    assert BatchGenerator(on, 2).step_variants()[-1] == (True, False, False)
+    assert all(len(v) == 2 for v in BatchGenerator(off, 2).step_variants())
