@@ -38,8 +38,9 @@ HEAD_CONFIGS = {
     "bv128-bk128-w4-s2": HeadArgmaxConfig(block_k=128, num_stages=2),
 }
 MTP_CONFIGS = {
-    "bn64-bk64-w4": NormLinearConfig(),
-    "bn32-bk64-w4": NormLinearConfig(block_n=32),
+    "rule": NormLinearConfig(),  # norm_linear_triton.tiles_for over eh_proj's shape (what KernelCalls runs)
+    "bn64-bk64-w4-s3": NormLinearConfig(block_n=64, block_k=64, num_warps=4, num_stages=3),  # the pre-rule default
+    "bn32-bk64-w4": NormLinearConfig(block_n=32, block_k=64, num_warps=4),
     "bn32-bk128-w2": NormLinearConfig(block_n=32, block_k=128, num_warps=2),
 }
 CASES = {"demo head": ("head", 320, 4096), "ling head": ("head", 2560, 157184),

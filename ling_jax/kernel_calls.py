@@ -242,9 +242,10 @@ class KernelCalls:
     mtp_input_triton: the MTP layer's input projection eh_proj([enorm(embed(tok)) | hnorm(h)]) at T <= 17 rows,
       bf16 (every NEXTN draft pass and the extend) through pallas_kernels/mtp_input_triton.py: the embedding rows
       gathered in the kernel, both RMSNorms and eh_proj in one launch, where XLA runs a reduce per norm and the dot
-      fusion (3 launches a draft pass, 4 in the extend). Same rounding points as the model's jnp (each norm's sum
-      and the K order the kernel's: batch invariant). One device only; off until timed (bench_step
-      --mtp-input-triton).
+      fusion (3 launches a draft pass, 4 in the extend). eh_proj of at most MAX_WEIGHT_BYTES = 8 MiB (as
+      norm_linear_triton, whose tiles rule it runs: Ling's 26 MB eh_proj stays XLA's). Same rounding points as the
+      model's jnp (each norm's sum and the K order the kernel's: batch invariant). One device only; off until timed
+      (bench_step --mtp-input-triton).
     lm_head_argmax: the greedy token of a pass whose program needs no logits (a greedy step without logprobs
       serving requests that do not adjust their logits: the steps' static adjusts_logits=False, see
       ling_jax/spec.py) through pallas_kernels/lm_head_argmax_triton.py: the final RMSNorm, the lm_head over
@@ -799,10 +800,12 @@ class KernelCalls:
     def mtp_input(self, tokens, embed, hidden, enorm, hnorm, w, *, eps: float):
         """eh_proj([rms_norm(embed[tokens], enorm) | rms_norm(hidden, hnorm)]) in one kernel (mtp_input_triton;
         pallas_kernels/mtp_input_triton.py) -> [B, T, N], or None where it does not take the call: the field off,
-        more than MAX_ROWS rows, anything not bf16 (an fp8 eh_proj included)."""
+        more than MAX_ROWS rows, anything not bf16 (an fp8 eh_proj included), an eh_proj past
+        norm_linear_triton.MAX_WEIGHT_BYTES (the same tiles rule: past it XLA streams the weight faster)."""
         rows = math.prod(tokens.shape)
         if (not self.mtp_input_triton or rows > _mtp_input.MAX_ROWS or isinstance(w, Fp8Weight)
-                or any(a.dtype != jnp.bfloat16 for a in (embed, hidden, enorm, hnorm, w))):
+                or any(a.dtype != jnp.bfloat16 for a in (embed, hidden, enorm, hnorm, w))
+                or w.size * w.dtype.itemsize > _norm_linear_triton.MAX_WEIGHT_BYTES):
             return None
         cfg = _mtp_input.NormLinearConfig(interpret=self.interpret)
         y = _mtp_input.mtp_input_small(tokens.reshape(rows), embed, hidden.reshape(rows, -1), enorm, hnorm, w,

@@ -34,7 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.norm_linear_triton import MAX_ROWS, NormLinearConfig
+from pallas_kernels.norm_linear_triton import MAX_ROWS, NormLinearConfig, tiles_for
 
 __all__ = ["MAX_ROWS", "NormLinearConfig", "mtp_input_small"]
 
@@ -97,9 +97,11 @@ def mtp_input_small(tokens, embed, hidden, enorm, hnorm, w, *, eps, config=None)
 
   tokens int32[T] (ids in [0, V)), embed [V, D], hidden [T, D], enorm / hnorm [D], w [N, 2D] (read per tile in act,
   the dtype of the normed rows) -> y [T, N] in act (the einsum's output)."""
-  cfg = config or NormLinearConfig()
   (t,), (v, d) = tokens.shape, embed.shape
   n = w.shape[0]
+  # norm_linear_triton's rule over eh_proj's shape: each half is a K loop over D (the e half's, then h's), so the
+  # tiles are picked for K = D; the config's splits are not used here (one accumulator per program)
+  cfg = tiles_for((n,), d, 1, config)
   act = jnp.result_type(enorm, embed)
   if hidden.shape != (t, d) or enorm.shape != (d,) or hnorm.shape != (d,) or w.shape != (n, 2 * d):
     raise ValueError(f"tokens {tokens.shape}, embed {embed.shape}, hidden {hidden.shape}, enorm {enorm.shape}, "

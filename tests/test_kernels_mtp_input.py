@@ -66,7 +66,8 @@ def test_row_zero_is_batch_invariant():
 
 def test_kernel_calls_route_small_bf16_calls_only():
     """KernelCalls.mtp_input (mtp_input_triton) takes [B, T] tokens of <= 17 rows with everything bf16 and returns
-    [B, T, N]; the field off, 18 rows, fp32 and an fp8 eh_proj are None (the model's jnp)."""
+    [B, T, N]; the field off, 18 rows, fp32, an fp8 eh_proj and one past MAX_WEIGHT_BYTES are None (the model's
+    jnp)."""
     calls = KernelCalls(interpret=True, mtp_input_triton=True)
     tokens, embed, hidden, enorm, hnorm, w = _inputs("demo", 12, jnp.bfloat16)
     got = calls.mtp_input(tokens.reshape(2, 6), embed, hidden.reshape(2, 6, -1), enorm, hnorm, w, eps=EPS)
@@ -79,6 +80,9 @@ def test_kernel_calls_route_small_bf16_calls_only():
     assert calls.mtp_input(*f32, eps=EPS) is None                                          # fp32
     fp8 = quantize(w.astype(jnp.float32))
     assert calls.mtp_input(tokens, embed, hidden, enorm, hnorm, fp8, eps=EPS) is None       # fp8 eh_proj
+    big = jnp.zeros((2048, 4096), jnp.bfloat16)                   # 16 MiB > MAX_WEIGHT_BYTES: XLA streams it faster
+    e_big, h_big, n_big = (jnp.zeros(s, jnp.bfloat16) for s in ((64, 2048), (6, 2048), (2048,)))
+    assert calls.mtp_input(tokens[:6] % 64, e_big, h_big, n_big, n_big, big, eps=EPS) is None
 
 
 @pytest.mark.parametrize("t", [1, 6, 17])
