@@ -688,7 +688,8 @@ def run_all(a, cfg, tp, mesh, rules):
     fused = a.fused_linear
     extra.update(kernels=a.kernels, kda_verify_epilogue=a.kda_verify_epilogue,
                  norm_linear_triton=a.norm_linear_triton, linear_residual_triton=a.linear_residual_triton,
-                 lm_head_argmax=a.lm_head_argmax, mtp_input_triton=a.mtp_input_triton, fused_linear=fused, fused_linear_fp8=a.fused_linear_fp8,
+                 lm_head_argmax=a.lm_head_argmax, mtp_input_triton=a.mtp_input_triton, fused_linear=fused,
+                 fused_linear_fp8=a.fused_linear_fp8,
                  p2p_allreduce=a.p2p_allreduce,
                  moe_router_tables=a.moe_router_tables, moe_router_norm=a.moe_router_norm,
                  moe_router_scatter=a.moe_router_scatter, moe_shared_segments=a.moe_shared_segments,
