@@ -22,6 +22,8 @@
 # the sweep's levels, with --timed the per-step split per run), OUT_DIR/sweep.log (this script's output) and
 # OUT_DIR/runs.tar.gz (every bench_serving JSON + PNG, the servers' and clients' logs, the step timings).
 # e.g. bash bench/batching_sweep.sh $OUT/n2 --batch8-only --num-continuous-decode-steps 2
+# Time on an H100 (2026-12-07, cold compilation cache): both servers up after ~225 s (the batching one ~190 s, the
+# batch-1 one loading most of its programs from the shared cache), then ~1-2 min of runs at PROMPTS=24 ROUNDS=3.
 set -u
 cmdline="bash bench/batching_sweep.sh $*"
 out=${1:?out dir}; shift

@@ -29,6 +29,18 @@ batch-1 server's (the H200's +22 % TPOT was ~+200 us per ~1 ms step), server CPU
 dispatch off the GIL the extra thread hid (TPOT equal, CPU +14 %). Now the scheduler runs the request's consumer
 itself (serve.engine.Decoding): -40 / +85 us per step (identical trees differ by ~5 % here), CPU -2 / +1 %,
 switches equal; at concurrency 8 TPOT 1462 vs 1953 us, CPU per token 163 vs 222 us.
+
+Again on 2026-12-07 (CPU, --dispatch-held-us 400 --dispatch-us 200, 6 rounds, this tree with the lone-row start
+vs main before it; bench/results/serve-host-overhead-cpu-2026-12-07-vs-main.json): the lone row's step interval
+over the batch-1 server's, medians, +41 us (1047.5 vs 1006.1; TPOT 361 vs 341 us) here, +16 us (1017.8 vs 1001.6)
+on main; a second and third run of this tree +28 / +17 us. All of it is inside the step call, none in the Python
+around it (rest 82-95 us both; bench.batching_host in process: 63 vs 60 us of host per step). The calls are
+bimodal, ~800 us or ~920 us: in a slow one the event loop's thread, woken by the turn's hand-off ~22 us (batch 1)
+or ~25 us (batched) before the call, takes the GIL while the trivial program's execute has released it (the
+deliveries start ~80 us into the call) and the call waits for the loop's work; in a fast one the loop waits
+through the busy loop and runs in the sleep. Slow calls: 58-61 % batch 1, 74-83 % batched. This is the knobs'
+race (where the GIL-free part of a dispatch falls), not work the batched server adds; the real step's split on a
+GPU is bench/batching_sweep.sh --timed.
 """
 
 from __future__ import annotations
