@@ -145,12 +145,7 @@ def measure(bg: BatchGenerator, engine: Engine, rows: int, turns: int, profile: 
         emitted0 = sum(r.emitted for r in t.rows())
         if prof:
             prof.enable()
-        t0 = time.perf_counter()
-        for _ in range(turns):
-            t.turn()
-            if drain:
-                drain()
-        wall = time.perf_counter() - t0
+        wall, per_turn = timed_turns(lambda: t.turn(), drain, turns, program, read)
         if prof:
             prof.disable()
         tokens = sum(r.emitted for r in t.rows()) - emitted0
@@ -165,8 +160,9 @@ def measure(bg: BatchGenerator, engine: Engine, rows: int, turns: int, profile: 
         drain()
     steps = turns * bg.gen.decode_steps
     ms = lambda s: 1e3 * s / steps
-    res = dict(rows=rows, decode_steps=bg.gen.decode_steps, turns=turns, turn_ms=ms(wall), program_ms=ms(program.s),
-               read_ms=ms(read.s), host_ms=ms(wall - program.s - read.s), tokens_per_step=tokens / steps)
+    res = dict(path="batching", rows=rows, decode_steps=bg.gen.decode_steps, turns=turns, turn_ms=ms(wall),
+               program_ms=ms(program.s), read_ms=ms(read.s), host_ms=ms(wall - program.s - read.s),
+               host_median_ms=1e3 * float(np.median(per_turn)) / bg.gen.decode_steps, tokens_per_step=tokens / steps)
     if drain:
         res["event_loop_ms"] = ms(engine.loop.s)  # inside host_ms
     text = ""
@@ -176,6 +172,65 @@ def measure(bg: BatchGenerator, engine: Engine, rows: int, turns: int, profile: 
             res["profile_ms"]["turn, profiled"] - res["profile_ms"]["program call"]
             - res["profile_ms"]["read (jax.device_get)"])
     return res, text
+
+
+def timed_turns(turn, drain, turns: int, program: Clock, read: Clock):
+    """Run `turns` turns (each followed by the inline loop's deliveries, if any); -> (wall seconds, per turn the
+    host seconds: its wall time less the program call's and the read's; their median shrugs off a shared host's
+    preemptions, which land on whole turns)."""
+    per_turn = []
+    t0 = time.perf_counter()
+    for _ in range(turns):
+        t, p, r = time.perf_counter(), program.s, read.s
+        turn()
+        if drain:
+            drain()
+        per_turn.append(time.perf_counter() - t - (program.s - p) - (read.s - r))
+    return time.perf_counter() - t0, per_turn
+
+
+def measure_batch1(gen: Generator, engine: Engine, turns: int, max_new: int, seed: int = 1):
+    """The batch-1 server's path at the same clock, for the lone row's comparison: one request through
+    Generator.stream with its serve.engine.Decoding as Engine._process runs it (the chunk's work in the thread
+    that reads the stream, each output handed to the loop), a step per yielded chunk (decode_steps 1)."""
+    from serve.engine import Decoding
+
+    ids = np.random.default_rng(seed).integers(5, gen.cfg.vocab_size, 128).tolist()
+    req = Request(gen=GenRequest(input_ids=ids, max_new_tokens=max_new, ignore_eos=True), queue=asyncio.Queue())
+    engine.live[req.id] = engine.running[req.id] = req
+    d = Decoding(engine, req)
+    drain = getattr(engine.loop, "drain", None)
+    program, read = Clock(), Clock()
+    step_fns = {}
+    orig_fn, orig_get = gen.step_fn, jax.device_get
+
+    def timed_step_fn(*key):  # Generator.stream takes self.step_fn(...) once per stream: shadowed on the instance
+        if key not in step_fns:
+            step_fns[key] = program.wrap(orig_fn(*key))
+        return step_fns[key]
+
+    gen.step_fn = timed_step_fn
+    jax.device_get = read.wrap(orig_get)
+    it = d.stream = gen.stream(req.gen.input_ids, **d.stream_args())
+    try:
+        for _ in range(4):  # the first token, then every step read one step late
+            d.chunk(next(it))
+        if drain:
+            drain()
+        program.s = read.s = 0.0
+        n0 = d.n_out
+        wall, per_turn = timed_turns(lambda: d.chunk(next(it)), drain, turns, program, read)
+        tokens = d.n_out - n0
+    finally:
+        it.close()
+        del gen.step_fn
+        jax.device_get = orig_get
+    if drain:
+        drain()
+    ms = lambda x: 1e3 * x / turns
+    return dict(path="batch1", rows=1, decode_steps=1, turns=turns, turn_ms=ms(wall), program_ms=ms(program.s),
+                read_ms=ms(read.s), host_ms=ms(wall - program.s - read.s),
+                host_median_ms=1e3 * float(np.median(per_turn)), tokens_per_step=tokens / turns)
 
 
 def breakdown(prof: cProfile.Profile, steps: int):
@@ -231,6 +286,7 @@ def main(argv=None):
     ap.add_argument("--decode-steps", type=int, default=1, help="--num-continuous-decode-steps")
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--profile", action="store_true", help="cProfile the timed turns (slows them)")
+    ap.add_argument("--rounds", type=int, default=1, help="measure every row count this many times, in turn")
     ap.add_argument("--inline-loop", action="store_true",
                     help="run the event loop's deliveries in this thread after each turn (implied by --profile)")
     ap.add_argument("--trivial-step", type=int, default=None, metavar="ACCEPT",
@@ -262,20 +318,36 @@ def main(argv=None):
         threading.Thread(target=engine.loop.run_forever, name="event-loop", daemon=True).start()
     # no warm_up_batches: each row count's untimed turns (its rows joining) compile what its timed turns run
     table, profiles = [], []
-    print(f"{'rows':>4} {'turn':>8} {'program':>8} {'read':>8} {'host':>8} {'alone':>8}  ms per decode step "
+    print(f"{'rows':>4} {'turn':>8} {'program':>8} {'read':>8} {'host':>8} {'host p50':>8} {'alone':>8}  ms per decode step "
           f"(decode_steps {a.decode_steps}); tokens/step", flush=True)
-    for rows in rows_list:
-        res, text = measure(bg, engine, rows, a.turns, a.profile, max_new)
-        if "event_loop_ms" in res:
-            print(f"     (event loop's deliveries, run inline: {res['event_loop_ms']:.3f} ms of host)")
-        res["alone_ms"] = alone_ms(bg, rows, max(10, a.turns // 4))
-        table.append(res)
-        print(f"{rows:4d} {res['turn_ms']:8.3f} {res['program_ms']:8.3f} {res['read_ms']:8.3f} {res['host_ms']:8.3f} "
-              f"{res['alone_ms']:8.3f}  {res['tokens_per_step']:.2f}", flush=True)
-        if a.profile:
-            for k, v in res["profile_ms"].items():
-                print(f"       {k:40s} {v:8.3f} ms/step")
-            profiles.append(text)
+    batch1 = 1 in rows_list and a.decode_steps == 1 and not a.profile
+    for rnd in range(a.rounds):
+        for rows in rows_list:
+            if rows == 1 and batch1:  # the batch-1 server's path first, then the lone row's, in every round
+                res = measure_batch1(gen, engine, a.turns, max_new)
+                res["round"] = rnd
+                table.append(res)
+                print(f"  1* {res['turn_ms']:8.3f} {res['program_ms']:8.3f} {res['read_ms']:8.3f} "
+                      f"{res['host_ms']:8.3f} {res['host_median_ms']:8.3f} {'':>8s}  {res['tokens_per_step']:.2f}  "
+                      f"(batch-1: Generator.stream)", flush=True)
+            res, text = measure(bg, engine, rows, a.turns, a.profile, max_new)
+            if "event_loop_ms" in res:
+                print(f"     (event loop's deliveries, run inline: {res['event_loop_ms']:.3f} ms of host)")
+            res["alone_ms"] = alone_ms(bg, rows, max(10, a.turns // 4))
+            res["round"] = rnd
+            table.append(res)
+            print(f"{rows:4d} {res['turn_ms']:8.3f} {res['program_ms']:8.3f} {res['read_ms']:8.3f} "
+                  f"{res['host_ms']:8.3f} {res['host_median_ms']:8.3f} {res['alone_ms']:8.3f}  "
+                  f"{res['tokens_per_step']:.2f}", flush=True)
+            if a.profile:
+                for k, v in res["profile_ms"].items():
+                    print(f"       {k:40s} {v:8.3f} ms/step")
+                profiles.append(text)
+    if a.rounds > 1:
+        print("median over rounds of the per-turn host medians (ms per decode step):")
+        for path, rows in ([("batch1", 1)] if batch1 else []) + [("batching", r) for r in rows_list]:
+            xs = [r["host_median_ms"] for r in table if (r["path"], r["rows"]) == (path, rows)]
+            print(f"  {path:8s} rows {rows}: {np.median(xs):.4f}  ({', '.join(f'{x:.4f}' for x in xs)})")
     if a.profile:
         for rows, text in zip(rows_list, profiles):
             print(f"---- rows {rows}: top functions by own time (whole profiled turns) ----\n{text}")

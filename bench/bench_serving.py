@@ -413,11 +413,15 @@ def run_sweep(a, argv, model: str, tokenizer, vocab: int, info: dict) -> int:
         a.max_concurrency, n = c, a.num_prompts
         a.num_prompts = max(n, 2 * c)
         v0, t0_acc, _ = _spec_counters(_get(a, "/server_info"))
+        w0 = time.perf_counter()
         results, duration = asyncio.run(run(a, model, make_prompts(a, vocab, tokenizer)))
+        w1 = time.perf_counter()
         a.num_prompts = n
         v1, t1_acc, avg = _spec_counters(_get(a, "/server_info"))
         m = summarize(results, duration, (t1_acc - t0_acc) / (v1 - v0) if v1 > v0 else avg)
-        levels.append({"max_concurrency": c, **m})
+        # the level's span on this host's CLOCK_MONOTONIC (perf_counter), which a timed server shares
+        # (bench/serve_host_overhead.step_split: the server's per-step split within it)
+        levels.append({"max_concurrency": c, **m, "window_perf_counter": [w0, w1]})
         print(f"concurrency {c:3d}: output {m['output_throughput']:9.1f} tok/s  mean TPOT {m['mean_tpot_ms']:.2f} ms"
               f"  p99 {m['p99_tpot_ms']:.2f} ms  TTFT {m['mean_ttft_ms']:.1f} ms  accept {m['accept_length'] or 0:.2f}"
               f"  failed {m['failed']}", flush=True)

@@ -12,6 +12,13 @@ median dispatch-to-dispatch interval of the step calls (the per-step host cost, 
     python3 -m bench.serve_host_overhead --dispatch-held-us 400 --dispatch-us 200 --levels 1:1,8:1,8:8 \
         --baseline OLD_TREE --out $OUT
     python3 -m bench.serve_host_overhead --in-process    # Generator.stream vs BatchGenerator.stream, no server
+    python3 -m bench.serve_host_overhead --real-step --dtype bfloat16 --vlog --levels 1:1,8:1,8:8 --out $OUT  # GPU
+
+--real-step: the real model (no trivial programs, no knobs): on the GPU, each level's step interval split into the
+step program's call (its host dispatch: jaxlib's argument handling, XLA's command-buffer update when one is
+re-recorded, the launch), the one-step-late read (device_get: the wait for the device where the host is ahead)
+and the rest (the Python of the turn / the stream, the consumers, GIL waits); --vlog adds XLA's count of
+command-buffer re-recordings per server (its log), against the server's step calls.
 
 Found with it (CPU, 2026-12-02; bench/results/serve-host-overhead-cpu-2026-12-02.json: this tree vs e81b80e in the
 same 10 rounds; *-before-14rounds / *-after-14rounds.json: each alone): the batching server ran each request's
@@ -22,6 +29,18 @@ batch-1 server's (the H200's +22 % TPOT was ~+200 us per ~1 ms step), server CPU
 dispatch off the GIL the extra thread hid (TPOT equal, CPU +14 %). Now the scheduler runs the request's consumer
 itself (serve.engine.Decoding): -40 / +85 us per step (identical trees differ by ~5 % here), CPU -2 / +1 %,
 switches equal; at concurrency 8 TPOT 1462 vs 1953 us, CPU per token 163 vs 222 us.
+
+Again on 2026-12-07 (CPU, --dispatch-held-us 400 --dispatch-us 200, 6 rounds, this tree with the lone-row start
+vs main before it; bench/results/serve-host-overhead-cpu-2026-12-07-vs-main.json): the lone row's step interval
+over the batch-1 server's, medians, +41 us (1047.5 vs 1006.1; TPOT 361 vs 341 us) here, +16 us (1017.8 vs 1001.6)
+on main; a second and third run of this tree +28 / +17 us. All of it is inside the step call, none in the Python
+around it (rest 82-95 us both; bench.batching_host in process: 63 vs 60 us of host per step). The calls are
+bimodal, ~800 us or ~920 us: in a slow one the event loop's thread, woken by the turn's hand-off ~22 us (batch 1)
+or ~25 us (batched) before the call, takes the GIL while the trivial program's execute has released it (the
+deliveries start ~80 us into the call) and the call waits for the loop's work; in a fast one the loop waits
+through the busy loop and runs in the sleep. Slow calls: 58-61 % batch 1, 74-83 % batched. This is the knobs'
+race (where the GIL-free part of a dispatch falls), not work the batched server adds; the real step's split on a
+GPU is bench/batching_sweep.sh --timed.
 """
 
 from __future__ import annotations
@@ -46,9 +65,10 @@ class SlowDispatch:
     """A step program whose call also spends `held_s` holding the GIL (a busy loop), then `seconds` off it
     (time.sleep), as the GPU step's dispatch does (jaxlib's argument handling under the GIL; XLA's command-buffer
     update and launch, ~0.5-1 ms of host time on the H200, with the GIL released: which part is which is not known
-    here, so both are knobs)."""
+    here, so both are knobs). Both 0: the program as it is, its calls only timed."""
 
     starts: list[float] = []  # per call: when it began (perf_counter: CLOCK_MONOTONIC, the harness's clock too)
+    ends: list[float] = []  # per call: when it returned
 
     def __init__(self, step, seconds: float, held_s: float = 0.0):
         self.step, self.seconds, self.held_s = step, seconds, held_s
@@ -56,38 +76,69 @@ class SlowDispatch:
     def __call__(self, params, state):
         SlowDispatch.starts.append(time.perf_counter())
         out = self.step(params, state)
-        t = time.perf_counter()
-        while time.perf_counter() - t < self.held_s:  # host work that keeps the GIL
-            pass
-        time.sleep(self.seconds)
+        if self.held_s > 0:
+            t = time.perf_counter()
+            while time.perf_counter() - t < self.held_s:  # host work that keeps the GIL
+                pass
+        if self.seconds > 0:
+            time.sleep(self.seconds)
+        SlowDispatch.ends.append(time.perf_counter())
         return out
 
     def __getattr__(self, name):
         return getattr(self.step, name)
 
 
+READS: list[tuple[float, float]] = []  # (start, end) of every jax.device_get in the server (the one-step-late reads)
+
+
+def timed_steps(dispatch_s: float = 0.0, held_s: float = 0.0):
+    """Every step program's call (batch 1 and the B-row ones) through SlowDispatch (timed; with the knobs, slowed),
+    and every jax.device_get timed into READS: the server's per-step host split into the program call, the read
+    (a wait for the device where the host is ahead) and the rest. Patches the classes: for this bench's own
+    processes only."""
+    import functools
+
+    import jax
+
+    from ling_jax.batching import BatchGenerator
+    from ling_jax.runner import Generator
+
+    step_fn, batch_step_fn = Generator.step_fn.__wrapped__, BatchGenerator.batch_step_fn.__wrapped__
+    Generator.step_fn = functools.lru_cache(maxsize=None)(
+        lambda self, *a: SlowDispatch(step_fn(self, *a), dispatch_s, held_s))
+    BatchGenerator.batch_step_fn = functools.lru_cache(maxsize=None)(  # rows = 1 is Generator.step_fn's
+        lambda self, rows, *a: batch_step_fn(self, rows, *a) if rows == 1
+        else SlowDispatch(batch_step_fn(self, rows, *a), dispatch_s, held_s))
+    get = jax.device_get
+
+    def device_get(x):
+        t = time.perf_counter()
+        try:
+            return get(x)
+        finally:
+            READS.append((t, time.perf_counter()))
+
+    jax.device_get = device_get
+
+
 def trivial_steps(accept: int, dispatch_s: float = 0.0, held_s: float = 0.0):
     """Replace Generator.step (the un-jitted step every step program wraps) by one that emits `accept` tokens per
     row (ids that move with the state's bonus token, so the text changes) and advances only the bonus leaf, and the
-    prefill chunk by one that only sets the bonus token (the first token: from the prompt's last one); every
-    step program's call (batch 1 and the B-row ones) then also holds the GIL held_s and sleeps dispatch_s
-    (SlowDispatch). Patches the classes: for this bench's own processes only."""
+    prefill chunk (Generator.prefill_chunk: prefill_fn's and BatchGenerator.start_fn's programs) by one that only
+    sets the bonus token (the first token: from the prompt's last one); every step program's call (batch 1 and the
+    B-row ones) then also holds the GIL held_s and sleeps dispatch_s (SlowDispatch; timed_steps does that part
+    alone when given the knobs). Patches the classes: for this bench's own processes only."""
     import functools
 
     import jax
     import jax.numpy as jnp
 
-    from ling_jax.batching import BatchGenerator
     from ling_jax.runner import Generator
     from ling_jax.spec import StepOutput
 
     if dispatch_s > 0 or held_s > 0:
-        step_fn, batch_step_fn = Generator.step_fn.__wrapped__, BatchGenerator.batch_step_fn.__wrapped__
-        Generator.step_fn = functools.lru_cache(maxsize=None)(
-            lambda self, *a: SlowDispatch(step_fn(self, *a), dispatch_s, held_s))
-        BatchGenerator.batch_step_fn = functools.lru_cache(maxsize=None)(  # rows = 1 is Generator.step_fn's
-            lambda self, rows, *a: batch_step_fn(self, rows, *a) if rows == 1
-            else SlowDispatch(batch_step_fn(self, rows, *a), dispatch_s, held_s))
+        timed_steps(dispatch_s, held_s)
 
     real = Generator.step
 
@@ -108,19 +159,23 @@ def trivial_steps(accept: int, dispatch_s: float = 0.0, held_s: float = 0.0):
         return fake
 
     Generator.step = step
-    real_prefill = Generator.prefill_fn.__wrapped__
+    real_chunk_of = Generator.prefill_chunk
 
-    def prefill_fn(self, is_greedy: bool):
-        real_chunk = real_prefill(self, is_greedy)
+    def prefill_chunk(self, is_greedy: bool):
+        real_chunk = real_chunk_of(self, is_greedy)
 
         def chunk(params, state, tokens, next_token, n_prompt):
             lp = jax.eval_shape(real_chunk, params, state, tokens, next_token, n_prompt)[2]
             first = (tokens[:, -1] + n_prompt) % (self.cfg.vocab_size - 16) + 16
             return (state.replace(bonus=first), first, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), lp))
 
-        return jax.jit(chunk, donate_argnums=(1,))
+        return chunk
 
-    Generator.prefill_fn = functools.lru_cache(maxsize=None)(prefill_fn)
+    # the chunk function itself, not only prefill_fn's program: BatchGenerator.start_fn (a new request's init + first
+    # chunk in one program) wraps it too, and with only prefill_fn patched every batched request ran the real
+    # model's prefill (~1.4 s per 128-token prompt on a 2-core CPU host: the batching server's TTFT and "other"
+    # threads' CPU in this bench were that prefill)
+    Generator.prefill_chunk = prefill_chunk
 
 
 def in_process(a):
@@ -154,7 +209,9 @@ def serve(argv):
     from serve import launch_server
 
     accept, dispatch_us, held_us, steps_path = int(argv.pop(0)), float(argv.pop(0)), float(argv.pop(0)), argv.pop(0)
-    trivial_steps(accept, dispatch_us * 1e-6, held_us * 1e-6)
+    timed_steps(dispatch_us * 1e-6, held_us * 1e-6)  # every step call and read timed (and slowed by the knobs)
+    if accept > 0:  # else: the real model (--real-step)
+        trivial_steps(accept)
 
     def name_threads():  # OS thread id -> Python thread name, for the harness's /proc reading
         while True:
@@ -167,16 +224,20 @@ def serve(argv):
     threading.Thread(target=name_threads, name="bench-names", daemon=True).start()
     rc = launch_server.main(argv)
     with open(steps_path, "w") as f:
-        json.dump({"starts": SlowDispatch.starts}, f)
+        json.dump({"starts": SlowDispatch.starts, "ends": SlowDispatch.ends, "reads": READS}, f)
     sys.exit(rc)
 
 
 def run_server(a, code: str, max_running: int, port: int, log_path: str, steps_path: str):
     """The bench's server (`--serve`) from the source tree `code`, on `port`, once /health answers."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "bench.serve_host_overhead", "--serve", str(a.accept), str(a.dispatch_us),
-           str(a.dispatch_held_us), steps_path, "--port", str(port),
-           "--dtype", "float32", "--max-running-requests", str(max_running), *SERVER_FLAGS]
+    # this file's --serve (its timers, its trivial step) over the tree's packages: a --baseline tree need not have
+    # this version of the bench
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=code)
+    if a.vlog:  # XLA's command-buffer log: one "Update command buffer" line per re-recording of a step's graph
+        env.update(TF_CPP_VMODULE="command_buffer_thunk=3", TF_CPP_MIN_LOG_LEVEL="0")
+    cmd = [sys.executable, os.path.abspath(__file__), "--serve", str(0 if a.real_step else a.accept),
+           str(a.dispatch_us), str(a.dispatch_held_us), steps_path, "--port", str(port),
+           "--dtype", a.dtype, "--max-running-requests", str(max_running), *SERVER_FLAGS]
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, cwd=code, env=env, stdout=log, stderr=subprocess.STDOUT)
     import httpx
@@ -259,22 +320,67 @@ def over_http(a):
                   f"{1e3 * np.median([r['mean_tpot_ms'] for r in rs]):7.1f} us | "
                   f"{1e3 * np.median([r['median_itl_ms'] for r in rs]):7.1f} us | CPU {np.median(cpu):6.1f} us | "
                   f"{np.median(vol):5.2f}")
-    if a.dispatch_us > 0 or a.dispatch_held_us > 0:
-        print("median dispatch-to-dispatch interval of the step calls (within a request's decoding), per level:")
-        for name in trees:
-            for n, conc in levels:
-                with open(servers[f"{name}-{n}"][2]) as f:
-                    starts = np.array(json.load(f)["starts"])
-                rs = [r for r in rows if (r.get("tree"), r.get("max_running"), r.get("concurrency")) == (name, n, conc)]
-                gaps = np.concatenate([1e6 * np.diff(starts[(starts >= r["window"][0]) & (starts <= r["window"][1])])
-                                       for r in rs])
-                gaps = gaps[gaps < 20e3]  # not across requests
-                rows.append({"tree": name, "max_running": n, "concurrency": conc,
-                             "dispatch_interval_us_median": float(np.median(gaps)), "intervals": len(gaps)})
-                print(f"  {name:8s} --max-running-requests {n} concurrency {conc}: {np.median(gaps):7.1f} us "
-                      f"(p25 {np.percentile(gaps, 25):7.1f}; {a.dispatch_held_us:.0f} held + {a.dispatch_us:.0f} "
-                      f"asleep of it; {len(gaps)} intervals)")
+    print("per step (between two step calls of the level's runs, within a request's decoding; medians in us): the "
+          "interval | the step program's call | the reads (device_get) | the rest (the Python around them)")
+    for name in trees:
+        for n, conc in levels:
+            with open(servers[f"{name}-{n}"][2]) as f:
+                timed = json.load(f)
+            rs = [r for r in rows if (r.get("tree"), r.get("max_running"), r.get("concurrency")) == (name, n, conc)]
+            split = step_split(timed, [r["window"] for r in rs])
+            rows.append({"tree": name, "max_running": n, "concurrency": conc, **split})
+            print(f"  {name:8s} --max-running-requests {n} concurrency {conc}: {split['interval_us_median']:7.1f} | "
+                  f"{split['call_us_median']:7.1f} | {split['read_us_median']:7.1f} | {split['rest_us_median']:7.1f}"
+                  f"  (interval p25 {split['interval_us_p25']:7.1f}; {split['intervals']} intervals; knobs "
+                  f"{a.dispatch_held_us:.0f} us held + {a.dispatch_us:.0f} us asleep in each call)")
+    if a.vlog:
+        print("XLA command-buffer re-recordings (\"Update command buffer\" lines of each server's log, whole run; by "
+              "num_commands, the biggest graphs first) vs the server's step calls:")
+        for tag, (_, _, steps_path) in servers.items():
+            with open(steps_path) as f:
+                calls = len(json.load(f)["starts"])
+            counts = vlog_updates(os.path.join(a.out, f"server-{tag}.log"))
+            rows.append({"server": tag, "step_calls": calls, "command_buffer_updates": counts})
+            print(f"  {tag}: {calls} step calls; updates " + ", ".join(f"{k} commands: {v}" for k, v in
+                                                                     sorted(counts.items(), key=lambda kv: -kv[0])[:6]))
     return rows
+
+
+def step_split(timed: dict, windows) -> dict:
+    """Each interval between two consecutive step calls inside the windows (< 20 ms: not across requests), split
+    into the first call's duration, the reads that began inside the interval, and the rest; medians (us)."""
+    starts, ends = np.array(timed["starts"]), np.array(timed["ends"])
+    reads = np.array(timed.get("reads") or np.zeros((0, 2)))
+    out = {"interval": [], "call": [], "read": [], "rest": []}
+    for w0, w1 in windows:
+        idx = np.nonzero((starts >= w0) & (starts <= w1))[0]
+        for i, j in zip(idx[:-1], idx[1:]):
+            gap = starts[j] - starts[i]
+            if j != i + 1 or gap >= 20e-3:
+                continue
+            inside = (reads[:, 0] >= starts[i]) & (reads[:, 0] < starts[j]) if len(reads) else np.zeros(0, bool)
+            read = float(np.sum(np.minimum(reads[inside, 1], starts[j]) - reads[inside, 0])) if inside.any() else 0.0
+            call = ends[i] - starts[i]
+            for k, v in (("interval", gap), ("call", call), ("read", read), ("rest", gap - call - read)):
+                out[k].append(1e6 * v)
+    res = {f"{k}_us_median": float(np.median(v)) if v else float("nan") for k, v in out.items()}
+    res["interval_us_p25"] = float(np.percentile(out["interval"], 25)) if out["interval"] else float("nan")
+    res["intervals"] = len(out["interval"])
+    return res
+
+
+def vlog_updates(log_path: str) -> dict[int, int]:
+    """num_commands -> how many "Update command buffer" lines (XLA re-recorded that command buffer) the log holds."""
+    import re
+
+    counts: dict[int, int] = {}
+    with open(log_path, errors="replace") as f:
+        for line in f:
+            if "Update command buffer" in line:
+                m = re.search(r"num_commands=(\d+)", line)
+                k = int(m.group(1)) if m else -1
+                counts[k] = counts.get(k, 0) + 1
+    return counts
 
 
 def one_level(a, tree: str, max_running: int, conc: int, rnd: int, proc, port: int, steps_path: str) -> dict:
@@ -313,6 +419,11 @@ def main(argv=None):
                    help="host time off the GIL each step program's call spends (SlowDispatch)")
     p.add_argument("--dispatch-held-us", type=float, default=0.0,
                    help="host time each step program's call spends holding the GIL (before the --dispatch-us)")
+    p.add_argument("--real-step", action="store_true",
+                   help="the real model's programs (on a GPU), only timed: the per-step split of the real servers")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the servers' --dtype")
+    p.add_argument("--vlog", action="store_true",
+                   help="XLA's command-buffer VLOG in the server logs; counts the step graphs' re-recordings")
     p.add_argument("--in-process", action="store_true")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--rounds", type=int, default=3)
@@ -329,7 +440,9 @@ def main(argv=None):
 
         from bench.bench_step import write
 
-        print("wrote", write(a.out, "serve-host-overhead", rows, {"accept": a.accept, "dispatch_us": a.dispatch_us,
+        print("wrote", write(a.out, "serve-host-overhead", rows, {"accept": None if a.real_step else a.accept,
+                                                    "real_step": a.real_step, "dtype": a.dtype,
+                                                    "dispatch_us": a.dispatch_us,
                                                     "dispatch_held_us": a.dispatch_held_us, "levels": a.levels,
                                                     "baseline": a.baseline},
                              jax.devices()[0].device_kind.replace(" ", "-"),

@@ -106,7 +106,15 @@ def _into_box(result, box):
     """(state, out) with out written over the box: the box becomes an input the program uses (jit drops unused
     arguments, and a dropped argument aliases nothing), and XLA folds the whole-array update into out itself."""
     state, out = result
+    return state, write_into(box, out)
+
+
+def write_into(box, value):
+    """`value` (a tree) written over `box` (a tree of the same structure, shapes and dtypes), leaf by leaf, as whole-
+    array updates: inside a program with the box donated, each output then aliases its box leaf (the box is used,
+    so jit keeps it as an argument) and XLA writes the value straight into the box's buffer (no copy, the box's
+    contents never read)."""
     into = lambda b, o: jax.lax.dynamic_update_slice(b.reshape(-1, *b.shape[b.ndim:]) if b.ndim == 0 else b,
                                                      o.reshape(1) if o.ndim == 0 else o,
                                                      (0,) * max(o.ndim, 1)).reshape(o.shape)
-    return state, jax.tree.map(into, box, out)
+    return jax.tree.map(into, box, value)

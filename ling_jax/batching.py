@@ -74,7 +74,7 @@ from typing import Protocol
 import jax
 import numpy as np
 
-from ling_jax.aliased_step import AliasedStep
+from ling_jax.aliased_step import AliasedStep, write_into
 from ling_jax.runner import GenerationStats, Generator, _record_logprobs, collect, warm_up_prompts
 from ling_jax.sampling import SamplingOptions
 from ling_jax.slots import cat_rows, is_joined, join_rows, put_row, split_rows, take_rows
@@ -168,23 +168,42 @@ class BatchGenerator:
     def start_fn(self, is_greedy: bool):
         """(run_params, old slot state, sampling, key, *first chunk) -> (state, first, logprobs): a new request's
         empty state (the sampled layout) and its first prefill chunk in ONE program, written into the old slot's
-        buffers (donated; every leaf is overwritten, none is read). One dispatch fewer per join than a reset
-        program then the chunk's (bench/join_overlap_probe.py, 8 rows decoding, an H100: a join costs them 2.06 ms
-        instead of 2.28; with the stager 0.71 instead of 1.28)."""
+        buffers (donated; aliased_step.write_into: every leaf overwritten in place, none read). One dispatch fewer
+        per join than a reset program then the chunk's (bench/join_overlap_probe.py, 8 rows decoding, an H100: a
+        join costs them 2.06 ms instead of 2.28; with the stager 0.71 instead of 1.28). In place: the old slot's
+        values are unused, so without write_into jit drops the argument (its donation aliases nothing) and every
+        request's state was a fresh allocation beside the old slot's, at new addresses (on the GPU, the step's
+        recorded CUDA graph is re-recorded whenever its buffers moved); now a conc-1 stream of requests keeps one
+        set of state buffers, as the group's steps do between joins."""
         init, chunk = self.gen.init_fn(False), self.gen.prefill_chunk(is_greedy)
-        return jax.jit(lambda pp, old, sampling, key, *first: chunk(pp, init(sampling, key), *first),
-                       donate_argnums=(1,))
 
-    def stage(self, is_greedy: bool, chunk: tuple, start: tuple | None = None) -> concurrent.futures.Future:
+        def start(pp, old, sampling, key, *first):
+            state, token, lp = chunk(pp, init(sampling, key), *first)
+            return write_into(old, state), token, lp
+
+        return jax.jit(start, donate_argnums=(1,))
+
+    def stage(self, is_greedy: bool, chunk: tuple, start: tuple | None = None,
+              inline: bool = False) -> concurrent.futures.Future:
         """Dispatch one prefill chunk into the staging slot from the stager thread, so its host dispatch (~1.6 ms
         for a 128-token chunk of the demo model on the H200) overlaps the scheduler's decode turns: XLA releases
         the GIL while it enqueues a program (bench/join_overlap_probe.py, an H100: a join costs 8 decoding rows
         1.28 ms instead of 2.28). -> a Future of (staging state, first token, logprobs). The stager holds the slot until
         the future resolves (self.staging is None meanwhile; the scheduler puts the result back). start:
         (sampling, key) of a new request, whose empty state the chunk's program makes (start_fn, into the old
-        slot) or, with no slot left (the last one became a lone group), init does."""
+        slot) or, with no slot left (the last one became a lone group), init does.
+        inline: dispatch it here, in the caller's thread (the future is done on return): when no row decodes there
+        is no turn to overlap, and the stager's hop (its wake-up, then the scheduler's, each waiting for the GIL)
+        would only delay the request's first token."""
         old, self.staging = self.staging, None
-        return self._stager.submit(self._prefill_chunk, is_greedy, old, chunk, start)
+        if not inline:
+            return self._stager.submit(self._prefill_chunk, is_greedy, old, chunk, start)
+        done = concurrent.futures.Future()
+        try:
+            done.set_result(self._prefill_chunk(is_greedy, old, chunk, start))
+        except Exception as e:  # noqa: BLE001 - raised where the stager's would be: at the scheduler's result()
+            done.set_exception(e)
+        return done
 
     def _prefill_chunk(self, is_greedy, state, chunk, start):
         gen = self.gen
@@ -241,6 +260,8 @@ class BatchGenerator:
         with / without logprobs), the insert, and the compactions into each smaller bucket."""
         gen = self.gen
         neutral = SamplingOptions().device(gen.cfg.vocab_size)
+        if self.staging is None:  # a lone request of runner.warm_up took it and its group is not dropped yet
+            self.staging = self.fresh_slot()
         for is_greedy in (True, False):
             for prompt in warm_up_prompts(gen):
                 chunk = gen.prefill_chunks(prompt)[0]  # the prompt is one chunk of its bucket
@@ -355,7 +376,7 @@ class _Turns:
             self.flush()
 
     def _turn(self):
-        idle = not (self.waiting or self.live() or self.prefilling or self.firsts or self.in_flight)
+        idle = not (self.in_flight or self.waiting or self.prefilling or self.firsts or self.live())
         self._take(block=idle)
         for row in self.members:
             if row is not None and row.closed:
@@ -364,20 +385,34 @@ class _Turns:
         if self.prefilling is not None:
             # wait for the stager only when no row decodes (the turn would spin on the future otherwise)
             self._prefill(block=not self._decoding())
+            if self.prefilling is None:
+                # it joined: the next waiting request's first chunk is staged in this same turn (its dispatch
+                # overlaps this turn's step), not the next one, so a burst of requests joins one per turn, not
+                # one per two
+                self._admit()
         elif not self.waiting:
             self._compact()
+        if self.firsts and self.in_flight is None:
+            # the rows joined an idle group (nothing dispatched to read with them): their first tokens are read
+            # and handed over before the first step is dispatched, as Generator.stream does, so that dispatch is
+            # no part of the time to first token
+            self._read(None)
+            self.flush()
         dispatched = self._dispatch()
-        firsts, self.firsts = self.firsts, []
-        if firsts or self.in_flight is not None:
-            # ONE explicit read, one dispatch late (the device is busy with the one just queued): the previous
-            # dispatch's outputs and the new rows' first tokens together
-            host_firsts, host_out = jax.device_get(([f for _, f in firsts],
-                                                    self.in_flight[0] if self.in_flight is not None else None))
-            for (row, _), (first, lp) in zip(firsts, host_firsts):
-                self._read_first(row, first, lp)
-            if self.in_flight is not None:
-                self._read_dispatch(host_out, self.in_flight[1])
+        if self.firsts or self.in_flight is not None:
+            self._read(self.in_flight)
         self.in_flight = dispatched
+
+    def _read(self, in_flight):
+        """ONE explicit read: the dispatch `in_flight` (one dispatch late: the device is busy with the one just
+        queued) and the new rows' first tokens together."""
+        firsts, self.firsts = self.firsts, []
+        host_firsts, host_out = jax.device_get(([f for _, f in firsts],
+                                                in_flight[0] if in_flight is not None else None))
+        for (row, _), (first, lp) in zip(firsts, host_firsts):
+            self._read_first(row, first, lp)
+        if in_flight is not None:
+            self._read_dispatch(host_out, in_flight[1])
 
     def flush(self):
         for flush in self.flushes.values():
@@ -417,7 +452,8 @@ class _Turns:
                 self._drop_group()
             row.chunks = bg.gen.prefill_chunks(row.prompt)
             self.prefilling = row
-            self.staged = bg.stage(row.options.is_greedy, row.chunks.pop(0), start=(sp, key))
+            self.staged = bg.stage(row.options.is_greedy, row.chunks.pop(0), start=(sp, key),
+                                   inline=not self._decoding())
 
     def _prefill(self, block: bool):
         """Once the stager has dispatched the prefilling row's chunk: stage the next one (one chunk per turn, so
@@ -429,7 +465,7 @@ class _Turns:
         staged, self.staged = self.staged, None
         bg.staging, first, lp = staged.result()
         if row.chunks:
-            self.staged = bg.stage(row.options.is_greedy, row.chunks.pop(0))
+            self.staged = bg.stage(row.options.is_greedy, row.chunks.pop(0), inline=not self._decoding())
             return
         self.prefilling = None
         lp = lp if row.top_logprobs is not None else None

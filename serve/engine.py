@@ -51,6 +51,24 @@ _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.1
                     8.0, 16.0, 32.0, 64.0)
 
 
+def observe_n(hist, amount: float, n: int):
+    """n observations of one value in a prometheus_client Histogram child: what n calls of observe(amount) record
+    (counts exact; the sum as amount * n), in one bucket search instead of n (the per-token ITL: a step's interval
+    shared over its tokens, ~3 per row per step with speculation). Falls back to the calls where the histogram's
+    internals are not the ones this was written against."""
+    try:
+        bounds, buckets, total = hist._upper_bounds, hist._buckets, hist._sum
+    except AttributeError:
+        for _ in range(n):
+            hist.observe(amount)
+        return
+    total.inc(amount * n)
+    for bucket, bound in zip(buckets, bounds):
+        if amount <= bound:
+            bucket.inc(n)
+            break
+
+
 class Metrics:
     """Prometheus metrics in a registry owned by one app (names follow SGLang's, with a `ling:` prefix).
 
@@ -413,9 +431,8 @@ class Decoding:
         elif self.n_out == 0:
             req.ttft_s = now - req.t_arrival
             m.ttft.observe(req.ttft_s)
-        else:
-            for _ in ids:
-                m.itl.observe((now - self.t_last) / len(ids))
+        elif ids:
+            observe_n(m.itl, (now - self.t_last) / len(ids), len(ids))
         self.t_last = now
         # The Generator ends a chunk at a stop token; decided here from the ids themselves, since its
         # stats only say so once the stream is resumed (the first token is yielded before it checks).

@@ -227,6 +227,53 @@ def test_group_membership_changes_keep_every_row_exact(gens):
         assert got == expect
 
 
+def test_a_lone_request_starts_as_at_batch_1_and_the_next_joins_in_the_same_turn(gens, monkeypatch):
+    """Two requests waiting together, the scheduler driven turn by turn. A (nothing decodes yet): its prefill is
+    dispatched in the scheduler's own thread, its state written over the staging slot's buffers, and its first token
+    reaches its consumer before its first step is dispatched (Generator.stream's order). In the turn A joins, B's
+    first chunk already goes to the stager thread (overlapping A's step), and B joins at the next turn. Both give
+    what they give alone."""
+    gen, bg = gens
+    (pa, ka), (pb, kb) = [(p[:12], k) for p, k in _requests(gen.cfg, 2)]  # one prefill chunk each (16)
+    alone = [gen.generate(p, stop_token_ids=(), **k)[0] for p, k in ((pa, ka), (pb, kb))]
+    a, b = [_Row(p, k["max_new_tokens"], frozenset(), None, SamplingOptions(), 0, GenerationStats())
+            for p, k in ((pa, ka), (pb, kb))]
+    drive = TurnDriver(bg)
+    turns = drive.turns
+    if bg.staging is None:  # an earlier test's lone group was not recycled into the slot
+        bg.staging = bg.fresh_slot()
+    slot = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(bg.staging)]
+    threads, emitted_at_dispatch = [], []
+    real_chunk, real_step_fn = bg._prefill_chunk, bg.batch_step_fn
+
+    def chunk(*args):
+        threads.append(threading.current_thread())
+        return real_chunk(*args)
+
+    def step_fn(rows, *key):
+        emitted_at_dispatch.append(a.emitted)
+        return real_step_fn(rows, *key)
+
+    monkeypatch.setattr(bg, "_prefill_chunk", chunk)
+    monkeypatch.setattr(bg, "batch_step_fn", step_fn)
+    turns.waiting.extend([a, b])
+    turns.turn()
+    assert turns.members == [a] and threads[0] is threading.current_thread()
+    assert [x.unsafe_buffer_pointer() for x in jax.tree.leaves(turns.group)] == slot  # in place of the slot
+    assert emitted_at_dispatch == [1]  # A's first token was handed out before its first step's dispatch
+    assert turns.prefilling is b and turns.staged is not None  # staged in A's turn, not the next one
+    concurrent.futures.wait([turns.staged])
+    assert threads[1] is not threading.current_thread()  # B's chunk: the stager's, while A decodes
+    turns.turn()
+    assert turns.members == [a, b] and turns.prefilling is None
+    drive.run_until(lambda: a.done and b.done)
+    for row, expect in zip((a, b), alone):
+        got = []
+        while (item := row.out.get_nowait()) is not _END:
+            got.extend(item)
+        assert got == expect
+
+
 def test_stop_token_ends_one_row(gens):
     gen, bg = gens
     prompt, kw = _requests(gen.cfg, 1)[0]
@@ -254,8 +301,9 @@ def test_plain_decoding_batches_match_one_at_a_time():
 
 
 def test_a_failed_prefill_chunk_fails_its_request_and_the_next_ones_decode_exactly(gens, monkeypatch):
-    """A chunk that raises in the stager thread reaches the request as the error (the scheduler fails the rows in
-    flight and starts over on a fresh staging slot); the next request decodes as it does alone."""
+    """A chunk that raises (dispatched in the scheduler's thread: no row decodes) reaches the request as the error
+    (the scheduler fails the rows in flight and starts over on a fresh staging slot); the next request decodes as
+    it does alone."""
     gen, bg = gens
     (prompt, kw), = _requests(gen.cfg, 1)
     alone, _ = gen.generate(prompt, stop_token_ids=(), **kw)

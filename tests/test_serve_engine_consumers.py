@@ -134,3 +134,28 @@ def test_a_failed_generator_answers_the_same(tok):
     one, batched, _, _ = both(tok, chunks_of(ids[:4]), error=RuntimeError("boom"), max_new_tokens=100)
     assert one == batched
     assert one[-1][3] == {"type": "abort", "message": "internal error: boom", "status_code": 500}
+
+
+def test_observe_n_records_what_n_observations_record():
+    """serve.engine.observe_n (the per-token ITL in one call per chunk) against n observe calls on a twin histogram:
+    the same bucket counts and count, the sum within rounding, whatever bucket the value falls in."""
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from serve.engine import _LATENCY_BUCKETS, observe_n
+
+    def hist():
+        r = CollectorRegistry()
+        return r, Histogram("itl", "x", ["m"], registry=r, buckets=_LATENCY_BUCKETS).labels(m="m")
+
+    (ra, a), (rb, b) = hist(), hist()
+    for value, n in ((0.0003, 3), (0.0011, 1), (0.0011, 4), (0.05, 2), (70.0, 5), (0.0, 2)):
+        observe_n(a, value, n)
+        for _ in range(n):
+            b.observe(value)
+    lines = lambda r: [ln for ln in generate_latest(r).decode().splitlines() if not ln.startswith("#")
+                       and "_created" not in ln]
+    got, want = lines(ra), lines(rb)
+    assert [ln for ln in got if "_sum" not in ln] == [ln for ln in want if "_sum" not in ln]
+    assert 'itl_bucket{le="0.0005",m="m"} 5.0' in got and 'itl_bucket{le="+Inf",m="m"} 17.0' in got
+    s = lambda ls: float(next(ln for ln in ls if "_sum" in ln).split()[-1])
+    assert abs(s(got) - s(want)) < 1e-9
