@@ -568,9 +568,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "--baseline-set mtp_input_triton=0)")
     ap.add_argument("--mla-live-prefix", action="store_true", help="KernelCalls.mla_live_prefix=True: decode/verify "
                     "MLA attention over the live prefix only (pallas_kernels/mla_attention.py; off by default)")
-    ap.add_argument("--mla-triton", action="store_true", help="KernelCalls.mla_triton=True: decode/verify MLA "
+    ap.add_argument("--mla-triton", action=argparse.BooleanOptionalAction, default=GPU_DEFAULTS["mla_triton"],
+                    help="KernelCalls.mla_triton=True: decode/verify MLA "
                     "attention + W_uv (and, at small heads, q_nope W_uk and the q rope) in 2 Triton launches over the "
-                    "live prefix (pallas_kernels/mla_triton.py) instead of XLA's over every slot (off by default; A/B: "
+                    "live prefix (pallas_kernels/mla_triton.py) instead of XLA's over every slot (on by default; A/B: "
                     "--baseline-set mla_triton=0)")
     ap.add_argument("--p2p-allreduce", action="store_true", help="KernelCalls.p2p_allreduce=True (--tp >= 2): each "
                     "MoE layer's all-reduce + residual add + next RMSNorm as one peer-to-peer Mosaic kernel instead "
@@ -706,7 +707,7 @@ def run_all(a, cfg, tp, mesh, rules):
     prefix += "-nofl8" if a.quantization and not a.fused_linear_fp8 else ""
     prefix += "-p2p" if a.p2p_allreduce else ""
     prefix += "" if a.moe_router_tables else "-nomrt"
-    # the five kernel-count fields are on by default (KernelCalls, 2026-12-07): tagged when off
+    # GPU_DEFAULTS' fields are on by default (2026-12-07): tagged when off
     prefix += "" if a.moe_router_norm else "-normxla"
     prefix += "" if a.moe_router_scatter else "-onehot"
     prefix += "" if a.moe_shared_segments else "-nomss"
@@ -717,7 +718,7 @@ def run_all(a, cfg, tp, mesh, rules):
     prefix += "-lha" if a.lm_head_argmax else ""
     prefix += "-mit" if a.mtp_input_triton else ""
     prefix += "-live" if a.mla_live_prefix else ""
-    prefix += "-mlat" if a.mla_triton else ""
+    prefix += "" if a.mla_triton else "-nomlat"
     prefix += "" if a.moe_fp8_scheme == KernelCalls.moe_fp8_scheme else f"-moe{a.moe_fp8_scheme}"
     prefix += "" if a.moe_n_tokens == 64 else f"-n{a.moe_n_tokens}"
     prefix += "" if a.moe_fp8_n_tokens == KernelCalls.moe_fp8_n_tokens else f"-fp8n{a.moe_fp8_n_tokens}"

@@ -129,8 +129,8 @@ class KernelCalls:
       reductions, converts, the PV gemm and its split-K reduce, W_uv's reduce, the layer's slice of the stack).
       Rounding: p in the cache dtype before P @ latent, normalised at the end (the model rounds the normalised
       probabilities), ctx in the cache dtype before W_uv as in the model. Batch-invariant (fixed tiles and split
-      partition, splits summed in order): a row's output does not depend on T or the other rows. Measured on one
-      H100 (2026-12-07, demo, on top of GPU_DEFAULTS, 8 steps a dispatch, same run): plain 224.0 -> 210.9 us,
+      partition, splits summed in order): a row's output does not depend on T or the other rows. On by default on
+      the GPU since 2026-12-07 (GPU_DEFAULTS). Measured on one H100 (2026-12-07, demo, on top of GPU_DEFAULTS, 8 steps a dispatch, same run): plain 224.0 -> 210.9 us,
       NEXTN5 575.0 -> 571.3 us (step-ling-demo-kdaverify-mlat-mlat-ab-h10080gbhbm3x1-2026-12-07.json); the layer's
       attention alone 13.2 vs 15.2 us (T = 1, live 4096) and 10.5 / 15.3 vs 22.7 us (T = 6, live 512 / 4096)
       (kernels-mla-triton-demo-nvidia-h100-80gb-hbm3-2026-12-07.json).
@@ -244,8 +244,8 @@ class KernelCalls:
       gathered in the kernel, both RMSNorms and eh_proj in one launch, where XLA runs a reduce per norm and the dot
       fusion (3 launches a draft pass, 4 in the extend). eh_proj of at most MAX_WEIGHT_BYTES = 8 MiB (as
       norm_linear_triton, whose tiles rule it runs: Ling's 26 MB eh_proj stays XLA's). Same rounding points as the
-      model's jnp (each norm's sum and the K order the kernel's: batch invariant). One device only; off until timed
-      (bench_step --mtp-input-triton).
+      model's jnp (each norm's sum and the K order the kernel's: batch invariant). One device only; off: with
+      lm_head_argmax the demo's steps got slower on the H100 (see lm_head_argmax; this one was not timed alone).
     lm_head_argmax: the greedy token of a pass whose program needs no logits (a greedy step without logprobs
       serving requests that do not adjust their logits: the steps' static adjusts_logits=False, see
       ling_jax/spec.py) through pallas_kernels/lm_head_argmax_triton.py: the final RMSNorm, the lm_head over
@@ -254,8 +254,12 @@ class KernelCalls:
       (the normed rows come back from the kernel too: the MTP chain and the extend read them). T <= 17 rows; x,
       norm weight and lm_head (or a draft vocabulary's rows) all bf16 or all fp32 (an fp8 lm_head keeps the
       logits path); one device only (the lm_head is vocabulary-sharded under TP). Tie-break and NaN as
-      jnp.argmax; the norm's sum and the K order are the kernel's (fixed: batch invariant). Off until timed on
-      the GPU (bench_step --lm-head-argmax --baseline-set lm_head_argmax=0).
+      jnp.argmax; the norm's sum and the K order are the kernel's (fixed: batch invariant). Off: measured slower
+      on one H100 (2026-12-07). The head alone: demo 7.7 / 8.5 / 11.2 us vs XLA's 6.1 / 7.6 / 8.2 us at
+      T = 1 / 6 / 17, Ling's 151k vocabulary 309 vs 273 us at T = 1
+      (kernels-lm-head-argmax-nvidia-h100-80gb-hbm3-2026-12-07.json). With mtp_input_triton, on top of
+      GPU_DEFAULTS: plain 209.4 -> 213.7 us, NEXTN5 576.1 -> 585.6 us
+      (step-ling-demo-kdaverify-lha-mit-mlat-head-ab-h10080gbhbm3x1-2026-12-07.json). Fewer launches, slower ones.
     p2p_allreduce: with TP > 1, the all-reduce at a layer boundary (psum of the partial sums, the residual add,
       the next RMSNorm) runs as ONE peer-to-peer Mosaic GPU kernel (pallas_kernels/allreduce.py: remote stores
       + semaphores, fixed device order) instead of XLA's psum (NCCL: 18-19 us per small dependent all-reduce on
@@ -905,8 +909,12 @@ def _store_rows(n: int, dtype) -> int:
 # 7/8 prompts as the old defaults do; the tokens that change are near-ties (prompt 4's first decoded token: top-2
 # logit margin 0.027; the old defaults' NEXTN diff at prompt 0, token 24: margin 0.012)
 # (bench/results/step-ling-demo-*-five-ab-h10080gbhbm3x1-2026-12-07.json, gate-five-h100-2026-12-07.json).
+# mla_triton since 2026-12-07 (H100, on top of the five): plain 224.0 -> 210.9 us, NEXTN5 575.0 -> 571.3 us, census
+# 97 -> 82 / 229 -> 182; the gate: NEXTN == plain 7/8 (as the defaults), accept 4.973 vs 4.976, rerun after sampling
+# unchanged, its plain tokens differ from the defaults' on 1/8 prompts (gate-mlat-head-h100-2026-12-07.json).
+# Not yet timed at Ling's MLA dims (bench.kernels_mla_triton --only ling-flash).
 GPU_DEFAULTS = dict(kda_verify_epilogue=True, moe_router_norm=True, moe_shared_segments=True,
-                    norm_linear_triton=True, linear_residual_triton=True)
+                    norm_linear_triton=True, linear_residual_triton=True, mla_triton=True)
 
 
 def kernel_calls(choice: str = "auto", **fields) -> KernelCalls | None:
