@@ -198,3 +198,32 @@ def test_sharded_kda_verify_with_the_epilogue_under_shard_map():
         assert rel_err(got, want) <= 1e-5
     for g_, w_ in zip(got_rows, want_rows):
         assert rel_err(g_, w_) <= 1e-5
+
+
+def test_sharded_mla_triton_model_matches_unsharded_jnp():
+    """mla_triton (on the GPU by default: GPU_DEFAULTS) under shard_map on 4 devices, heads split over "tp": a decode
+    step and a verify over the prefilled cache give the unsharded jnp model's logits (fp32)."""
+    from ling_jax.kernel_calls import KernelCalls
+
+    cfg = get_preset("test-wide")
+    mesh, rules = make_mesh(4), ShardingRules.tensor_parallel()
+    params = init_params(cfg, 3, F32)
+    sparams = sharded_params(cfg, mesh, rules, seed=3, dtype=F32)
+    opts = kernel_calls_for(RuntimeOptions(kernels=KernelCalls(interpret=True, mla_triton=True)), mesh, rules)
+    assert isinstance(opts.calls, ShardedKernelCalls) and opts.calls.mla_triton
+    tokens = jax.random.randint(jax.random.key(4), (1, 8), 0, cfg.vocab_size)
+    st = init_state(cfg, 1, 32, F32)
+    sst = jax.device_put(st, state_shardings(st, mesh, rules))
+    la, oa = jitted_forward(cfg, "prefill")(params, tokens, st, jnp.array([8], jnp.int32))
+    lb, ob = jitted_forward(cfg, "prefill", opts)(sparams, tokens, sst, jnp.array([8], jnp.int32))
+    assert rel_err(lb, la) <= 1e-5
+    tok = jnp.argmax(la[:, -1:], -1).astype(jnp.int32)
+    decode = jitted_forward(cfg, "decode", opts)
+    assert "mla_triton" in str(jax.make_jaxpr(decode)(sparams, tok, ob.state, jnp.array([1], jnp.int32)))
+    la, oa = jitted_forward(cfg, "decode")(params, tok, oa.state, jnp.array([1], jnp.int32))
+    lb, ob = decode(sparams, tok, ob.state, jnp.array([1], jnp.int32))
+    assert rel_err(lb, la) <= 1e-5
+    drafts = jax.random.randint(jax.random.key(5), (1, 3), 0, cfg.vocab_size)
+    la, _ = jitted_forward(cfg, "verify")(params, drafts, oa.state, None)
+    lb, _ = jitted_forward(cfg, "verify", opts)(sparams, drafts, ob.state, None)
+    assert rel_err(lb, la) <= 1e-5
