@@ -104,12 +104,12 @@ def timed_steps(dispatch_s: float = 0.0, held_s: float = 0.0):
     from ling_jax.batching import BatchGenerator
     from ling_jax.runner import Generator
 
-    step_fn, batch_step_fn = Generator.step_fn.__wrapped__, BatchGenerator.batch_step_fn.__wrapped__
-    Generator.step_fn = functools.lru_cache(maxsize=None)(
-        lambda self, *a: SlowDispatch(step_fn(self, *a), dispatch_s, held_s))
-    BatchGenerator.batch_step_fn = functools.lru_cache(maxsize=None)(  # rows = 1 is Generator.step_fn's
-        lambda self, rows, *a: batch_step_fn(self, rows, *a) if rows == 1
-        else SlowDispatch(batch_step_fn(self, rows, *a), dispatch_s, held_s))
+    step_program, batch_program = Generator.step_program.__wrapped__, BatchGenerator.batch_program.__wrapped__
+    Generator.step_program = functools.lru_cache(maxsize=None)(
+        lambda self, *a: SlowDispatch(step_program(self, *a), dispatch_s, held_s))
+    BatchGenerator.batch_program = functools.lru_cache(maxsize=None)(  # rows = 1 is Generator.step_fn's
+        lambda self, rows, *a: batch_program(self, rows, *a) if rows == 1
+        else SlowDispatch(batch_program(self, rows, *a), dispatch_s, held_s))
     get = jax.device_get
 
     def device_get(x):

@@ -45,7 +45,7 @@ class ShardedGenerator(Generator):
         return jax.jit(lambda *a: constrain(inner(*a), self.mesh, self.rules), donate_argnums=(1,))
 
     @functools.lru_cache(maxsize=None)
-    def step_fn(self, is_greedy: bool, with_logprobs: bool = False, adjusts_logits: bool = True):
+    def step_program(self, is_greedy: bool, with_logprobs: bool, adjusts_logits: bool):
         inner = self.dispatch_step(is_greedy, with_logprobs, adjusts_logits)
         return AliasedStep(lambda p, s: constrain(inner(p, s), self.mesh, self.rules),
                            out_shardings=lambda out: state_shardings(out, self.mesh, self.rules))

@@ -213,15 +213,19 @@ class BatchGenerator:
             state = gen.init_fn(False)(*start)
         return gen.prefill_fn(is_greedy)(gen.run_params, state, *chunk)
 
-    @functools.lru_cache(maxsize=None)
     def batch_step_fn(self, rows: int, is_greedy: bool, with_logprobs: bool, adjusts_logits: bool = True):
         """(run_params, group of `rows` rows) -> (the group after one dispatch, StepOutput [rows, ...]; with
         decode_steps = N > 1 N steps in one program (runner.Generator.dispatch_step's lax.scan over the step), its
         outputs [N, rows, ...]); the group is donated (updated in place). rows = 1: the batch-1 program itself, on a
         batch-1 state. adjusts_logits: the steps' static flag (False: every row's request leaves its logits as
         they are, runner.Generator.adjusts_logits)."""
+        return self.batch_program(int(rows), bool(is_greedy), bool(with_logprobs), bool(adjusts_logits))
+
+    @functools.lru_cache(maxsize=None)
+    def batch_program(self, rows: int, is_greedy: bool, with_logprobs: bool, adjusts_logits: bool):
+        """batch_step_fn's program, built once per key (every argument given: the cache's key is the program's)."""
         if rows == 1:
-            return self.gen.step_fn(is_greedy, with_logprobs, *(() if adjusts_logits else (False,)))
+            return self.gen.step_fn(is_greedy, with_logprobs, adjusts_logits)
         return AliasedStep(self.gen.dispatch_step(is_greedy, with_logprobs, adjusts_logits))
 
     def step_variants(self) -> list[tuple]:
@@ -230,7 +234,7 @@ class BatchGenerator:
         lm_head + argmax on: Generator.adjusts_logits)."""
         out = [(g, lp) for g in (True, False) for lp in (False, True)]
         if not self.gen.adjusts_logits(SamplingOptions(), False):
-            out.append((True, False, False))  # (the flag given only where False, as _dispatch calls it)
+            out.append((True, False, False))
         return out
 
     @functools.lru_cache(maxsize=None)
@@ -526,11 +530,10 @@ class _Turns:
             return None
         is_greedy = all(r.options.is_greedy for _, r in rows)
         with_lp = any(r.top_logprobs is not None for _, r in rows)
-        # (the flag passed only where False: the other programs' cache keys are those of before)
-        neutral = () if any(bg.gen.adjusts_logits(r.options, with_lp) for _, r in rows) else (False,)
+        adjusts = any(bg.gen.adjusts_logits(r.options, with_lp) for _, r in rows)
         with jax.transfer_guard("disallow"):
-            self.group, out = bg.batch_step_fn(len(self.members), is_greedy, with_lp, *neutral)(bg.gen.run_params,
-                                                                                                  self.group)
+            self.group, out = bg.batch_step_fn(len(self.members), is_greedy, with_lp, adjusts)(bg.gen.run_params,
+                                                                                                 self.group)
         out = (out.tokens, out.n_emit) + ((out.logprobs,) if with_lp else ())
         for a in jax.tree.leaves(out):
             a.copy_to_host_async()

@@ -195,10 +195,15 @@ class Generator:
             fn = functools.partial(_continuous_steps, step=fn, n=self.decode_steps)
         return fn
 
-    @functools.lru_cache(maxsize=None)
     def step_fn(self, is_greedy: bool, with_logprobs: bool = False, adjusts_logits: bool = True):
         """The whole step as ONE jitted program on donated state (its buffers updated in place), whose outputs
-        also reuse their buffers (aliased_step: XLA's CUDA graph of the step is recorded once, not every call)."""
+        also reuse their buffers (aliased_step: XLA's CUDA graph of the step is recorded once, not every call).
+        One program per (is_greedy, with_logprobs, adjusts_logits) however the call spells its defaults."""
+        return self.step_program(bool(is_greedy), bool(with_logprobs), bool(adjusts_logits))
+
+    @functools.lru_cache(maxsize=None)
+    def step_program(self, is_greedy: bool, with_logprobs: bool, adjusts_logits: bool):
+        """step_fn's program, built once per key (every argument given: the cache's key is the program's)."""
         return AliasedStep(self.dispatch_step(is_greedy, with_logprobs, adjusts_logits))
 
     def adjusts_logits(self, options: SamplingOptions, with_logprobs: bool) -> bool:
@@ -211,11 +216,8 @@ class Generator:
         return True
 
     def request_step_fn(self, options: SamplingOptions, with_logprobs: bool):
-        """step_fn for a request: its greedy / logprobs flags and `adjusts_logits` (called as every request called
-        it before where that is True, so the programs' cache keys are those of before)."""
-        if self.adjusts_logits(options, with_logprobs):
-            return self.step_fn(options.is_greedy, with_logprobs)
-        return self.step_fn(options.is_greedy, with_logprobs, False)
+        """step_fn for a request: its greedy / logprobs flags and `adjusts_logits`."""
+        return self.step_fn(options.is_greedy, with_logprobs, self.adjusts_logits(options, with_logprobs))
 
     def check_inputs(self, prompt, max_new_tokens: int, top_logprobs: int | None) -> list[int]:
         """A request's prompt as ints, checked with its lengths and top_logprobs (every stream's first step)."""

@@ -170,7 +170,7 @@ def test_run_ahead_dispatches_next_step_before_reading_previous(monkeypatch):
                 events.append(("read", k))
         return real_get(x)
 
-    monkeypatch.setattr(gen, "step_fn", lambda is_greedy, with_logprobs=False: step)
+    monkeypatch.setattr(gen, "step_fn", lambda is_greedy, with_logprobs=False, adjusts_logits=True: step)
     monkeypatch.setattr(runner_mod.jax, "device_get", device_get)
     out, stats = gen.generate(PROMPTS[0], max_new_tokens=40, stop_token_ids=())
     assert len(out) == 40
