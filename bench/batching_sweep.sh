@@ -8,7 +8,8 @@
 #
 # Usage: bash bench/batching_sweep.sh OUT_DIR [--batch8-only] [--timed] [--vlog] [--trivial] [extra server flags]
 #   --batch8-only: skip the batch-1 server (the summary then shows no batch-1 TPOT).
-#   Environment: ROUNDS (alternated concurrency-1 rounds, 3), PROMPTS (prompts per run and level, 24).
+#   Environment: ROUNDS (alternated concurrency-1 rounds, 4, after one discarded warm-up run per server), PROMPTS
+#   (prompts per level of the sweep, 24), PROMPTS1 (prompts per concurrency-1 run, 48: a 24-prompt run lasts ~1.5 s).
 #   --timed: both servers run through bench/serve_host_overhead.py --serve (the real model; every step program call
 #     and device_get timed, ~2 us each): the summary splits each run's per-step interval into the step program's
 #     call (host dispatch), the one-step-late read (the wait for the device) and the rest (the Python around them).
@@ -16,7 +17,7 @@
 #     re-recordings ("Update command buffer") against its step calls.
 #   --trivial: --timed with trivial step and prefill programs (bench/serve_host_overhead.trivial_steps: 3 tokens
 #     per step, no model compute): the servers' host path alone. The CPU smoke run of this script (a 2-core host,
-#     ~30 s: PROMPTS=4 ROUNDS=2 bash bench/batching_sweep.sh /tmp/sweep-cpu --trivial); its TPOTs are the
+#     ~30 s: PROMPTS=4 PROMPTS1=4 ROUNDS=2 bash bench/batching_sweep.sh /tmp/sweep-cpu --trivial); its TPOTs are the
 #     host's per-step cost, not the model's.
 # Writes three files (the device returns at most 8): OUT_DIR/summary.json (the alternated concurrency-1 TPOT / TTFT,
 # the sweep's levels, with --timed the per-step split per run), OUT_DIR/sweep.log (this script's output) and
@@ -38,7 +39,7 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-rounds=${ROUNDS:-3}; prompts=${PROMPTS:-24}
+rounds=${ROUNDS:-4}; prompts=${PROMPTS:-24}; prompts1=${PROMPTS1:-48}
 runs=$out/runs
 mkdir -p "$runs"
 exec > >(tee "$out/sweep.log") 2>&1
@@ -70,9 +71,16 @@ pids+=($pid)
 if [ $batch1 = 1 ]; then
   serve batch1 30201 --max-running-requests 1 || exit 1
   pids+=($pid)
+  # warm-up: one discarded concurrency-1 run per server first. On 2026-12-07 (H100, ROUNDS=4, 24 prompts a run) the
+  # batching server's first two rounds ran at 0.354 / 0.328 ms TPOT and its last two at 0.246 / 0.264 (the batch-1
+  # server 0.21-0.26 throughout): whatever the first requests after start-up pay, it is not the steady state
+  for s in batch1:30201 batch8:30202; do
+    timeout 120 python3 -m bench.bench_serving --port "${s#*:}" "${bench[@]}" --concurrency-sweep 1 --num-prompts "$prompts1" \
+      --output-file "$runs/warmup-conc1-${s%:*}.json" > "$runs/warmup-conc1-${s%:*}.log" 2>&1 || echo "warm-up ${s%:*} failed"
+  done
   for r in $(seq "$rounds"); do  # alternated concurrency-1 runs: batch-1 server, then the batching server
     for s in batch1:30201 batch8:30202; do
-      timeout 120 python3 -m bench.bench_serving --port "${s#*:}" "${bench[@]}" --concurrency-sweep 1 --num-prompts "$prompts" \
+      timeout 120 python3 -m bench.bench_serving --port "${s#*:}" "${bench[@]}" --concurrency-sweep 1 --num-prompts "$prompts1" \
         --output-file "$runs/serving-conc1-${s%:*}-r$r.json" > "$runs/conc1-${s%:*}-r$r.log" 2>&1 || echo "conc-1 ${s%:*} r$r failed"
     done
   done

@@ -142,8 +142,8 @@ def trivial_steps(accept: int, dispatch_s: float = 0.0, held_s: float = 0.0):
 
     real = Generator.step
 
-    def step(self, is_greedy: bool, with_logprobs: bool):
-        real_step = real(self, is_greedy, with_logprobs)
+    def step(self, is_greedy: bool, with_logprobs: bool, adjusts_logits: bool = True):
+        real_step = real(self, is_greedy, with_logprobs, adjusts_logits)
         vocab, width = self.cfg.vocab_size, self.K + 1
 
         def fake(params, state):
