@@ -639,14 +639,19 @@ class KernelCalls:
 
     def _mla_triton_config(self, q_lat, q_rope, cache, kv_b):
         """The Triton MLA kernel's tiles for these operands, or None (field off, a dtype it does not read).
-        block_s 64 where the latent tile is at most 256 columns (the demo's 128: [64, 128] bf16 = 16 KB a
-        pipeline stage), 32 at Ling's 512 (32 KB a stage, 3 stages in SMEM); fixed per dims, never by T."""
+        Splits of 256 slots (64 x 4) at every width; fixed per dims, never by T. The demo's 128-wide latent: 3
+        pipeline stages ([64, 128] bf16 = 16 KB a stage). Ling's 512: 2 stages ([64, 576] = 74 KB a stage), the
+        best of 9 tilings on an H100 (bench.kernels_mla_triton --only ling-flash, 2026-12-07: T=1 19.6 / 23.4 /
+        29.8 us at live 512 / 4096 / 8192, T=6 23.2 / 35.6 / 57.9, against XLA's 25.1-25.5 and 45.1-45.3 at every
+        live length, and the earlier 32 x 8 tiles' 21.2 / 24.3 / 29.0 and 25.8 / 37.6 / 63.3). Past ~5000 live
+        slots XLA is faster; averaged over the live lengths of a cache the kernel still wins, so no bound: smaller
+        splits help short prefixes (T=1, live 512: 15.0 us at 64 slots a split) and cost long ones twice (51 us
+        at 8192: the combine reads 128 fp32 partials of 512 columns a row)."""
         floats = (jnp.bfloat16, jnp.float16, jnp.float32)
         if not self.mla_triton or any(a.dtype not in floats for a in (q_lat, q_rope, cache, kv_b)):
             return None
         lr = q_lat.shape[-1]
-        return _mla_triton.MlaTritonConfig(block_s=64 if lr <= 256 else 32, split_blocks=4 if lr <= 256 else 8,
-                                           interpret=self.interpret)
+        return _mla_triton.MlaTritonConfig(num_stages=3 if lr <= 256 else 2, interpret=self.interpret)
 
     def _mla_config(self, q_lat, q_rope, cache):
         """The MLA kernel's config for these operands, or None where it does not apply (mla_live_prefix off,
@@ -912,7 +917,9 @@ def _store_rows(n: int, dtype) -> int:
 # mla_triton since 2026-12-07 (H100, on top of the five): plain 224.0 -> 210.9 us, NEXTN5 575.0 -> 571.3 us, census
 # 97 -> 82 / 229 -> 182; the gate: NEXTN == plain 7/8 (as the defaults), accept 4.973 vs 4.976, rerun after sampling
 # unchanged, its plain tokens differ from the defaults' on 1/8 prompts (gate-mlat-head-h100-2026-12-07.json).
-# Not yet timed at Ling's MLA dims (bench.kernels_mla_triton --only ling-flash).
+# At Ling's MLA dims the kernel alone (one H100, kernels-mla-triton-ling-tiles-*-2026-12-07.json): 0.78-1.94x XLA's
+# time, faster up to ~5000 live slots, slower at 8192 (T=1 29.8 vs 25.5 us, T=6 57.9 vs 45.3); the full-model step
+# with it is not yet timed.
 GPU_DEFAULTS = dict(kda_verify_epilogue=True, moe_router_norm=True, moe_shared_segments=True,
                     norm_linear_triton=True, linear_residual_triton=True, mla_triton=True)
 

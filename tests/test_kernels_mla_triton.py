@@ -206,12 +206,14 @@ def test_kernel_calls_route():
                                                     kv_b, q_heads=heads, **kw))
     check(DEMO, got, p, heads, big, pos)
   assert calls._mla_triton_config(q_lat, q_rope, big, kv_b).split == 256
-  # Ling's dims: the layer's q_lat is the kernel's query (NaN there would be NaN out); its tiles BS 32, 8 blocks
+  # Ling's dims: the layer's q_lat is the kernel's query (NaN there would be NaN out); its tiles BS 64, 4 blocks, 2
+  # pipeline stages (the demo's: 3)
   flash_kv_b = jnp.zeros((FLASH.num_attention_heads, FLASH.qk_nope_head_dim + FLASH.v_head_dim,
                           FLASH.kv_lora_rank), BF)
   q_lat_f = jnp.zeros((1, 1, FLASH.num_attention_heads, FLASH.kv_lora_rank), BF)
   cfg_f = calls._mla_triton_config(q_lat_f, q_lat_f, q_lat_f, flash_kv_b)
-  assert (cfg_f.block_s, cfg_f.split_blocks) == (32, 8)
+  assert (cfg_f.block_s, cfg_f.split_blocks, cfg_f.num_stages) == (64, 4, 2)
+  assert calls._mla_triton_config(q_lat, q_rope, big, kv_b).num_stages == 3
 
 
 @pytest.mark.parametrize("tp", [2, 4])
