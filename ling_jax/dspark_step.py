@@ -113,22 +113,25 @@ def dspark_prefill_chunk(params, dparams, state: DSparkState, tokens, next_token
 
 def draft_block(params, dparams, state: DSparkState, dcfg: DSparkConfig, *, is_greedy: bool, opts=RuntimeOptions()):
     """One parallel draft forward, then the Markov decode left to right. Returns (drafts int32[B, G],
-    q f32[B, G, V] | None (the distributions drawn from), confidence f32[B, G])."""
+    q f32[B, G, V] | None (the distributions drawn from), confidence f32[B, G]). Named scopes (the kernel census
+    groups the step's launches by them, bench/hlo_census.py): draft_forward, markov_slot_NN."""
     B, G = state.bonus.shape[0], dcfg.block_size
-    tokens = jnp.concatenate([state.bonus[:, None], jnp.full((B, G - 1), dcfg.mask_token_id, jnp.int32)], axis=1)
-    h = block_hidden(dparams, params["embed"], tokens[:, None], state.target.lengths[:, None], state.ctx_k,
-                     state.ctx_v, dcfg)[:, 0]  # [B, G, D]
-    base = lm_logits(params, h, opts)  # [B, G, V]: the target's lm_head, read once for the block
-    keys = split_key(fold_key(state.key, 1), G)
+    with jax.named_scope("draft_forward"):
+        tokens = jnp.concatenate([state.bonus[:, None], jnp.full((B, G - 1), dcfg.mask_token_id, jnp.int32)], axis=1)
+        h = block_hidden(dparams, params["embed"], tokens[:, None], state.target.lengths[:, None], state.ctx_k,
+                         state.ctx_v, dcfg)[:, 0]  # [B, G, D]
+        base = lm_logits(params, h, opts)  # [B, G, V]: the target's lm_head, read once for the block
+        keys = split_key(fold_key(state.key, 1), G)
     prev, history = state.bonus, state.history
     drafts, qs, conf = [], [], []
     for k in range(G):  # slot k predicts the token after prev = d_k (d_0 = the bonus)
-        adjusted = adjust_logits(base[:, k] + markov_bias(dparams, prev), state.sampling, history.prompt,
-                                 history.output)
-        tok, q = pick(keys[k], adjusted, state.sampling, is_greedy)
-        if "confidence_head" in dparams:
-            conf.append(jax.nn.sigmoid(confidence_logit(dparams, h[:, k], prev)))
-        history = history.add_output(tok[:, None], jnp.ones((B, 1), bool))
+        with jax.named_scope(f"markov_slot_{k:02d}"):
+            adjusted = adjust_logits(base[:, k] + markov_bias(dparams, prev), state.sampling, history.prompt,
+                                     history.output)
+            tok, q = pick(keys[k], adjusted, state.sampling, is_greedy)
+            if "confidence_head" in dparams:
+                conf.append(jax.nn.sigmoid(confidence_logit(dparams, h[:, k], prev)))
+            history = history.add_output(tok[:, None], jnp.ones((B, 1), bool))
         drafts.append(tok)
         qs.append(q)
         prev = tok
@@ -147,27 +150,36 @@ def verify_length(conf, spec: SpecConfig):
 
 
 def dspark_step_with_drafts(params, dparams, state: DSparkState, drafts, q, limit, cfg: ModelConfig,
-                            dcfg: DSparkConfig, *, is_greedy: bool, opts=RuntimeOptions(), with_logprobs: bool = True):
+                            dcfg: DSparkConfig, *, is_greedy: bool, opts=RuntimeOptions(), with_logprobs: bool = True,
+                            adjusts_logits: bool = True):
     """verify -> verdict -> commit -> project for given drafts and proposed lengths limit int32[B] (tests inject
-    drafts here). Returns (state, StepOutput)."""
+    drafts here). adjusts_logits=False (static, ling_jax.spec.argmax_only): the verify rows' tokens may come from
+    the fused lm_head + argmax. Returns (state, StepOutput)."""
     G = dcfg.block_size
     v = verify_and_commit(params, state, drafts, q, cfg, is_greedy=is_greedy, opts=opts,
-                          capture=dcfg.target_layer_ids, limit=limit, with_logprobs=with_logprobs)
-    state = project_context(dparams, state, v.layer_hidden, state.target.lengths, dcfg)
-    if state.accept_hist.ndim == 2:  # per row (a joined batch)
-        count = lambda x: jax.nn.one_hot(x, G + 1, dtype=jnp.int32)
-    else:
-        count = lambda x: jnp.zeros((G + 1,), jnp.int32).at[x].add(1)
-    state = state.replace(target=v.target, bonus=v.bonus, key=fold_key(state.key, 4), history=v.history,
-                          accept_hist=state.accept_hist + count(v.n), length_hist=state.length_hist + count(limit))
+                          capture=dcfg.target_layer_ids, limit=limit, with_logprobs=with_logprobs,
+                          adjusts_logits=adjusts_logits)
+    with jax.named_scope("project_context"):
+        state = project_context(dparams, state, v.layer_hidden, state.target.lengths, dcfg)
+    with jax.named_scope("accept_histograms"):
+        if state.accept_hist.ndim == 2:  # per row (a joined batch)
+            count = lambda x: jax.nn.one_hot(x, G + 1, dtype=jnp.int32)
+        else:
+            count = lambda x: jnp.zeros((G + 1,), jnp.int32).at[x].add(1)
+        state = state.replace(target=v.target, bonus=v.bonus, key=fold_key(state.key, 4), history=v.history,
+                              accept_hist=state.accept_hist + count(v.n),
+                              length_hist=state.length_hist + count(limit))
     return state, StepOutput(v.committed, v.n + 1, v.logprobs)
 
 
 def dspark_step(params, dparams, state: DSparkState, cfg: ModelConfig, dcfg: DSparkConfig, spec: SpecConfig, *,
-                is_greedy: bool, opts=RuntimeOptions(), with_logprobs: bool = True):
+                is_greedy: bool, opts=RuntimeOptions(), with_logprobs: bool = True, adjusts_logits: bool = True):
     """One DSpark step: draft the block -> choose the verify length -> verify -> commit -> project context.
-    with_logprobs=False: StepOutput.logprobs is None (no log-softmax and top-k over the G+1 verify rows)."""
+    with_logprobs=False: StepOutput.logprobs is None (no log-softmax and top-k over the G+1 verify rows).
+    adjusts_logits=False (static: the program serves only requests with neutral penalties and no logit bias,
+    sampling.SamplingOptions.adjusts_logits): see dspark_step_with_drafts."""
     drafts, q, conf = draft_block(params, dparams, state, dcfg, is_greedy=is_greedy, opts=opts)
-    limit = verify_length(conf, spec)
+    with jax.named_scope("verify_length"):
+        limit = verify_length(conf, spec)
     return dspark_step_with_drafts(params, dparams, state, drafts, q, limit, cfg, dcfg, is_greedy=is_greedy,
-                                   opts=opts, with_logprobs=with_logprobs)
+                                   opts=opts, with_logprobs=with_logprobs, adjusts_logits=adjusts_logits)
