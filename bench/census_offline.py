@@ -26,6 +26,7 @@ launches by kind and section and the program-order sequence).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -133,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap = bench_step.build_parser()
     ap.description = __doc__.split("\n\n")[0]
     ap.add_argument("--target", choices=sorted(TARGETS), default="h200", help="the GPU compiled for")
+    ap.add_argument("--adjusts-logits", action="store_true", help="compile every step with adjusts_logits=True "
+                    "(the program of requests with penalties or a logit bias) instead of bench_step's False (neutral "
+                    "greedy requests: the fused head where it is on, DSPARK's argmax-only Markov decode)")
     ap.add_argument("--show-sequence", type=int, default=0, metavar="N",
                     help="print the first N launches of each step in program order (kind, op)")
     ap.set_defaults(out="bench/results", steps="5")
@@ -152,6 +156,7 @@ def main(argv=None):
     fused = bench_step.fused_of(a)
     rows = []
     for mode, K, prog, dv in bench_step.programs(a, cfg, mesh, rules, kernels, fused):
+        prog = dataclasses.replace(prog, adjusts_logits=True) if a.adjusts_logits else prog
         if dv is not None:
             raise SystemExit("--draft-vocab: not in the offline census yet (its params are arrays, not shapes)")
         r = census_of(a, cfg, mesh, rules, mode, K, prog, fused)
