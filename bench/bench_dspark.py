@@ -5,7 +5,9 @@
 
 Demo pair: the same held-out-free prompt (token ids of a short Python snippet) through NEXTN (--nextn-steps) and
 DSPARK (static and confidence), `--steps` steps per timed loop after a warm-up loop; a check first asserts that both
-loops' greedy tokens equal plain greedy decoding over the same length. tok/s = emitted tokens / loop time; step time
+loops' greedy tokens equal plain greedy decoding over the same length. Each step is the program the runner gives this
+request (greedy, neutral penalties, no logprobs: Generator.adjusts_logits, DSPARK's argmax-only Markov decode), and
+DSPARK static once more as a request with penalties would run it ([adjusts_logits program], the baseline). tok/s = emitted tokens / loop time; step time
 = loop time / steps. Ling slice: random bf16 weights (layers of Ling-3.0-flash, a random LingDSparkModel-shaped
 draft: hidden 2560, 32 heads of 128, 4 kv heads, intermediate 6144, 5 context layers, markov rank 256); random
 weights give no accept length, so only the step time is measured, with its floor (bytes / the HBM ceiling,
@@ -32,10 +34,15 @@ from ling_jax.weights import init_params, load_params
 PROMPT = [int(t) for t in np.random.default_rng(0).integers(5, 4000, 64)]
 
 
-def timed_loop(gen: Generator, prompt, steps: int, reps: int):
-    """(seconds per loop (median), tokens emitted, the emitted ids) of `steps` greedy steps after prefill."""
-    run = generate_on_device(gen.cfg, gen.spec, steps, dcfg=gen.dcfg)
-    sp = SamplingOptions().device(gen.cfg.vocab_size)
+def timed_loop(gen: Generator, prompt, steps: int, reps: int, adjusts_logits: bool | None = None):
+    """(seconds per loop (median), tokens emitted, the emitted ids) of `steps` greedy steps after prefill.
+    adjusts_logits: the steps' static flag (None: the one the runner gives a neutral greedy request without logprobs,
+    Generator.adjusts_logits; True: the program of requests that may adjust their logits, a baseline)."""
+    options = SamplingOptions()  # greedy, neutral penalties, no logit bias
+    if adjusts_logits is None:
+        adjusts_logits = gen.adjusts_logits(options, False)
+    run = generate_on_device(gen.cfg, gen.spec, steps, dcfg=gen.dcfg, adjusts_logits=adjusts_logits)
+    sp = options.device(gen.cfg.vocab_size)
     times, out = [], None
     for r in range(reps + 1):
         state, first, _ = gen.prefill(prompt, sp, jax.random.key(0), True)
@@ -58,15 +65,22 @@ def demo_rows(a):
     kw = dict(max_len=max_len, dtype=jnp.bfloat16, chunked_prefill_size=64)
     plain, _ = Generator(cfg, params, **kw).generate(PROMPT, max_new_tokens=a.steps * 2, stop_token_ids=())
     rows = []
-    runs = [("NEXTN", Generator(cfg, params, spec=SpecConfig("NEXTN", a.nextn_steps), **kw))]
+    runs = [("NEXTN", Generator(cfg, params, spec=SpecConfig("NEXTN", a.nextn_steps), **kw), None)]
     for mode in ("static", "confidence"):
         spec = SpecConfig("DSPARK", dcfg.block_size, draft_model_path=a.draft, dspark_verify=mode)
-        runs.append((f"DSPARK {mode}", Generator(cfg, params, spec=spec, draft=draft, **kw)))
+        gen = Generator(cfg, params, spec=spec, draft=draft, **kw)
+        runs.append((f"DSPARK {mode}", gen, None))
+        if mode == "static" and not gen.adjusts_logits(SamplingOptions(), False):
+            # the same step as a request with penalties or a logit bias runs it (the Markov decode transforms every
+            # slot and counts its tokens): the neutral greedy program's baseline, same run
+            runs.append((f"DSPARK {mode}", gen, True))
     base = None
-    for name, gen in runs:
-        t, n, out = timed_loop(gen, PROMPT, a.steps, a.reps)
+    for name, gen, adjusts in runs:
+        t, n, out = timed_loop(gen, PROMPT, a.steps, a.reps, adjusts)
         m = min(len(out), len(plain))
-        row = {"name": f"{name} (block {gen.K})" if "DSPARK" in name else f"NEXTN steps={gen.K}",
+        label = f"{name} (block {gen.K})" if "DSPARK" in name else f"NEXTN steps={gen.K}"
+        row = {"name": label + (" [adjusts_logits program]" if adjusts else ""),
+               "adjusts_logits": gen.adjusts_logits(SamplingOptions(), False) if adjusts is None else adjusts,
                "time_us": 1e6 * t / a.steps, "tokens_per_s": n / t, "accept_length": n / a.steps,
                "greedy_equals_plain_prefix": out[:m] == plain[:m], "compared_tokens": m}
         if base is None:

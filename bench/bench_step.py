@@ -51,6 +51,7 @@ from compile.runner import constrain
 from compile.sharding import ShardingRules, kernel_calls_for, param_specs, state_shardings, with_shardings
 from compile.stages import Program, slice_config
 from ling_jax.aliased_step import AliasedStep
+from ling_jax import dspark
 from ling_jax.config import get_preset
 from ling_jax.draft_vocab import with_draft_vocab
 from ling_jax.kernel_calls import FP8_LINEAR_SCALES, GPU_DEFAULTS, MOE_FP8_SCHEMES, KernelCalls, kernel_calls
@@ -157,8 +158,11 @@ def distinct_experts(prog: Program, params, state) -> list[int]:
     return [len(np.unique(np.asarray(i))) for i in ids]
 
 
-def layer_passes(cfg, mode: str, K: int) -> int:
-    """Decoder-layer passes in one step: the target's layers once, plus (NEXTN) K MTP passes (K-1 drafts + extend)."""
+def layer_passes(cfg, mode: str, K: int, draft_layers: int = 0) -> int:
+    """Decoder-layer passes in one step: the target's layers once, plus (NEXTN) K MTP passes (K-1 drafts + extend)
+    or (DSPARK) the draft's draft_layers once (one parallel forward over the block)."""
+    if mode == "dspark":
+        return cfg.num_hidden_layers + draft_layers
     return cfg.num_hidden_layers + (0 if mode == "plain" else K * len(cfg.mtp_layers))
 
 
@@ -417,7 +421,22 @@ def programs(a, cfg, mesh, rules, kernels, fused: tuple[bool, bool] = (False, Tr
         # adjusts_logits=False: random_state's sampling is greedy with neutral transforms (lets --lm-head-argmax in)
         out.append((mode, K, Program(cfg, mode=mode, steps=max(K, 1), max_len=a.ctx + 1024, opts=opts,
                                      adjusts_logits=False), dv))
+    if a.speculative_algorithm == "DSPARK":  # the DSpark step after them, per --speculative-dspark-verify
+        dcfg = dspark_config(a, cfg)
+        for verify in a.speculative_dspark_verify.split(","):
+            out.append(("dspark", dcfg.block_size, Program(cfg, mode="dspark", steps=dcfg.block_size,
+                                                           max_len=a.ctx + 1024, opts=opts, adjusts_logits=False,
+                                                           draft=dcfg, dspark_verify=verify), None))
     return out
+
+
+def dspark_config(a, cfg):
+    """--speculative-draft-model-path's DSparkConfig, checked against the target's shapes."""
+    if not a.speculative_draft_model_path:
+        raise SystemExit("--speculative-algorithm DSPARK needs --speculative-draft-model-path (a DSpark draft dir)")
+    dcfg = dspark.load_config(a.speculative_draft_model_path)
+    dcfg.check_target(cfg)
+    return dcfg
 
 
 def random_draft_vocab(cfg, n: int):
@@ -508,6 +527,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ctx", type=int, default=8192)
     ap.add_argument("--steps", default="3,5", help="NEXTN steps to time (--spec-parts needs 5 among them)")
     ap.add_argument("--skip-plain", action="store_true", help="time the NEXTN steps only (no plain decode step)")
+    ap.add_argument("--speculative-algorithm", choices=("NEXTN", "DSPARK"), default="NEXTN", help="DSPARK: also "
+                    "the DSpark step of --speculative-draft-model-path's draft (block = its block_size), after the "
+                    "plain and NEXTN --steps rows; bench.census_offline only for now (its time: bench.bench_dspark)")
+    ap.add_argument("--speculative-draft-model-path", default=None, help="DSPARK: the draft checkpoint dir (its "
+                    "config.json; the census needs no weights)")
+    ap.add_argument("--speculative-dspark-verify", default="static", help="DSPARK: comma list of static, confidence "
+                    "(SpecConfig.dspark_verify), one DSpark step per entry")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--tag", default="", help="suffix of the JSON file name (e.g. -pdl)")
@@ -630,6 +656,9 @@ def main(argv=None):
         setattr(a, key, getattr(a, key) or None)
     if a.model and a.layers:
         ap.error("--layers slices a preset; --model loads a whole checkpoint")
+    if a.speculative_algorithm == "DSPARK":
+        ap.error("--speculative-algorithm DSPARK: the offline kernel census only (bench.census_offline); the DSpark "
+                 "step's time is bench.bench_dspark's")
     if a.spec_parts and a.quantization:
         ap.error("--spec-parts counts bf16 bytes (bench_spec.byte_model): not with --quantization")
     if sum(map(bool, (a.baseline_kernels, a.baseline_fused_linear, a.baseline_moe_fp8, a.baseline_set))) > 1:

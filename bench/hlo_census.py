@@ -33,6 +33,9 @@ class Launch:
     kind: str
     name: str
     op_name: str
+    # the op_name is the instruction's own metadata (False: an XLA-made fusion without one, named by its last
+    # inner op that has one, which may be an op of another part of the program)
+    own_op_name: bool = True
 
 
 @dataclasses.dataclass
@@ -50,6 +53,28 @@ class Census:
             c[launch.kind] += n
         return c
 
+    def scopes(self, scopes: tuple[str, ...]) -> list[str]:
+        """Each launch's named scope (jax.named_scope), in program order: the first component of its op_name path
+        that starts with one of `scopes`, "other" where none does. A launch without op_name metadata of its own
+        (XLA-made: e.g. the pieces of a scatter it rewrote) takes the scope of the next launch that has one (its
+        consumer, as a rule), else of the previous one."""
+        own = [scope(l, scopes) if l.own_op_name else None for l, _ in self.launches]
+        out, later = list(own), None
+        for i in range(len(own) - 1, -1, -1):
+            later = own[i] if own[i] is not None else later
+            out[i] = own[i] if own[i] is not None else later
+        earlier = "other"
+        for i, s in enumerate(out):
+            earlier = out[i] = s if s is not None else earlier
+        return out
+
+    def by_scope(self, scopes: tuple[str, ...]) -> collections.Counter:
+        """Launches by their named scope (`scopes`)."""
+        c = collections.Counter()
+        for (_, n), s in zip(self.launches, self.scopes(scopes)):
+            c[s] += n
+        return c
+
     def by_group(self) -> collections.Counter:
         """Launches by a coarse group: the Pallas kernel's name, or the fusion kind without its number."""
         c = collections.Counter()
@@ -63,6 +88,15 @@ def group(launch: Launch) -> str:
     if kind.startswith("custom:"):
         return "pallas:" + (kind.rsplit(":", 1)[1] or "?")
     return kind
+
+
+def scope(launch: Launch, scopes: tuple[str, ...]) -> str:
+    """The component of the launch's op_name path (`jit(f)/while/body/draft_forward/dot_general`) that starts with
+    one of `scopes`, outermost first; "other" where none does."""
+    for part in launch.op_name.split("/"):
+        if part.startswith(scopes):
+            return part
+    return "other"
 
 
 def parse_computations(hlo: str) -> tuple[dict[str, list[str]], str]:
@@ -139,9 +173,11 @@ def _launch(line: str, op: str, comps) -> Launch:
     if op == "fusion":
         kind = re.search(r"kind=(\w+)", line).group(1)
         body = _called(line, "calls")
-        inner = [_op_name(x) for x in comps.get(body[0], [])] if body else []
+        own = _op_name(line)
+        inner = [_op_name(x) for x in comps.get(body[0], [])] if body and not own else []
         inner = [o for o in inner if o]
-        return Launch(f"fusion:{kind}:{re.sub(r'[.0-9]+$', '', name)}", name, inner[-1] if inner else "")
+        return Launch(f"fusion:{kind}:{re.sub(r'[.0-9]+$', '', name)}", name, own or (inner[-1] if inner else ""),
+                      bool(own))
     return Launch(op, name, _op_name(line))
 
 

@@ -7,7 +7,8 @@
   3. compile  XLA with command buffers (WHILE/CONDITIONAL added on GPU), the latency-hiding scheduler, the
               persistent compilation cache; the compiled HLO is read for collectives, custom calls, kernels.
   4. serialize / load executables keyed by (config, mesh, mode, shapes + shardings, jax version, flags).
-Programs: "nextn" (spec_step), "plain" (plain_step); parts for benches live in bench/.
+Programs: "nextn" (spec_step), "plain" (plain_step), "dspark" (dspark_step: params are (target, draft)); parts for
+benches live in bench/.
 """
 
 from __future__ import annotations
@@ -24,14 +25,16 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from compile.sharding import ShardingRules, kernel_calls_for, shardings_for, state_shardings, with_shardings
 from ling_jax.config import ModelConfig
+from ling_jax import dspark
 from ling_jax.decode import PlainState, plain_step
+from ling_jax.dspark_step import DSparkState, dspark_step
 from ling_jax.model import RuntimeOptions
 from ling_jax.sampling import SamplingParams, TokenHistory
-from ling_jax.spec import SpecState, spec_step
+from ling_jax.spec import SpecConfig, SpecState, spec_step
 from ling_jax.state import state_shapes
 from ling_jax.weights import abstract_params
 
@@ -51,8 +54,8 @@ class Program:
     """One step program to build: which function, at which static shapes."""
 
     cfg: ModelConfig
-    mode: str = "nextn"  # "nextn" | "plain"
-    steps: int = 5  # NEXTN drafted tokens per step
+    mode: str = "nextn"  # "nextn" | "plain" | "dspark"
+    steps: int = 5  # NEXTN drafted tokens per step (DSPARK: the draft's block_size)
     batch: int = 1
     max_len: int = 8192
     dtype: str = "bfloat16"
@@ -64,15 +67,28 @@ class Program:
     # False: the program serves only requests with neutral penalties and no logit bias (the benches' states), so a
     # greedy step may take its tokens from the fused lm_head + argmax (ling_jax.spec.argmax_only)
     adjusts_logits: bool = True
+    draft: dspark.DSparkConfig | None = None  # mode "dspark": the draft's config (its params: draft_abstract_params)
+    dspark_verify: str = "static"  # mode "dspark": SpecConfig.dspark_verify
 
     def fn(self):
+        """(params, state) -> (state, StepOutput); mode "dspark": params = (target params, draft params)."""
         kw = dict(cfg=self.cfg, is_greedy=self.is_greedy, opts=self.opts, with_logprobs=self.with_logprobs,
                   adjusts_logits=self.adjusts_logits)
         if self.mode == "nextn":
             return functools.partial(spec_step, steps=self.steps, **kw)
         if self.mode == "plain":
             return functools.partial(plain_step, **kw)
-        raise ValueError(f"mode {self.mode!r}: expected 'nextn' or 'plain'")
+        if self.mode == "dspark":
+            step = functools.partial(dspark_step, dcfg=self.draft, spec=self.spec(), **kw)
+            return lambda pp, state: step(pp[0], pp[1], state)  # runner.Generator's run_params = (target, draft)
+        raise ValueError(f"mode {self.mode!r}: expected 'nextn', 'plain' or 'dspark'")
+
+    def spec(self) -> SpecConfig:
+        """The DSPARK SpecConfig of a "dspark" program (num_steps = the draft's block size)."""
+        if self.draft is None or self.steps != self.draft.block_size:
+            raise ValueError(f"a dspark Program needs its draft config with steps = block_size (steps={self.steps}, "
+                             f"draft={self.draft})")
+        return SpecConfig("DSPARK", self.steps, dspark_verify=self.dspark_verify)
 
     def abstract_state(self):
         """ShapeDtypeStructs of the step's carry (SpecState or PlainState), built directly (no tracing)."""
@@ -84,18 +100,34 @@ class Program:
         tok = S((B,), jnp.int32)
         if self.mode == "plain":
             return PlainState(target=target, bonus=tok, key=key, sampling=sampling, history=history)
+        if self.mode == "dspark":
+            d = self.draft
+            ctx = S((d.num_hidden_layers, B, self.max_len, d.num_key_value_heads, d.head_dim), dt)  # as dspark_init
+            hist = S((d.block_size + 1,), jnp.int32)
+            return DSparkState(target=target, bonus=tok, ctx_k=ctx, ctx_v=ctx, key=key, sampling=sampling,
+                               history=history, accept_hist=hist, length_hist=hist)
         return SpecState(target=target, bonus=tok, draft_cache=S((B, self.max_len, cfg.mla_cache_dim), dt),
                          seed=tok, draft_hidden=S((B, cfg.hidden_size), dt),
                          seed_q=None if self.is_greedy else S((B, cfg.vocab_size), jnp.float32),
                          key=key, sampling=sampling, accept_hist=S((self.steps + 1,), jnp.int32), history=history)
 
 
+def draft_abstract_params(dcfg: dspark.DSparkConfig, dtype, sharding=None):
+    """The DSpark draft's params (dspark.init_params' tree) as ShapeDtypeStructs; sharding: every leaf's (the draft
+    runs replicated)."""
+    return dspark.unflatten({name: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding)
+                             for name, shape in dspark.weight_shapes(dcfg).items()})
+
+
 # ---- stage 1: trace ---------------------------------------------------------------------------------------------
 
 
 def abstract_inputs(prog: Program, mesh: Mesh, rules: ShardingRules = ShardingRules()):
-    """(params, state) as ShapeDtypeStructs with their shardings."""
+    """(params, state) as ShapeDtypeStructs with their shardings (mode "dspark": params = (target, draft), the
+    draft replicated)."""
     params = abstract_params(prog.cfg, jnp.dtype(prog.dtype), shardings_for(prog.cfg, mesh, rules))
+    if prog.mode == "dspark":
+        params = (params, draft_abstract_params(prog.draft, prog.dtype, NamedSharding(mesh, PartitionSpec())))
     state = prog.abstract_state()
     return params, with_shardings(state, state_shardings(state, mesh, rules))
 
@@ -271,7 +303,8 @@ def cache_key(prog: Program, mesh: Mesh, abstract_args, options: dict) -> str:
     args = jax.tree.map(lambda a: (a.shape, str(a.dtype), str(getattr(a, "sharding", None))), abstract_args)
     parts = [repr(sorted(cfg.items())), repr(dict(mesh.shape)), devs[0].device_kind, devs[0].platform,
              repr((prog.mode, prog.steps, prog.batch, prog.max_len, prog.dtype, prog.is_greedy, prog.opts,
-                   prog.with_logprobs) + (() if prog.adjusts_logits else (False,))),
+                   prog.with_logprobs) + (() if prog.adjusts_logits else (False,))
+             + (() if prog.draft is None else (repr(prog.draft), prog.dspark_verify))),
              repr(jax.tree.leaves(args)), str(jax.tree.structure(args)), jax.__version__, repr(sorted(options.items()))]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
 

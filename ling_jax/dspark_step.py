@@ -9,8 +9,9 @@ Invariants of `DSparkState` between steps (positions are absolute token indices)
 One step (ONE program):
   draft    block [bonus, MASK x (G-1)] at positions L..L+G-1, one parallel draft forward (the lm_head read once for
            all G slots), then the Markov decode left to right: d_{k+1} = pick(base_k + W2 W1[d_k]), d_0 = bonus,
-           each slot transformed with the output counts of the chain so far (as its verify row will be);
-           confidence c_k and survival s_k = prod_{j<=k} c_j.
+           each slot transformed with the output counts of the chain so far (as its verify row will be; a greedy
+           program of neutral requests, adjusts_logits=False, skips the identity transform and the counts);
+           then confidence c_k (from h_k and d_{k-1}, all slots at once) and survival s_k = prod_{j<=k} c_j.
   length   static: m = G; confidence: m = #{k : s_k >= threshold} (fixed shapes: G+1 rows are still verified, the
            verdict accepts at most m drafts; the output is the same tokens, only fewer of them per step).
   verify   target over [bonus, d_1..d_G] with the target layers of the context captured; chain verdict (greedy, or
@@ -31,9 +32,10 @@ import jax
 import jax.numpy as jnp
 
 from ling_jax.config import ModelConfig
-from ling_jax.dspark import DSparkConfig, block_hidden, confidence_logit, context_kv, markov_bias
+from ling_jax.dspark import DSparkConfig, block_hidden, confidence_logit, context_kv
 from ling_jax.model import RuntimeOptions, forward, lm_logits
-from ling_jax.sampling import SamplingParams, TokenHistory, adjust_logits, fold_key, logprobs, pick, split_key
+from ling_jax.sampling import (SamplingParams, TokenHistory, adjust_logits, fold_key, greedy, logprobs, pick,
+                               split_key)
 from ling_jax.spec import SpecConfig, StepOutput, _row, chunk_rows, verify_and_commit
 from ling_jax.state import DecodeState, init_state
 
@@ -111,29 +113,55 @@ def dspark_prefill_chunk(params, dparams, state: DSparkState, tokens, next_token
     return state.replace(target=out.state, bonus=bonus, key=key, history=history), bonus, lp
 
 
-def draft_block(params, dparams, state: DSparkState, dcfg: DSparkConfig, *, is_greedy: bool, opts=RuntimeOptions()):
+def markov_bias_rows(dparams, prev):
+    """dspark.markov_bias with W1's rows gathered clamped: prev is always a token id (the bonus or a draft), so
+    the values are the same, and XLA fuses the clamped gather into the W2 matvec (one launch a slot at batch 1;
+    jnp.take's default fill mode adds a select launch of its own). prev int32[B] -> f32[B, V]."""
+    mk = dparams["markov_head"]
+    rows = jnp.take(mk["markov_w1"]["weight"], prev, axis=0, mode="clip")
+    return jnp.einsum("...m,vm->...v", rows, mk["markov_w2"]["weight"], preferred_element_type=jnp.float32)
+
+
+def draft_block(params, dparams, state: DSparkState, dcfg: DSparkConfig, *, is_greedy: bool, opts=RuntimeOptions(),
+                adjusts_logits: bool = True):
     """One parallel draft forward, then the Markov decode left to right. Returns (drafts int32[B, G],
-    q f32[B, G, V] | None (the distributions drawn from), confidence f32[B, G])."""
+    q f32[B, G, V] | None (the distributions drawn from), confidence f32[B, G]).
+    adjusts_logits=False (static: every request of the program has neutral penalties and no logit bias) with
+    is_greedy: adjust_logits is the identity and nothing reads the chain's output counts, so each slot is only
+    argmax(base_k + W2 W1[d_k]) (two launches at batch 1: the gather + matvec, the add + argmax), the same drafts.
+    The confidence c_k reads only h_k and prev = d_{k-1}, all known after the chain: one pass over the G slots.
+    Named scopes (the kernel census groups the step's launches by them, bench/hlo_census.py): draft_forward,
+    markov_slot_NN, confidence."""
     B, G = state.bonus.shape[0], dcfg.block_size
-    tokens = jnp.concatenate([state.bonus[:, None], jnp.full((B, G - 1), dcfg.mask_token_id, jnp.int32)], axis=1)
-    h = block_hidden(dparams, params["embed"], tokens[:, None], state.target.lengths[:, None], state.ctx_k,
-                     state.ctx_v, dcfg)[:, 0]  # [B, G, D]
-    base = lm_logits(params, h, opts)  # [B, G, V]: the target's lm_head, read once for the block
-    keys = split_key(fold_key(state.key, 1), G)
+    with jax.named_scope("draft_forward"):
+        tokens = jnp.concatenate([state.bonus[:, None], jnp.full((B, G - 1), dcfg.mask_token_id, jnp.int32)], axis=1)
+        h = block_hidden(dparams, params["embed"], tokens[:, None], state.target.lengths[:, None], state.ctx_k,
+                         state.ctx_v, dcfg)[:, 0]  # [B, G, D]
+        base = lm_logits(params, h, opts)  # [B, G, V]: the target's lm_head, read once for the block
+    neutral = is_greedy and not adjusts_logits
+    keys = None if is_greedy else split_key(fold_key(state.key, 1), G)
     prev, history = state.bonus, state.history
-    drafts, qs, conf = [], [], []
+    drafts, qs = [], []
     for k in range(G):  # slot k predicts the token after prev = d_k (d_0 = the bonus)
-        adjusted = adjust_logits(base[:, k] + markov_bias(dparams, prev), state.sampling, history.prompt,
-                                 history.output)
-        tok, q = pick(keys[k], adjusted, state.sampling, is_greedy)
-        if "confidence_head" in dparams:
-            conf.append(jax.nn.sigmoid(confidence_logit(dparams, h[:, k], prev)))
-        history = history.add_output(tok[:, None], jnp.ones((B, 1), bool))
+        with jax.named_scope(f"markov_slot_{k:02d}"):
+            logits = base[:, k] + markov_bias_rows(dparams, prev)
+            if neutral:
+                tok, q = greedy(logits), None
+            else:
+                adjusted = adjust_logits(logits, state.sampling, history.prompt, history.output)
+                tok, q = pick(None if keys is None else keys[k], adjusted, state.sampling, is_greedy)
+                history = history.add_output(tok[:, None], jnp.ones((B, 1), bool))
         drafts.append(tok)
         qs.append(q)
         prev = tok
-    conf = jnp.stack(conf, axis=1) if conf else jnp.ones((B, G), jnp.float32)
-    return jnp.stack(drafts, axis=1), None if is_greedy else jnp.stack(qs, axis=1), conf
+    drafts = jnp.stack(drafts, axis=1)
+    with jax.named_scope("confidence"):
+        if "confidence_head" in dparams:  # slot k's prev: the bonus, then d_1..d_{G-1}
+            prevs = jnp.concatenate([state.bonus[:, None], drafts[:, :-1]], axis=1)
+            conf = jax.nn.sigmoid(confidence_logit(dparams, h, prevs))
+        else:
+            conf = jnp.ones((B, G), jnp.float32)
+    return drafts, None if is_greedy else jnp.stack(qs, axis=1), conf
 
 
 def verify_length(conf, spec: SpecConfig):
@@ -147,27 +175,39 @@ def verify_length(conf, spec: SpecConfig):
 
 
 def dspark_step_with_drafts(params, dparams, state: DSparkState, drafts, q, limit, cfg: ModelConfig,
-                            dcfg: DSparkConfig, *, is_greedy: bool, opts=RuntimeOptions(), with_logprobs: bool = True):
+                            dcfg: DSparkConfig, *, is_greedy: bool, opts=RuntimeOptions(), with_logprobs: bool = True,
+                            adjusts_logits: bool = True):
     """verify -> verdict -> commit -> project for given drafts and proposed lengths limit int32[B] (tests inject
-    drafts here). Returns (state, StepOutput)."""
+    drafts here). adjusts_logits=False (static, ling_jax.spec.argmax_only): the verify rows' tokens may come from
+    the fused lm_head + argmax. Returns (state, StepOutput)."""
     G = dcfg.block_size
     v = verify_and_commit(params, state, drafts, q, cfg, is_greedy=is_greedy, opts=opts,
-                          capture=dcfg.target_layer_ids, limit=limit, with_logprobs=with_logprobs)
-    state = project_context(dparams, state, v.layer_hidden, state.target.lengths, dcfg)
-    if state.accept_hist.ndim == 2:  # per row (a joined batch)
-        count = lambda x: jax.nn.one_hot(x, G + 1, dtype=jnp.int32)
-    else:
-        count = lambda x: jnp.zeros((G + 1,), jnp.int32).at[x].add(1)
-    state = state.replace(target=v.target, bonus=v.bonus, key=fold_key(state.key, 4), history=v.history,
-                          accept_hist=state.accept_hist + count(v.n), length_hist=state.length_hist + count(limit))
+                          capture=dcfg.target_layer_ids, limit=limit, with_logprobs=with_logprobs,
+                          adjusts_logits=adjusts_logits)
+    with jax.named_scope("project_context"):
+        state = project_context(dparams, state, v.layer_hidden, state.target.lengths, dcfg)
+    with jax.named_scope("accept_histograms"):
+        if state.accept_hist.ndim == 2:  # per row (a joined batch)
+            count = lambda x: jax.nn.one_hot(x, G + 1, dtype=jnp.int32)
+        else:
+            # (a one-hot sum, not a scatter-add: the same counts, and XLA fuses it into the histogram's add)
+            count = lambda x: jnp.sum(jax.nn.one_hot(x, G + 1, dtype=jnp.int32), axis=0)
+        state = state.replace(target=v.target, bonus=v.bonus, key=fold_key(state.key, 4), history=v.history,
+                              accept_hist=state.accept_hist + count(v.n),
+                              length_hist=state.length_hist + count(limit))
     return state, StepOutput(v.committed, v.n + 1, v.logprobs)
 
 
 def dspark_step(params, dparams, state: DSparkState, cfg: ModelConfig, dcfg: DSparkConfig, spec: SpecConfig, *,
-                is_greedy: bool, opts=RuntimeOptions(), with_logprobs: bool = True):
+                is_greedy: bool, opts=RuntimeOptions(), with_logprobs: bool = True, adjusts_logits: bool = True):
     """One DSpark step: draft the block -> choose the verify length -> verify -> commit -> project context.
-    with_logprobs=False: StepOutput.logprobs is None (no log-softmax and top-k over the G+1 verify rows)."""
-    drafts, q, conf = draft_block(params, dparams, state, dcfg, is_greedy=is_greedy, opts=opts)
-    limit = verify_length(conf, spec)
+    with_logprobs=False: StepOutput.logprobs is None (no log-softmax and top-k over the G+1 verify rows).
+    adjusts_logits=False (static: the program serves only requests with neutral penalties and no logit bias,
+    sampling.SamplingOptions.adjusts_logits): a greedy step's Markov decode is argmax only (draft_block), and its
+    verify rows may take the fused lm_head + argmax (dspark_step_with_drafts)."""
+    drafts, q, conf = draft_block(params, dparams, state, dcfg, is_greedy=is_greedy, opts=opts,
+                                  adjusts_logits=adjusts_logits)
+    with jax.named_scope("verify_length"):
+        limit = verify_length(conf, spec)
     return dspark_step_with_drafts(params, dparams, state, drafts, q, limit, cfg, dcfg, is_greedy=is_greedy,
-                                   opts=opts, with_logprobs=with_logprobs)
+                                   opts=opts, with_logprobs=with_logprobs, adjusts_logits=adjusts_logits)

@@ -179,7 +179,7 @@ class Generator:
         they are: `adjusts_logits`)."""
         if self.spec.is_dspark:
             dspark = functools.partial(dspark_step, cfg=self.cfg, dcfg=self.dcfg, spec=self.spec, is_greedy=is_greedy,
-                                       opts=self.opts, with_logprobs=with_logprobs)
+                                       opts=self.opts, with_logprobs=with_logprobs, adjusts_logits=adjusts_logits)
             return lambda pp, state: dspark(pp[0], pp[1], state)  # run_params = (target, draft)
         kw = dict(cfg=self.cfg, is_greedy=is_greedy, opts=self.opts, with_logprobs=with_logprobs,
                   adjusts_logits=adjusts_logits)
@@ -207,12 +207,13 @@ class Generator:
         return AliasedStep(self.dispatch_step(is_greedy, with_logprobs, adjusts_logits))
 
     def adjusts_logits(self, options: SamplingOptions, with_logprobs: bool) -> bool:
-        """The static adjusts_logits of the step a request runs: False only where that licenses the fused lm_head
-        + argmax (a greedy request without logprobs whose penalties and logit bias are neutral, and the kernel
-        calls run it: KernelCalls.lm_head_argmax), True otherwise, so every other request runs the program it ran
-        before (and no new program is built while the kernel is off)."""
-        if not self.spec.is_dspark and options.is_greedy and not with_logprobs and not options.adjusts_logits:
-            return not head_fused(self.opts)
+        """The static adjusts_logits of the step a request runs: False for a greedy request without logprobs whose
+        penalties and logit bias are neutral where that makes another program: DSPARK's (its Markov decode is then
+        argmax only: dspark_step.draft_block), or one with the fused lm_head + argmax (the kernel calls run it:
+        KernelCalls.lm_head_argmax); True otherwise, so every other request runs the program it ran before (and no
+        identical program is built twice)."""
+        if options.is_greedy and not with_logprobs and not options.adjusts_logits:
+            return not (self.spec.is_dspark or head_fused(self.opts))
         return True
 
     def request_step_fn(self, options: SamplingOptions, with_logprobs: bool):
@@ -415,18 +416,20 @@ def count_compiles():
 
 
 def generate_on_device(cfg: ModelConfig, spec: SpecConfig, n_steps: int, *, is_greedy: bool = True,
-                       opts: RuntimeOptions = RuntimeOptions(), dcfg=None) -> Callable:
+                       opts: RuntimeOptions = RuntimeOptions(), dcfg=None, adjusts_logits: bool = True) -> Callable:
     """Whole-generation variant for benchmarks: `n_steps` steps inside one lax.while_loop (no host in the
     loop). Returns jitted f(params, state) -> (state, tokens int32[B, n_steps * (K+1)], count int32[B]);
-    for DSPARK (dcfg: its DSparkConfig) params is (target params, draft params)."""
+    for DSPARK (dcfg: its DSparkConfig) params is (target params, draft params). adjusts_logits: the steps'
+    static flag (Generator.adjusts_logits gives the one a request's step takes)."""
     rows = spec.draft_tokens
+    kw = dict(cfg=cfg, is_greedy=is_greedy, opts=opts, adjusts_logits=adjusts_logits)
     if spec.is_dspark:
-        dstep = functools.partial(dspark_step, cfg=cfg, dcfg=dcfg, spec=spec, is_greedy=is_greedy, opts=opts)
+        dstep = functools.partial(dspark_step, dcfg=dcfg, spec=spec, **kw)
         step = lambda pp, state: dstep(pp[0], pp[1], state)
     elif spec.enabled:
-        step = functools.partial(spec_step, cfg=cfg, steps=spec.num_steps, is_greedy=is_greedy, opts=opts)
+        step = functools.partial(spec_step, steps=spec.num_steps, **kw)
     else:
-        step = functools.partial(plain_step, cfg=cfg, is_greedy=is_greedy, opts=opts)
+        step = functools.partial(plain_step, **kw)
     put = jax.vmap(lambda b, t, c: jax.lax.dynamic_update_slice_in_dim(b, t, c, axis=0))
 
     def run(params, state):

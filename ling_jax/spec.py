@@ -299,34 +299,36 @@ def verify_and_commit(params, state: SpecState, drafts, q, cfg: ModelConfig, *, 
             raise ValueError(f"target_rows={opts.numerics.target_rows} < {K + 1} verify rows (steps={K})")
         rows = jnp.pad(rows, ((0, 0), (0, opts.numerics.target_rows - K - 1)), mode="edge")
         live = jnp.full((rows.shape[0],), K + 1, jnp.int32)
-    out = forward(params, rows, state.target, cfg, mode="verify", n_valid=live, opts=opts, capture=capture)
-    hidden = out.hidden[:, : K + 1]
-    sp = state.sampling
-    got = None
-    if out.final is not None and argmax_only(opts, is_greedy=is_greedy, adjusts_logits=adjusts_logits,
-                                             with_logprobs=with_logprobs):
-        got = lm_argmax(params, out.final._replace(x=out.final.x[:, : K + 1]), opts)
-    if got is not None:  # argmax of the logits themselves (adjust_logits is the identity here), none written
-        target_tokens, hidden = got
-        n, bonus = greedy_verdict(drafts, target_tokens, limit)
-    else:
-        counts = chain_counts(state.history.output, drafts)  # [B, K+1, V]
-        adjusted = adjust_logits(lm_logits(params, hidden, opts), sp, state.history.prompt[:, None], counts)
-        if is_greedy:
-            n, bonus = greedy_verdict(drafts, greedy(adjusted), limit)
+    with jax.named_scope("verify_forward"):
+        out = forward(params, rows, state.target, cfg, mode="verify", n_valid=live, opts=opts, capture=capture)
+    with jax.named_scope("verdict_commit"):  # (the kernel census groups launches by these scopes)
+        hidden = out.hidden[:, : K + 1]
+        sp = state.sampling
+        got = None
+        if out.final is not None and argmax_only(opts, is_greedy=is_greedy, adjusts_logits=adjusts_logits,
+                                                 with_logprobs=with_logprobs):
+            got = lm_argmax(params, out.final._replace(x=out.final.x[:, : K + 1]), opts)
+        if got is not None:  # argmax of the logits themselves (adjust_logits is the identity here), none written
+            target_tokens, hidden = got
+            n, bonus = greedy_verdict(drafts, target_tokens, limit)
         else:
-            n, bonus = sampled_verdict(fold_key(state.key, 2), drafts, q, probs(adjusted, sp), limit)
-            g = greedy_rows(sp, 1)
-            if g is not None:  # a mixed batch: its temperature-0 rows decide as the greedy program does
-                n_g, bonus_g = greedy_verdict(drafts, greedy(adjusted), limit)
-                n, bonus = jnp.where(g, n_g, n), jnp.where(g, bonus_g, bonus)
-    target = commit(out.state, out.pending, n + 1, opts)
-    j = jnp.arange(K + 1)[None, :]
-    committed = jnp.where(j < n[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), bonus[:, None])
-    lp = logprobs(adjusted, committed, sp, is_greedy) if with_logprobs else None
-    history = state.history.add_output(committed, j <= n[:, None])
-    layer_hidden = None if out.layer_hidden is None else out.layer_hidden[:, : K + 1]
-    return Verified(target, n, bonus, committed, hidden, lp, history, layer_hidden)
+            counts = chain_counts(state.history.output, drafts)  # [B, K+1, V]
+            adjusted = adjust_logits(lm_logits(params, hidden, opts), sp, state.history.prompt[:, None], counts)
+            if is_greedy:
+                n, bonus = greedy_verdict(drafts, greedy(adjusted), limit)
+            else:
+                n, bonus = sampled_verdict(fold_key(state.key, 2), drafts, q, probs(adjusted, sp), limit)
+                g = greedy_rows(sp, 1)
+                if g is not None:  # a mixed batch: its temperature-0 rows decide as the greedy program does
+                    n_g, bonus_g = greedy_verdict(drafts, greedy(adjusted), limit)
+                    n, bonus = jnp.where(g, n_g, n), jnp.where(g, bonus_g, bonus)
+        target = commit(out.state, out.pending, n + 1, opts)
+        j = jnp.arange(K + 1)[None, :]
+        committed = jnp.where(j < n[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), bonus[:, None])
+        lp = logprobs(adjusted, committed, sp, is_greedy) if with_logprobs else None
+        history = state.history.add_output(committed, j <= n[:, None])
+        layer_hidden = None if out.layer_hidden is None else out.layer_hidden[:, : K + 1]
+        return Verified(target, n, bonus, committed, hidden, lp, history, layer_hidden)
 
 
 def extend(params, state: SpecState, cache, committed, target_hidden, n, history: TokenHistory, cfg: ModelConfig,
@@ -349,13 +351,15 @@ def spec_step_with_drafts(params, state: SpecState, drafts, q, cache, cfg: Model
     """verify -> commit -> extend for given drafts (the step's second half; tests inject drafts here)."""
     v = verify_and_commit(params, state, drafts, q, cfg, is_greedy=is_greedy, opts=opts, with_logprobs=with_logprobs,
                           adjusts_logits=adjusts_logits)
-    seed, seed_q, h, cache = extend(params, state, cache, v.committed, v.hidden, v.n, v.history, cfg,
-                                    is_greedy=is_greedy, opts=opts, adjusts_logits=adjusts_logits)
+    with jax.named_scope("nextn_extend"):
+        seed, seed_q, h, cache = extend(params, state, cache, v.committed, v.hidden, v.n, v.history, cfg,
+                                        is_greedy=is_greedy, opts=opts, adjusts_logits=adjusts_logits)
     K = drafts.shape[1]
-    if state.accept_hist.ndim == 2:  # per row (a joined batch)
-        hist = state.accept_hist + jax.nn.one_hot(v.n, K + 1, dtype=jnp.int32)
-    else:
-        hist = state.accept_hist + jnp.zeros((K + 1,), jnp.int32).at[v.n].add(1)
+    with jax.named_scope("accept_histograms"):
+        if state.accept_hist.ndim == 2:  # per row (a joined batch)
+            hist = state.accept_hist + jax.nn.one_hot(v.n, K + 1, dtype=jnp.int32)
+        else:
+            hist = state.accept_hist + jnp.zeros((K + 1,), jnp.int32).at[v.n].add(1)
     new = state.replace(target=v.target, bonus=v.bonus, draft_cache=cache, seed=seed, draft_hidden=h,
                         seed_q=state.seed_q if is_greedy else seed_q, key=fold_key(state.key, 4), accept_hist=hist,
                         history=v.history)
@@ -369,8 +373,9 @@ def spec_step(params, state: SpecState, cfg: ModelConfig, *, steps: int, is_gree
     adjusts_logits=False (static: the program serves only requests with neutral penalties and no logit bias,
     sampling.SamplingOptions.adjusts_logits): a greedy program may then take its tokens from the fused lm_head +
     argmax (argmax_only) instead of the logits."""
-    drafts, q, cache = draft(params, state, cfg, steps=steps, is_greedy=is_greedy, opts=opts,
-                             adjusts_logits=adjusts_logits)
+    with jax.named_scope("nextn_draft"):  # (the kernel census groups the step's launches by its named scopes)
+        drafts, q, cache = draft(params, state, cfg, steps=steps, is_greedy=is_greedy, opts=opts,
+                                 adjusts_logits=adjusts_logits)
     return spec_step_with_drafts(params, state, drafts, q, cache, cfg, is_greedy=is_greedy, opts=opts,
                                  with_logprobs=with_logprobs, adjusts_logits=adjusts_logits)
 

@@ -3,8 +3,9 @@ one target prefill over the text, context rows t < a, block [x_a, MASK...]) give
 that the DSpark step drafts from (ling_jax.dspark_step.draft_block: the context K/V cache filled by the prefill and
 by the projected verify rows, Markov decode left to right), when the text is the committed prefix, the bonus and
 the step's own drafts. Also: the captured target features are the residual stream AFTER layer i (the last one
-renormed by the final norm is the target's hidden state; -1 is the embedding), and the greedy continuation the
-self-distillation pool is made of equals plain greedy decoding."""
+renormed by the final norm is the target's hidden state; -1 is the embedding), the greedy continuation the
+self-distillation pool is made of equals plain greedy decoding, and the neutral greedy step's argmax-only Markov
+decode drafts what the general path drafts."""
 
 import jax
 import jax.numpy as jnp
@@ -88,3 +89,36 @@ def test_greedy_continuations_equal_plain_greedy():
     for i in range(2):
         want = generator(0).generate(PROMPTS[i][:5], max_new_tokens=12, stop_token_ids=())[0]
         assert np.asarray(got[i]).tolist() == PROMPTS[i][:5] + want
+
+
+def test_neutral_greedy_markov_decode_drafts_as_the_general_path():
+    """The greedy step of neutral requests (adjusts_logits=False: argmax-only Markov decode, no transform, no
+    counts; confidence of all slots after the chain) drafts exactly the tokens of the general path (adjust_logits
+    on neutral fields, the chain's counts, confidence slot by slot in the chain: what the trainer's parity above
+    pins), with the same confidences, on random draft weights whose Markov head changes the drafts; over the prefill's
+    anchor and two verified ones. The runner gives that program to neutral greedy requests without logprobs only."""
+    gen = generator(4)
+    cfg, params, dcfg, G = gen.cfg, gen.params, gen.dcfg, 4
+    dp = markov_draft(dcfg, 11)
+    w1 = dp["markov_head"]["markov_w1"]["weight"]  # rows of norm ~1 (not init's 0.02): the bias moves the argmax
+    dp["markov_head"]["markov_w1"]["weight"] = jax.random.normal(jax.random.key(12), w1.shape)
+    flat = jax.tree.map(lambda x: x, dp)  # the same draft without its Markov bias
+    flat["markov_head"]["markov_w2"]["weight"] = jnp.zeros_like(dp["markov_head"]["markov_w2"]["weight"])
+    drafts_of = {a: jax.jit(lambda p, d, s, a=a: draft_block(p, d, s, dcfg, is_greedy=True, adjusts_logits=a))
+                 for a in (True, False)}
+    state, _, _ = gen.prefill(PROMPTS[0], SamplingOptions().device(cfg.vocab_size), jax.random.key(0), True)
+    state = jax.tree.map(jnp.copy, state)
+    markov_changed = 0
+    for _ in range(3):
+        general, q, conf = jax.device_get(drafts_of[True](params, dp, state))
+        fast, q_fast, conf_fast = jax.device_get(drafts_of[False](params, dp, state))
+        assert q is None and q_fast is None
+        assert fast.tolist() == general.tolist()
+        np.testing.assert_allclose(conf_fast, conf, rtol=1e-6, atol=1e-6)
+        markov_changed += int(np.any(jax.device_get(drafts_of[False](params, flat, state)[0]) != fast))
+        state, out = verify_program()(params, dp, state, jnp.asarray(fast), None, jnp.array([G], jnp.int32))
+    assert markov_changed >= 1, "the Markov head never changed a draft: the chain's dependence is not exercised"
+    neutral, penalised = SamplingOptions(), SamplingOptions(presence_penalty=0.5)
+    assert not gen.adjusts_logits(neutral, False)
+    assert gen.adjusts_logits(neutral, True) and gen.adjusts_logits(penalised, False)
+    assert gen.adjusts_logits(SamplingOptions(temperature=0.7), False)
