@@ -56,6 +56,49 @@ def timed_loop(gen: Generator, prompt, steps: int, reps: int, adjusts_logits: bo
     return float(np.median(times)), len(out) - 1, out
 
 
+def kernel_profile(gen: Generator, prompt, steps: int, adjusts_logits: bool | None = None, top: int = 25) -> dict:
+    """The device kernels of one on-device loop of `steps` greedy steps (after a compile + warm loop), per step:
+    launches, kernel-busy us and the `top` kernels by time (bench_step.census's grouping by kernel name), so a step
+    time splits into what runs on the GPU and the gaps between kernels."""
+    import collections, glob, gzip, json, os, tempfile
+
+    options = SamplingOptions()
+    if adjusts_logits is None:
+        adjusts_logits = gen.adjusts_logits(options, False)
+    run = generate_on_device(gen.cfg, gen.spec, steps, dcfg=gen.dcfg, adjusts_logits=adjusts_logits)
+    sp = options.device(gen.cfg.vocab_size)
+    for traced in (False, True):
+        state, _, _ = gen.prefill(prompt, sp, jax.random.key(0), True)
+        jax.block_until_ready(state)
+        if not traced:
+            jax.block_until_ready(run(gen.run_params, state))
+            continue
+        logdir = tempfile.mkdtemp(prefix="dspark-prof-")
+        with jax.profiler.trace(logdir, create_perfetto_trace=True):
+            jax.block_until_ready(run(gen.run_params, state))
+    files = glob.glob(os.path.join(logdir, "**", "perfetto_trace.json.gz"), recursive=True)
+    if not files:
+        return {"error": "no trace"}
+    with gzip.open(files[0]) as f:
+        tr = json.load(f)
+    ev = tr["traceEvents"] if isinstance(tr, dict) else tr
+    pname = {e["pid"]: e["args"]["name"] for e in ev if e.get("ph") == "M" and e.get("name") == "process_name"}
+    gpu = {p for p, n in pname.items() if "gpu" in n.lower() or "stream" in n.lower()}
+    ks = [e for e in ev if e.get("ph") == "X" and e.get("pid") in gpu and "dur" in e]
+    if not ks:
+        return {"error": "no GPU kernels in the trace"}
+    per = collections.defaultdict(lambda: [0, 0.0])
+    for e in ks:
+        per[e["name"]][0] += 1
+        per[e["name"]][1] += float(e["dur"])
+    span = max(float(e["ts"]) + float(e["dur"]) for e in ks) - min(float(e["ts"]) for e in ks)
+    busy = sum(v[1] for v in per.values())
+    return {"steps": steps, "launches_per_step": len(ks) / steps, "kernel_us_per_step": busy / steps,
+            "span_us_per_step": span / steps, "idle_us_per_step": (span - busy) / steps,
+            "top_kernels": [{"name": n[:100], "count_per_step": c / steps, "us_per_step": d / steps}
+                            for n, (c, d) in sorted(per.items(), key=lambda kv: -kv[1][1])[:top]]}
+
+
 def demo_rows(a):
     cfg = load_config(a.target)
     params = load_params(cfg, a.target, dtype=jnp.bfloat16)
@@ -91,6 +134,12 @@ def demo_rows(a):
         rows.append(row)
         print(f"{row['name']:28s} step {row['time_us']:8.1f} us  accept {row['accept_length']:5.2f}  "
               f"{row['tokens_per_s']:8.1f} tok/s  lossless-prefix {row['greedy_equals_plain_prefix']}", flush=True)
+        if a.profile and jax.default_backend() == "gpu":
+            row["profile"] = prof = kernel_profile(gen, PROMPT, a.steps, adjusts)
+            if "error" not in prof:
+                print(f"    traced: {prof['launches_per_step']:.1f} launches, {prof['kernel_us_per_step']:.1f} us in "
+                      f"kernels + {prof['idle_us_per_step']:.1f} us idle a step; top: " + ", ".join(
+                          f"{k['name'][:40]} {k['us_per_step']:.1f}" for k in prof["top_kernels"][:8]), flush=True)
     return rows, {"model": a.target, "draft": a.draft}
 
 
@@ -183,6 +232,8 @@ def main():
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--profile", action="store_true", help="demo pair on a GPU: also trace one loop per row and "
+                    "record its kernels per step (launches, kernel time, idle time, the top kernels)")
     a = ap.parse_args()
     rows, meta = ling_slice_rows(a) if a.ling_slice else demo_rows(a)
     print("wrote", write(a.out, "dspark", rows, meta, jax.devices()[0].device_kind.replace(" ", "-")))
