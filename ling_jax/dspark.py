@@ -325,8 +325,10 @@ def block_hidden(dp, embed_w, block_tokens, anchors, ctx_k, ctx_v, c: DSparkConf
 
 
 def markov_embed(dp, prev):
-    """W1[x_{k-1}]: prev int32[...] -> [..., M]."""
-    return jnp.take(dp["markov_head"]["markov_w1"]["weight"], prev, axis=0)
+    """W1[x_{k-1}]: prev int32[...] -> [..., M]. Gathered clamped: prev is always a token id (the bonus, a draft or
+    the text's token), so the values are jnp.take's, and XLA fuses a clamped gather into its consumer (the W2 matvec:
+    one launch a Markov slot at batch 1; the default fill mode adds a select launch of its own)."""
+    return jnp.take(dp["markov_head"]["markov_w1"]["weight"], prev, axis=0, mode="clip")
 
 
 def markov_bias(dp, prev):

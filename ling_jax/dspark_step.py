@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from ling_jax.config import ModelConfig
-from ling_jax.dspark import DSparkConfig, block_hidden, confidence_logit, context_kv
+from ling_jax.dspark import DSparkConfig, block_hidden, confidence_logit, context_kv, markov_bias
 from ling_jax.model import RuntimeOptions, forward, lm_logits
 from ling_jax.sampling import (SamplingParams, TokenHistory, adjust_logits, fold_key, greedy, logprobs, pick,
                                split_key)
@@ -113,15 +113,6 @@ def dspark_prefill_chunk(params, dparams, state: DSparkState, tokens, next_token
     return state.replace(target=out.state, bonus=bonus, key=key, history=history), bonus, lp
 
 
-def markov_bias_rows(dparams, prev):
-    """dspark.markov_bias with W1's rows gathered clamped: prev is always a token id (the bonus or a draft), so
-    the values are the same, and XLA fuses the clamped gather into the W2 matvec (one launch a slot at batch 1;
-    jnp.take's default fill mode adds a select launch of its own). prev int32[B] -> f32[B, V]."""
-    mk = dparams["markov_head"]
-    rows = jnp.take(mk["markov_w1"]["weight"], prev, axis=0, mode="clip")
-    return jnp.einsum("...m,vm->...v", rows, mk["markov_w2"]["weight"], preferred_element_type=jnp.float32)
-
-
 def draft_block(params, dparams, state: DSparkState, dcfg: DSparkConfig, *, is_greedy: bool, opts=RuntimeOptions(),
                 adjusts_logits: bool = True):
     """One parallel draft forward, then the Markov decode left to right. Returns (drafts int32[B, G],
@@ -144,7 +135,7 @@ def draft_block(params, dparams, state: DSparkState, dcfg: DSparkConfig, *, is_g
     drafts, qs = [], []
     for k in range(G):  # slot k predicts the token after prev = d_k (d_0 = the bonus)
         with jax.named_scope(f"markov_slot_{k:02d}"):
-            logits = base[:, k] + markov_bias_rows(dparams, prev)
+            logits = base[:, k] + markov_bias(dparams, prev)
             if neutral:
                 tok, q = greedy(logits), None
             else:
