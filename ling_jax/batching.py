@@ -43,8 +43,10 @@ Generator.stream: the device is busy with the dispatch just queued) -> hand each
 right there in this thread (`stream` wraps a queue.Queue for a caller's thread; the server's consumer does the
 request's text and reply work in place, so no other thread has to wake per step, as none does for
 Generator.stream) -> the rows' `flush` (BatchGenerator.submit): the server hands the whole turn's replies to its
-event loop in one wake-up. EOS / stop ids / max tokens / a closed stream end a row at that read; the dispatch
-already queued for it runs on masked (its outputs are dropped, never committed to the request) and its position
+event loop in one wake-up -> the read dispatch's outputs are released (after the flush, as Generator.stream drops
+them after its consumer: freeing them releases the GIL, which the woken loop takes there, between two dispatches,
+not inside the next one; _Turns._turn). EOS / stop ids / max tokens / a closed stream end a row at that read; the
+dispatch already queued for it runs on masked (its outputs are dropped, never committed to the request) and its position
 is dead until a new request is put there. Per row and step the host does list slicing and set checks on the
 outputs' nested lists (bench/batching_host.py measures this Python: with the demo model's tokenizer and the
 server's consumer, 0.14 ms per step at 8 rows on a CPU host, from 1.1 ms before the reads, hand-offs and
@@ -374,10 +376,12 @@ class _Turns:
         return list(self.waiting) + live + ([self.prefilling] if self.prefilling else [])
 
     def turn(self):
+        read = None
         try:
-            self._turn()
+            read = self._turn()
         finally:
             self.flush()
+        del read  # the dispatch this turn read: released after the flush (see _turn's end)
 
     def _turn(self):
         idle = not (self.in_flight or self.waiting or self.prefilling or self.firsts or self.live())
@@ -405,7 +409,15 @@ class _Turns:
         dispatched = self._dispatch()
         if self.firsts or self.in_flight is not None:
             self._read(self.in_flight)
-        self.in_flight = dispatched
+        # the dispatch just read is released by `turn`, after the flush, as Generator.stream drops its read outputs
+        # right after its consumer took the chunk: freeing a jax Array releases the GIL (jaxlib deletes its
+        # buffers without it), and the flush has just woken the server's event loop, which takes the GIL there,
+        # between two dispatches. Released before the flush (as it was), the loop's first chance was the next
+        # dispatch's own GIL release, and its work (the replies' Python) delayed that call's return: on a 2-core
+        # CPU host (bench/batching_sweep.sh --trivial) the lone row's step call took 125-280 us, the batch-1
+        # server's 92-102 us, and the lone row's TPOT was 10-34 % above the batch-1 server's.
+        read, self.in_flight = self.in_flight, dispatched
+        return read
 
     def _read(self, in_flight):
         """ONE explicit read: the dispatch `in_flight` (one dispatch late: the device is busy with the one just
