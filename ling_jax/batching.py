@@ -150,7 +150,7 @@ class BatchGenerator:
     def __init__(self, gen: Generator, max_running: int):
         self.gen, self.max_running = gen, max_running
         self.row_buckets = row_buckets(max_running)
-        self.inbox: queue.Queue[_Row] = queue.Queue()
+        self.inbox: queue.SimpleQueue[_Row] = queue.SimpleQueue()  # empty(): no lock, every turn
         self._thread: threading.Thread | None = None
         self._start = threading.Lock()
         # the staging slot; while the stager thread dispatches a chunk into it, the stager holds it (None here)
@@ -366,6 +366,9 @@ class _Turns:
         self.firsts: list = []  # (row, (first token, logprobs | None)), read at the next read
         self.in_flight = None  # (host copies of the dispatch's outputs, [(position, row)] they are read for)
         self.flushes: dict = {}  # the rows' flush callables (BatchGenerator.submit), each called once per turn
+        # the step program's key (rows, is_greedy, with_logprobs, adjusts_logits) and the (group size, decoding
+        # rows) it was made for: made again only when those change, not every step
+        self.keyed_for, self.step_key = None, None
 
     def live(self) -> list[int]:
         """The positions of the group's rows that have not ended."""
@@ -422,6 +425,9 @@ class _Turns:
     def _read(self, in_flight):
         """ONE explicit read: the dispatch `in_flight` (one dispatch late: the device is busy with the one just
         queued) and the new rows' first tokens together."""
+        if not self.firsts:  # the usual turn: no row joined
+            self._read_dispatch(jax.device_get(in_flight[0]), in_flight[1])
+            return
         firsts, self.firsts = self.firsts, []
         host_firsts, host_out = jax.device_get(([f for _, f in firsts],
                                                 in_flight[0] if in_flight is not None else None))
@@ -508,7 +514,8 @@ class _Turns:
         live = self.live()
         if not live:
             self._drop_group()
-        elif next(b for b in self.bg.row_buckets if b >= len(live)) < len(self.members):
+        elif len(live) < len(self.members) and next(b for b in self.bg.row_buckets if b >= len(live)) < len(
+                self.members):
             self._regroup(live, None)
 
     def _drop_group(self):
@@ -540,12 +547,14 @@ class _Turns:
         rows = self._decoding()
         if not rows:
             return None
-        is_greedy = all(r.options.is_greedy for _, r in rows)
-        with_lp = any(r.top_logprobs is not None for _, r in rows)
-        adjusts = any(bg.gen.adjusts_logits(r.options, with_lp) for _, r in rows)
+        if (len(self.members), rows) != self.keyed_for:  # the decoding rows changed: their program's key
+            is_greedy = all(r.options.is_greedy for _, r in rows)
+            with_lp = any(r.top_logprobs is not None for _, r in rows)
+            adjusts = any(bg.gen.adjusts_logits(r.options, with_lp) for _, r in rows)
+            self.keyed_for, self.step_key = (len(self.members), rows), (len(self.members), is_greedy, with_lp, adjusts)
+        with_lp = self.step_key[2]
         with jax.transfer_guard("disallow"):
-            self.group, out = bg.batch_step_fn(len(self.members), is_greedy, with_lp, adjusts)(bg.gen.run_params,
-                                                                                                 self.group)
+            self.group, out = bg.batch_step_fn(*self.step_key)(bg.gen.run_params, self.group)
         out = (out.tokens, out.n_emit) + ((out.logprobs,) if with_lp else ())
         for a in jax.tree.leaves(out):
             a.copy_to_host_async()
@@ -575,10 +584,10 @@ class _Turns:
         tokens: what its later steps emitted is dropped, never committed (those steps ran masked)."""
         tokens, n_emit, *lp = out
         n = self.n
-        if n == 1:
-            tokens, n_emit = tokens[None], n_emit[None]
-            lp = [jax.tree.map(lambda a: a[None], lp[0])] if lp else lp
         tokens, n_emit = tokens.tolist(), n_emit.tolist()  # nested lists: per-element numpy reads cost ~10x
+        if n == 1:
+            tokens, n_emit = [tokens], [n_emit]
+            lp = [jax.tree.map(lambda a: a[None], lp[0])] if lp else lp
         for j, row in rows:
             row.unread -= n
             if row.done:
