@@ -43,8 +43,10 @@ Generator.stream: the device is busy with the dispatch just queued) -> hand each
 right there in this thread (`stream` wraps a queue.Queue for a caller's thread; the server's consumer does the
 request's text and reply work in place, so no other thread has to wake per step, as none does for
 Generator.stream) -> the rows' `flush` (BatchGenerator.submit): the server hands the whole turn's replies to its
-event loop in one wake-up. EOS / stop ids / max tokens / a closed stream end a row at that read; the dispatch
-already queued for it runs on masked (its outputs are dropped, never committed to the request) and its position
+event loop in one wake-up -> the read dispatch's outputs are released (after the flush, as Generator.stream drops
+them after its consumer: freeing them releases the GIL, which the woken loop takes there, between two dispatches,
+not inside the next one; _Turns._turn). EOS / stop ids / max tokens / a closed stream end a row at that read; the
+dispatch already queued for it runs on masked (its outputs are dropped, never committed to the request) and its position
 is dead until a new request is put there. Per row and step the host does list slicing and set checks on the
 outputs' nested lists (bench/batching_host.py measures this Python: with the demo model's tokenizer and the
 server's consumer, 0.14 ms per step at 8 rows on a CPU host, from 1.1 ms before the reads, hand-offs and
@@ -148,7 +150,7 @@ class BatchGenerator:
     def __init__(self, gen: Generator, max_running: int):
         self.gen, self.max_running = gen, max_running
         self.row_buckets = row_buckets(max_running)
-        self.inbox: queue.Queue[_Row] = queue.Queue()
+        self.inbox: queue.SimpleQueue[_Row] = queue.SimpleQueue()  # empty(): no lock, every turn
         self._thread: threading.Thread | None = None
         self._start = threading.Lock()
         # the staging slot; while the stager thread dispatches a chunk into it, the stager holds it (None here)
@@ -364,6 +366,9 @@ class _Turns:
         self.firsts: list = []  # (row, (first token, logprobs | None)), read at the next read
         self.in_flight = None  # (host copies of the dispatch's outputs, [(position, row)] they are read for)
         self.flushes: dict = {}  # the rows' flush callables (BatchGenerator.submit), each called once per turn
+        # the step program's key (rows, is_greedy, with_logprobs, adjusts_logits) and the (group size, decoding
+        # rows) it was made for: made again only when those change, not every step
+        self.keyed_for, self.step_key = None, None
 
     def live(self) -> list[int]:
         """The positions of the group's rows that have not ended."""
@@ -374,10 +379,12 @@ class _Turns:
         return list(self.waiting) + live + ([self.prefilling] if self.prefilling else [])
 
     def turn(self):
+        read = None
         try:
-            self._turn()
+            read = self._turn()
         finally:
             self.flush()
+        del read  # the dispatch this turn read: released after the flush (see _turn's end)
 
     def _turn(self):
         idle = not (self.in_flight or self.waiting or self.prefilling or self.firsts or self.live())
@@ -405,11 +412,22 @@ class _Turns:
         dispatched = self._dispatch()
         if self.firsts or self.in_flight is not None:
             self._read(self.in_flight)
-        self.in_flight = dispatched
+        # the dispatch just read is released by `turn`, after the flush, as Generator.stream drops its read outputs
+        # right after its consumer took the chunk: freeing a jax Array releases the GIL (jaxlib deletes its
+        # buffers without it), and the flush has just woken the server's event loop, which takes the GIL there,
+        # between two dispatches. Released before the flush (as it was), the loop's first chance was the next
+        # dispatch's own GIL release, and its work (the replies' Python) delayed that call's return: on a 2-core
+        # CPU host (bench/batching_sweep.sh --trivial) the lone row's step call took 125-280 us, the batch-1
+        # server's 92-102 us, and the lone row's TPOT was 10-34 % above the batch-1 server's.
+        read, self.in_flight = self.in_flight, dispatched
+        return read
 
     def _read(self, in_flight):
         """ONE explicit read: the dispatch `in_flight` (one dispatch late: the device is busy with the one just
         queued) and the new rows' first tokens together."""
+        if not self.firsts:  # the usual turn: no row joined
+            self._read_dispatch(jax.device_get(in_flight[0]), in_flight[1])
+            return
         firsts, self.firsts = self.firsts, []
         host_firsts, host_out = jax.device_get(([f for _, f in firsts],
                                                 in_flight[0] if in_flight is not None else None))
@@ -496,7 +514,8 @@ class _Turns:
         live = self.live()
         if not live:
             self._drop_group()
-        elif next(b for b in self.bg.row_buckets if b >= len(live)) < len(self.members):
+        elif len(live) < len(self.members) and next(b for b in self.bg.row_buckets if b >= len(live)) < len(
+                self.members):
             self._regroup(live, None)
 
     def _drop_group(self):
@@ -528,12 +547,14 @@ class _Turns:
         rows = self._decoding()
         if not rows:
             return None
-        is_greedy = all(r.options.is_greedy for _, r in rows)
-        with_lp = any(r.top_logprobs is not None for _, r in rows)
-        adjusts = any(bg.gen.adjusts_logits(r.options, with_lp) for _, r in rows)
+        if (len(self.members), rows) != self.keyed_for:  # the decoding rows changed: their program's key
+            is_greedy = all(r.options.is_greedy for _, r in rows)
+            with_lp = any(r.top_logprobs is not None for _, r in rows)
+            adjusts = any(bg.gen.adjusts_logits(r.options, with_lp) for _, r in rows)
+            self.keyed_for, self.step_key = (len(self.members), rows), (len(self.members), is_greedy, with_lp, adjusts)
+        with_lp = self.step_key[2]
         with jax.transfer_guard("disallow"):
-            self.group, out = bg.batch_step_fn(len(self.members), is_greedy, with_lp, adjusts)(bg.gen.run_params,
-                                                                                                 self.group)
+            self.group, out = bg.batch_step_fn(*self.step_key)(bg.gen.run_params, self.group)
         out = (out.tokens, out.n_emit) + ((out.logprobs,) if with_lp else ())
         for a in jax.tree.leaves(out):
             a.copy_to_host_async()
@@ -563,10 +584,10 @@ class _Turns:
         tokens: what its later steps emitted is dropped, never committed (those steps ran masked)."""
         tokens, n_emit, *lp = out
         n = self.n
-        if n == 1:
-            tokens, n_emit = tokens[None], n_emit[None]
-            lp = [jax.tree.map(lambda a: a[None], lp[0])] if lp else lp
         tokens, n_emit = tokens.tolist(), n_emit.tolist()  # nested lists: per-element numpy reads cost ~10x
+        if n == 1:
+            tokens, n_emit = [tokens], [n_emit]
+            lp = [jax.tree.map(lambda a: a[None], lp[0])] if lp else lp
         for j, row in rows:
             row.unread -= n
             if row.done:

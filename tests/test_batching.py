@@ -7,6 +7,7 @@ import concurrent.futures
 import functools
 import re
 import threading
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -272,6 +273,34 @@ def test_a_lone_request_starts_as_at_batch_1_and_the_next_joins_in_the_same_turn
         while (item := row.out.get_nowait()) is not _END:
             got.extend(item)
         assert got == expect
+
+
+def test_a_turn_releases_the_dispatch_it_read_after_its_flush(gens):
+    """A lone row driven turn by turn with a flush (the server's hand-off to its event loop): at every flush the
+    device outputs of the dispatch that turn read are still alive, and they are gone once the turn returned.
+    Freeing a jax Array releases the GIL, so the loop the flush woke takes the GIL there, between two dispatches,
+    as at batch 1 (Generator.stream drops its read outputs after its consumer took the chunk), not inside the next
+    dispatch; the tokens are what the row gives alone."""
+    gen, bg = gens
+    prompt = [5 + 3 * i for i in range(8)]
+    alone = gen.generate(prompt, max_new_tokens=24, stop_token_ids=())[0]
+    alive_at_flush = []
+    row = _Row(prompt, 24, frozenset(), None, SamplingOptions(), 0, GenerationStats(),
+               flush=lambda: alive_at_flush.append([r() is not None for r in refs]))
+    turns, refs, read = _Turns(bg), [], 0
+    turns._queue(row)
+    while not row.done:
+        refs = [weakref.ref(a) for a in jax.tree.leaves(turns.in_flight[0])] if turns.in_flight else []
+        turns.turn()
+        if refs:
+            read += 1
+            assert alive_at_flush[-1] == [True] * len(refs)
+            assert [r() for r in refs] == [None] * len(refs)
+    assert read >= 3 and len(alive_at_flush) >= read
+    got = []
+    while (item := row.out.get_nowait()) is not _END:
+        got.extend(item)
+    assert got == alone
 
 
 def test_stop_token_ends_one_row(gens):
