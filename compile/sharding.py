@@ -347,22 +347,24 @@ class ShardedKernelCalls(KernelCalls):
                  rec_state)
 
     def mla_attention(self, q_lat, q_rope, cache, positions, kv_b, *, v_head_dim: int, scale: float,
-                      layer: int | None = None, q_heads=None, rope_theta: float | None = None):
-        """Heads split over "tp" (the queries, kv_b_proj's [H, P + Vh, Lr] and the output), the latent cache and
-        positions replicated: each device attends its heads and applies their W_uv; no collective. The W_uk
-        absorption choice is the base's, on the device's heads."""
+                      layer: int | None = None, q_heads=None, rope_theta: float | None = None, gate=None,
+                      out_dtype=None):
+        """Heads split over "tp" (the queries, kv_b_proj's [H, P + Vh, Lr], the head gate and the output), the
+        latent cache and positions replicated: each device attends its heads and applies their W_uv (and gate);
+        no collective. The W_uk absorption choice is the base's, on the device's heads."""
         base = super()
         if self._mla_triton_config(q_lat, q_rope, cache, kv_b) is None:
             return None
         q_axes, rep = (None, None, "heads", None), P()
 
-        def kernel(a, b, c, d, w, heads):
+        def kernel(a, b, c, d, w, heads, g):
             return base.mla_attention(a, b, c, d, w, v_head_dim=v_head_dim, scale=scale, layer=layer,
-                                      q_heads=heads, rope_theta=rope_theta)
+                                      q_heads=heads, rope_theta=rope_theta, gate=g, out_dtype=out_dtype)
 
-        in_axes = (q_axes, q_axes, rep, rep, ("heads", None, None), None if q_heads is None else q_axes)
+        in_axes = (q_axes, q_axes, rep, rep, ("heads", None, None), None if q_heads is None else q_axes,
+                   None if gate is None else (None, None, "heads"))
         f = shard_kernel(kernel, self.mesh, in_axes, q_axes, self.rules)
-        return f(q_lat, q_rope, cache, positions, kv_b, q_heads)
+        return f(q_lat, q_rope, cache, positions, kv_b, q_heads, gate)
 
     def mla_context(self, q_lat, q_rope, cache, positions, *, scale: float, layer: int | None = None):
         """Heads split over "tp" (the queries), the latent cache replicated: each device attends its heads."""

@@ -617,24 +617,26 @@ class KernelCalls:
         return _mla_attention.mla_attention(q_lat, q_rope, cache, positions, scale=scale, config=cfg, layer=layer)
 
     def mla_attention(self, q_lat, q_rope, cache, positions, kv_b, *, v_head_dim: int, scale: float,
-                      layer: int | None = None, q_heads=None, rope_theta: float | None = None):
+                      layer: int | None = None, q_heads=None, rope_theta: float | None = None, gate=None,
+                      out_dtype=None):
         """Absorbed MLA attention with its W_uv product over the live prefix (Triton, mla_triton), or None where
         the field is off or the operands do not fit it: the caller tries mla_context, then the jnp form.
         kv_b: the layer's kv_b_proj as [H, P + Vh, Lr] (W_uk | W_uv rows per head); cache [B, S, F] or the
         stacked [L, B, S, F] read at `layer` in place -> o [B, T, H, Vh] f32 (attend_absorbed's).
         q_heads (with rope_theta): the unrotated heads [B, T, H, P + R]: the kernel rotates their rope columns
         (q_rope is then unused), and absorbs q_nope @ W_uk itself (q_lat unused too) where W_uk is at most
-        MLA_ABSORB_MAX_BYTES.
+        MLA_ABSORB_MAX_BYTES. gate [B, T, H] f32 (the block's head gate): the output is then
+        layers.mla.gated_heads(o, gate, out_dtype), applied in the kernel's combine (no XLA launch for it).
         """
         cfg = self._mla_triton_config(q_lat, q_rope, cache, kv_b)
         if cfg is None:
             return None
-        kw = dict(scale=scale, v_head_dim=v_head_dim, config=cfg, layer=layer)
+        kw = dict(scale=scale, v_head_dim=v_head_dim, config=cfg, layer=layer, out_dtype=out_dtype)
         if q_heads is None:
-            return _mla_triton.mla_triton(q_lat, q_rope, cache, positions, kv_b, **kw)
+            return _mla_triton.mla_triton(q_lat, q_rope, cache, positions, kv_b, gate, **kw)
         p = kv_b.shape[1] - v_head_dim
         absorb = kv_b.shape[0] * p * kv_b.shape[2] * kv_b.dtype.itemsize <= MLA_ABSORB_MAX_BYTES
-        return _mla_triton.mla_triton(q_heads if absorb else q_lat, q_heads, cache, positions, kv_b,
+        return _mla_triton.mla_triton(q_heads if absorb else q_lat, q_heads, cache, positions, kv_b, gate,
                                       absorb_q=absorb, rope_theta=rope_theta, rope_offset=p, **kw)
 
     def _mla_triton_config(self, q_lat, q_rope, cache, kv_b):

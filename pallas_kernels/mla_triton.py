@@ -25,7 +25,9 @@ Two launches, whatever T and the live length live[b] = max_t pos[b, t] + 1:
      splits:  M = max_sp m_sp;  w_sp = e^(m_sp - M);  ctx = R(sum_sp w_sp acc_sp / sum_sp w_sp l_sp)  (in split
      order, `combine_unroll` splits' loads in flight at a time), then with kv_b the head's output projection
      o = ctx @ W_uv[h]^T ([BT, Lr] x [Lr, Vh], W_uv read in place as rows P.. of the [H, P + Vh, Lr] kv_b_proj)
-     and o [B, T, H, Vh] f32 is attend_absorbed's result: no XLA kernel between the attention and o * gate.
+     and o [B, T, H, Vh] f32 is attend_absorbed's result; with the block's head gate g [B, T, H] f32 the combine
+     also applies it, R'(o * g) in the dense projection's input dtype (ling_jax.layers.mla.gated_heads: the same
+     f32 multiply and rounding as XLA's, bitwise), so no XLA kernel sits between the attention and o_proj.
 Batch invariance: the block and split partition is fixed by the slot index (slot j is in split j // (SB*BS)
 whatever T, B or the live length), tile shapes are fixed by the config (BM, BS, BT: not by T), a row's blocks past
 its position are exact no-ops (p = 0, rescale e^0 = 1), so are the splits past it in the combine (w = 0) and the
@@ -258,10 +260,12 @@ def _attend_kernel(pos_ref, q_ref, qr_ref, cache_ref, *rest, d: _Dims, cfg: MlaT
     l_ref[b, sp, q_rows] = l
 
 
-def _combine_kernel(pos_ref, m_ref, l_ref, acc_ref, *rest, d: _Dims, cfg: MlaTritonConfig, v_rows, ctx_dtype):
+def _combine_kernel(pos_ref, m_ref, l_ref, acc_ref, *rest, d: _Dims, cfg: MlaTritonConfig, v_rows, ctx_dtype,
+                    gated: bool = False):
   """ctx[b, t, h] = R(sum_sp w_sp acc_sp / sum_sp w_sp l_sp), w_sp = e^(m_sp - max m) over the live splits in
-  split order; with kv_b (v_rows = (P, Vh)) the head's W_uv product. The partials come in as [B, NS, T', H, *]
-  (the attend's rows t*H + h, T' H >= its padded rows): head h's rows are one strided slice."""
+  split order; with kv_b (v_rows = (P, Vh)) the head's W_uv product, and with gated (rest: kv_b, gate [B, T, H]
+  f32, out) that product times the head's gate, stored in the output's dtype. The partials come in as
+  [B, NS, T', H, *] (the attend's rows t*H + h, T' H >= its padded rows): head h's rows are one strided slice."""
   out_ref = rest[-1]
   b, h, k = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   bt, unroll = cfg.combine_rows, cfg.combine_unroll
@@ -299,15 +303,18 @@ def _combine_kernel(pos_ref, m_ref, l_ref, acc_ref, *rest, d: _Dims, cfg: MlaTri
   v_ok = None if vp == vh else _iota(vp) < vh
   w_uv = _load(rest[0].at[h, _span(p_off, vp, p_off + vh, b * 0), pl.ds(0, d.lp)], v_ok, lat_cols)   # W_uv[h] [Vp, Lp]
   o = _dot_t(ctx.astype(w_uv.dtype), w_uv)                     # [BT, Vp] fp32
+  if gated:                                                    # o * g in f32, rounded once by the store's cast
+    g = plt.load(rest[1].at[b, t_rows, h], mask=t_ok, other=0.0)   # [BT] f32
+    o = (o * g[:, None]).astype(out_ref.dtype)
   o_mask = jnp.broadcast_to(t_ok[:, None], (bt, vp))
   plt.store(out_ref.at[b, t_rows, h, pl.ds(0, vp)], o, mask=o_mask if v_ok is None else o_mask & v_ok[None, :])
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "v_head_dim", "absorb_q", "rope_theta", "rope_offset",
-                                             "config", "layer"))
-def mla_triton(q, q_rope, cache, positions, kv_b=None, *, scale: float, v_head_dim: int | None = None,
+                                             "config", "layer", "out_dtype"))
+def mla_triton(q, q_rope, cache, positions, kv_b=None, gate=None, *, scale: float, v_head_dim: int | None = None,
                absorb_q: bool = False, rope_theta: float | None = None, rope_offset: int = 0,
-               config: MlaTritonConfig | None = None, layer: int | None = None):
+               config: MlaTritonConfig | None = None, layer: int | None = None, out_dtype=None):
   """Absorbed MLA attention over the live prefix (Triton, 2 launches).
 
   q: q_lat [B, T, H, Lr] (q_nope @ W_uk); or with absorb_q the query heads [B, T, H, >= P] whose columns
@@ -323,6 +330,8 @@ def mla_triton(q, q_rope, cache, positions, kv_b=None, *, scale: float, v_head_d
   kv_b: None -> ctx [B, T, H, Lr] in the cache dtype (absorbed_context's). Or the layer's kv_b_proj as
     [H, P + Vh, Lr] (W_uk | W_uv rows per head, a free reshape of the weight) with v_head_dim = Vh -> the
     attention output W_uv ctx [B, T, H, Vh] f32 (attend_absorbed's), W_uv = kv_b[:, P:] read in the combine.
+  gate (with kv_b): the block's head gate [B, T, H] f32 -> (W_uv ctx * gate) [B, T, H, Vh] in out_dtype (the
+    dense projection's input dtype; default f32), ling_jax.layers.mla.gated_heads in the combine.
   """
   cfg = config or MlaTritonConfig()
   if layer is not None and (cache.ndim != 4 or not 0 <= layer < cache.shape[0]):
@@ -346,6 +355,8 @@ def mla_triton(q, q_rope, cache, positions, kv_b=None, *, scale: float, v_head_d
                            or not 0 < v_head_dim < kv_b.shape[1] + (0 if absorb_q else 1)):
     raise ValueError(f"kv_b {kv_b.shape} with v_head_dim={v_head_dim}: want [H={h}, P + Vh, Lr] and "
                      f"0 < Vh <= P + Vh (< with absorb_q)")
+  if gate is not None and (kv_b is None or gate.shape != (b, t, h)):
+    raise ValueError(f"gate {gate.shape} (kv_b given: {kv_b is not None}): want [B, T, H] = {(b, t, h)} with kv_b")
   d = _Dims(t=t, h=h, lr=lr, r=r, s=s, ns=pl.cdiv(s, cfg.split), p=p_dim)
   n_tiles = pl.cdiv(d.m, cfg.block_m)
   t_rows = pl.cdiv(n_tiles * cfg.block_m, h)                  # T': the partials' rows as [T', H] (>= the tiles')
@@ -366,9 +377,12 @@ def mla_triton(q, q_rope, cache, positions, kv_b=None, *, scale: float, v_head_d
     v_rows, extra, out = None, (), jax.ShapeDtypeStruct((b, t, h, lr), cache.dtype)
   else:
     vh = v_head_dim
-    v_rows, extra, out = (kv_b.shape[1] - vh, vh), (kv_b,), jax.ShapeDtypeStruct((b, t, h, vh), F32)
+    extra = (kv_b,) if gate is None else (kv_b, gate.astype(F32))
+    o_dtype = F32 if gate is None else (out_dtype or F32)     # ungated: attend_absorbed's f32 o
+    v_rows, out = (kv_b.shape[1] - vh, vh), jax.ShapeDtypeStruct((b, t, h, vh), o_dtype)
   o = pl.pallas_call(
-      functools.partial(_combine_kernel, d=d, cfg=cfg, v_rows=v_rows, ctx_dtype=cache.dtype),
+      functools.partial(_combine_kernel, d=d, cfg=cfg, v_rows=v_rows, ctx_dtype=cache.dtype,
+                        gated=gate is not None),
       grid=(b, h, pl.cdiv(t, cfg.combine_rows)),
       out_shape=out,
       compiler_params=plt.CompilerParams(num_warps=cfg.combine_num_warps, num_stages=1),

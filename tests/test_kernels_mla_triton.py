@@ -21,7 +21,7 @@ import pytest
 
 from ling_jax.config import get_preset
 from ling_jax.kernel_calls import KernelCalls
-from ling_jax.layers.mla import _kv_b, absorbed_context, attend_absorbed, rotate_queries
+from ling_jax.layers.mla import _kv_b, absorbed_context, attend_absorbed, gated_heads, rotate_queries
 from pallas_kernels.mla_triton import MlaTritonConfig, mla_triton
 from tests.conftest import rel_err
 
@@ -135,6 +135,29 @@ def test_odd_widths_and_every_form(t, form, dtype):
   got = kernel_out(ODD, p, heads, cache, positions, form)
   assert got.dtype == (dtype if form == "ctx" else F32)
   check(ODD, got, p, heads, cache, positions, "ctx" if form == "ctx" else "heads")
+
+
+@pytest.mark.parametrize("cfg", [DEMO, ODD], ids=["demo", "odd"])
+@pytest.mark.parametrize("t", [1, 6])
+def test_head_gate_in_the_combine(t, cfg):
+  """The block's head gate applied in the combine (gate [B, T, H] f32, out_dtype bf16): bitwise
+  layers.mla.gated_heads of the ungated kernel output (the same f32 multiply and one rounding), two batch rows, and
+  so within the bf16 model's error of the model's gated heads."""
+  p, heads, cache, positions = make(cfg, 2, t, [45, 200], BF, seed=19 + t)
+  gate = jax.nn.sigmoid(jax.random.normal(jax.random.key(23), positions.shape + (cfg.num_attention_heads,), F32))
+  P, Vh, scale = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.qk_head_dim ** -0.5
+  kv_b = _kv_b(p, cfg, BF)
+  got = jax.block_until_ready(mla_triton(heads, heads, cache, positions, kv_b, gate, scale=scale, v_head_dim=Vh,
+                                         absorb_q=True, rope_theta=cfg.rope_theta, rope_offset=P, config=KCFG,
+                                         out_dtype=BF))
+  ungated = kernel_out(cfg, p, heads, cache, positions)
+  assert got.dtype == BF and got.shape == ungated.shape
+  np.testing.assert_array_equal(np.asarray(got, F32), np.asarray(gated_heads(ungated, gate, BF), F32))
+  want = gated_heads(model_out(cfg, p, heads, cache, positions), gate, BF)
+  assert rel_err(got, want) <= 1e-2
+  with pytest.raises(ValueError, match="gate"):
+    mla_triton(heads, heads, cache, positions, kv_b, gate[:, :, :1], scale=scale, v_head_dim=Vh, absorb_q=True,
+               rope_theta=cfg.rope_theta, rope_offset=P, config=KCFG)
 
 
 def test_causal_inside_the_verify_rows():

@@ -117,9 +117,16 @@ def absorbed_context(q_lat, q_rope, cache, positions, cfg):
     return jnp.einsum("bhts,bsf->bthf", probs.astype(cache.dtype), cache)[..., : cfg.kv_lora_rank]
 
 
+def gated_heads(o, gate, dtype):
+    """The attention's heads o [B, T, H, Vh] f32 times the block's head gate [B, T, H] f32 (sigmoid(g_proj x)),
+    rounded to dtype: the dense projection's input (before its [B, T, H Vh] reshape)."""
+    return (o * gate[..., None]).astype(dtype)
+
+
 def attend_absorbed(p, q_nope, q_rope, cache, positions, cfg, *, kernels=None, layer: int | None = None,
-                    q_heads=None):
-    """Decode/verify path: attention over latent rows with W_uk, W_uv absorbed. Returns [B, T, H, Vh] f32.
+                    q_heads=None, gate=None, out_dtype=None):
+    """Decode/verify path: attention over latent rows with W_uk, W_uv absorbed. Returns [B, T, H, Vh] f32, or with
+    the head gate [B, T, H] gated_heads(o, gate, out_dtype) (the Triton kernel applies it in its combine).
     cache: [B, S, F], or the stacked [L, B, S, F] read at `layer`. kernels: a KernelCalls whose MLA kernels read
     the live prefix only: mla_attention (context and W_uv in the kernel, given the whole [H, P + Vh, Lr] weight:
     a slice of it would be an XLA copy), else mla_context (the context), else (None, or shapes neither takes)
@@ -132,13 +139,15 @@ def attend_absorbed(p, q_nope, q_rope, cache, positions, cfg, *, kernels=None, l
     ctx = None
     if kernels is not None:
         o = kernels.mla_attention(q_lat, q_rope, cache, positions, kv_b, v_head_dim=cfg.v_head_dim,
-                                  scale=cfg.qk_head_dim**-0.5, layer=layer, q_heads=q_heads, rope_theta=cfg.rope_theta)
+                                  scale=cfg.qk_head_dim**-0.5, layer=layer, q_heads=q_heads, rope_theta=cfg.rope_theta,
+                                  gate=gate, out_dtype=out_dtype)
         if o is not None:
             return o
         ctx = kernels.mla_context(q_lat, q_rope, cache, positions, scale=cfg.qk_head_dim**-0.5, layer=layer)
     if ctx is None:
         ctx = absorbed_context(q_lat, q_rope, cache if layer is None else cache[layer], positions, cfg)
-    return jnp.einsum("bthl,hvl->bthv", ctx, w_uv, preferred_element_type=jnp.float32)
+    o = jnp.einsum("bthl,hvl->bthv", ctx, w_uv, preferred_element_type=jnp.float32)
+    return o if gate is None else gated_heads(o, gate, out_dtype)
 
 
 def _softmax(scores, mask):
@@ -166,8 +175,10 @@ def mla_layer(p, x, cache, lengths, cfg, *, absorbed: bool, layer: int | None = 
     q_nope, q_rope = q[..., : cfg.qk_nope_head_dim], rotate_queries(q[..., cfg.qk_nope_head_dim :], positions, cfg)
     cache = write_cache(cache, mla_cache_rows(p, c, positions, cfg), lengths, layer)
     if absorbed:
-        o = attend_absorbed(p, q_nope, q_rope, cache, positions, cfg, kernels=kernels, layer=layer, q_heads=q)
+        o = attend_absorbed(p, q_nope, q_rope, cache, positions, cfg, kernels=kernels, layer=layer, q_heads=q,
+                            gate=gate, out_dtype=x.dtype)
     else:
-        o = attend_plain(p, q_nope, q_rope, cache if layer is None else cache[layer], positions, cfg)
-    o = (o * gate[..., None]).reshape(B, T, -1).astype(x.dtype)
+        o = gated_heads(attend_plain(p, q_nope, q_rope, cache if layer is None else cache[layer], positions, cfg),
+                        gate, x.dtype)
+    o = o.reshape(B, T, -1)
     return linear(o, p["dense"], kernels, residual, fp8_activations=fp8_activations), cache
