@@ -74,8 +74,11 @@ def kernel_profile(gen: Generator, prompt, steps: int, adjusts_logits: bool | No
             jax.block_until_ready(run(gen.run_params, state))
             continue
         logdir = tempfile.mkdtemp(prefix="dspark-prof-")
-        with jax.profiler.trace(logdir, create_perfetto_trace=True):
-            jax.block_until_ready(run(gen.run_params, state))
+        try:
+            with jax.profiler.trace(logdir, create_perfetto_trace=True):
+                jax.block_until_ready(run(gen.run_params, state))
+        except Exception as ex:  # noqa: BLE001 -- a profiler that fails loses the trace, not the run's timings
+            return {"error": f"profiler: {type(ex).__name__}: {str(ex)[:200]}"}
     files = glob.glob(os.path.join(logdir, "**", "perfetto_trace.json.gz"), recursive=True)
     if not files:
         return {"error": "no trace"}
