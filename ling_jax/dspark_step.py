@@ -182,7 +182,7 @@ def dspark_step_with_drafts(params, dparams, state: DSparkState, drafts, q, limi
             count = lambda x: jax.nn.one_hot(x, G + 1, dtype=jnp.int32)
         else:
             # (a one-hot sum, not a scatter-add: the same counts, and XLA fuses it into the histogram's add)
-            count = lambda x: jnp.sum(jax.nn.one_hot(x, G + 1, dtype=jnp.int32), axis=0)
+            count = lambda x: jnp.sum(jax.nn.one_hot(x.reshape(-1), G + 1, dtype=jnp.int32), axis=0)
         state = state.replace(target=v.target, bonus=v.bonus, key=fold_key(state.key, 4), history=v.history,
                               accept_hist=state.accept_hist + count(v.n),
                               length_hist=state.length_hist + count(limit))

@@ -359,7 +359,8 @@ def spec_step_with_drafts(params, state: SpecState, drafts, q, cache, cfg: Model
         if state.accept_hist.ndim == 2:  # per row (a joined batch)
             hist = state.accept_hist + jax.nn.one_hot(v.n, K + 1, dtype=jnp.int32)
         else:
-            hist = state.accept_hist + jnp.zeros((K + 1,), jnp.int32).at[v.n].add(1)
+            # a one-hot sum, not a scatter-add: the same counts, and XLA fuses it into the histogram's add
+            hist = state.accept_hist + jnp.sum(jax.nn.one_hot(v.n.reshape(-1), K + 1, dtype=jnp.int32), axis=0)
     new = state.replace(target=v.target, bonus=v.bonus, draft_cache=cache, seed=seed, draft_hidden=h,
                         seed_q=state.seed_q if is_greedy else seed_q, key=fold_key(state.key, 4), accept_hist=hist,
                         history=v.history)

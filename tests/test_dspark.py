@@ -189,6 +189,9 @@ def test_planted_mismatch_commits_plain_state_and_draft_context():
         ref, _, _ = gen.prefill(prompt + emitted[:-1], sp, key, True)
         assert rel_err(state.ctx_k[:, :, :L], ref.ctx_k[:, :, :L]) <= 1e-4
         assert rel_err(state.ctx_v[:, :, :L], ref.ctx_v[:, :, :L]) <= 1e-4
+    # the on-device histograms: accepted 0, 2, 4, 2, 1, 3 drafts of proposed lengths 4, 4, 4, 2, 4, 4
+    assert state.accept_hist.tolist() == [1, 1, 2, 1, 1]
+    assert state.length_hist.tolist() == [0, 0, 1, 0, 5]
 
 
 def test_sampled_verdict_with_limit_reproduces_target_distribution():

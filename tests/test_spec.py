@@ -100,6 +100,8 @@ def test_planted_mismatch_accepts_exactly_j_and_commits_plain_state(name, seed):
         assert rel_err(state.target.kda_recurrent, want.kda_recurrent) <= 1e-5
         assert rel_err(state.target.kda_conv, want.kda_conv) <= 1e-5
         assert rel_err(state.target.mla_cache[:, :, :L], want.mla_cache[:, :, :L]) <= 1e-5
+    # the on-device accept histogram counted each planted verdict once: accepted 0, 3, 5, 1, 2, 4
+    assert state.accept_hist.tolist() == [1, 1, 1, 1, 1, 1]
 
 
 # ---- (c) no state pollution ------------------------------------------------------------------------------------
