@@ -36,7 +36,7 @@ from ling_jax.dspark import DSparkConfig, block_hidden, confidence_logit, contex
 from ling_jax.model import RuntimeOptions, forward, lm_logits
 from ling_jax.sampling import (SamplingParams, TokenHistory, adjust_logits, fold_key, greedy, logprobs, pick,
                                split_key)
-from ling_jax.spec import SpecConfig, StepOutput, _row, chunk_rows, verify_and_commit
+from ling_jax.spec import SpecConfig, StepOutput, _row, chunk_rows, count_into, verify_and_commit
 from ling_jax.state import DecodeState, init_state
 
 
@@ -171,21 +171,15 @@ def dspark_step_with_drafts(params, dparams, state: DSparkState, drafts, q, limi
     """verify -> verdict -> commit -> project for given drafts and proposed lengths limit int32[B] (tests inject
     drafts here). adjusts_logits=False (static, ling_jax.spec.argmax_only): the verify rows' tokens may come from
     the fused lm_head + argmax. Returns (state, StepOutput)."""
-    G = dcfg.block_size
     v = verify_and_commit(params, state, drafts, q, cfg, is_greedy=is_greedy, opts=opts,
                           capture=dcfg.target_layer_ids, limit=limit, with_logprobs=with_logprobs,
                           adjusts_logits=adjusts_logits)
     with jax.named_scope("project_context"):
         state = project_context(dparams, state, v.layer_hidden, state.target.lengths, dcfg)
     with jax.named_scope("accept_histograms"):
-        if state.accept_hist.ndim == 2:  # per row (a joined batch)
-            count = lambda x: jax.nn.one_hot(x, G + 1, dtype=jnp.int32)
-        else:
-            # (a one-hot sum, not a scatter-add: the same counts, and XLA fuses it into the histogram's add)
-            count = lambda x: jnp.sum(jax.nn.one_hot(x.reshape(-1), G + 1, dtype=jnp.int32), axis=0)
         state = state.replace(target=v.target, bonus=v.bonus, key=fold_key(state.key, 4), history=v.history,
-                              accept_hist=state.accept_hist + count(v.n),
-                              length_hist=state.length_hist + count(limit))
+                              accept_hist=count_into(state.accept_hist, v.n),
+                              length_hist=count_into(state.length_hist, limit))
     return state, StepOutput(v.committed, v.n + 1, v.logprobs)
 
 

@@ -346,6 +346,14 @@ def extend(params, state: SpecState, cache, committed, target_hidden, n, history
     return seed, seed_q, h, cache
 
 
+def count_into(hist, n):
+    """A verify step's histogram update: hist int32[B, K+1] (per row, a joined batch) or [K+1] (batch 1) plus one
+    at each row's count n int32[B]. A one-hot sum, not a scatter-add: the same counts, and XLA fuses it into the
+    histogram's add (the scatter was a launch of its own)."""
+    hot = jax.nn.one_hot(n.reshape(-1), hist.shape[-1], dtype=jnp.int32)
+    return hist + (hot if hist.ndim == 2 else jnp.sum(hot, axis=0))
+
+
 def spec_step_with_drafts(params, state: SpecState, drafts, q, cache, cfg: ModelConfig, *, is_greedy: bool,
                           opts=RuntimeOptions(), with_logprobs: bool = True, adjusts_logits: bool = True):
     """verify -> commit -> extend for given drafts (the step's second half; tests inject drafts here)."""
@@ -354,13 +362,8 @@ def spec_step_with_drafts(params, state: SpecState, drafts, q, cache, cfg: Model
     with jax.named_scope("nextn_extend"):
         seed, seed_q, h, cache = extend(params, state, cache, v.committed, v.hidden, v.n, v.history, cfg,
                                         is_greedy=is_greedy, opts=opts, adjusts_logits=adjusts_logits)
-    K = drafts.shape[1]
     with jax.named_scope("accept_histograms"):
-        if state.accept_hist.ndim == 2:  # per row (a joined batch)
-            hist = state.accept_hist + jax.nn.one_hot(v.n, K + 1, dtype=jnp.int32)
-        else:
-            # a one-hot sum, not a scatter-add: the same counts, and XLA fuses it into the histogram's add
-            hist = state.accept_hist + jnp.sum(jax.nn.one_hot(v.n.reshape(-1), K + 1, dtype=jnp.int32), axis=0)
+        hist = count_into(state.accept_hist, v.n)
     new = state.replace(target=v.target, bonus=v.bonus, draft_cache=cache, seed=seed, draft_hidden=h,
                         seed_q=state.seed_q if is_greedy else seed_q, key=fold_key(state.key, 4), accept_hist=hist,
                         history=v.history)
