@@ -3,10 +3,10 @@ persistent kernel with a weight ring of e4m3 tiles (half the bytes) and their 12
 
 Shape legend (as fused_linear): T rows, TP wgmma N, K reduction width, KB = K / BK steps, N_s rows of
 projection s, BN x BK weight tile, G CTAs, M = ceil(tiles / G) tiles per CTA at most, nK = ceil(K / 128)
-scale columns (padded to a multiple of 32: every row of the SMEM scale table is a TMA destination, and TMA writes
-only to 128-byte aligned shared memory; the 80-byte rows of K = 2560 (20 columns) ran into
-CUDA_ERROR_MISALIGNED_ADDRESS on the H200; pallas_kernels.tma checks every copy at trace time), nw = 2 for
-"swiglu" (gate, up), else 1.
+scale columns, nK' = nK padded to a multiple of 32 (the pitch of the SMEM scale table: every row of it is a TMA
+destination, and TMA writes only to 128-byte aligned shared memory; the 80-byte rows of K = 2560 (20 columns)
+ran into CUDA_ERROR_MISALIGNED_ADDRESS on the H200; pallas_kernels.tma checks every copy at trace time), nw = 2
+for "swiglu" (gate, up), else 1.
 
 Weights in the DeepSeek-V3 block layout (ling_jax.quant.Fp8Weight is one (w8, scale_inv) pair):
   w8 [N_s, K] float8_e4m3fn, s [ceil(N_s / 128), ceil(K / 128)] f32,   W = W8 * s per 128 x 128 block.
@@ -19,8 +19,10 @@ from it by that rounding (~1e-3 relative). The epilogues, the output stores, the
 persistent grid and the ring order are fused_linear's; only the ring's element type and the K step differ.
 
 Kernel plan (what fused_linear's plan adds):
-  1. with the first R weight loads, each CTA TMAs the scale rows of its (up to M) tiles into SMEM [M nw, nK]
-     (one 1-row box per weight of the tile; barrier m counts the tile's nw copies);
+  1. with the first R weight loads, each CTA TMAs the scale rows of its (up to M) tiles into the SMEM table
+     [M nw nK'] (row j at j nK'; one box of the nK scales of the tile's row block per weight, read from the
+     checkpoint's [ceil(N_s / 128), nK] array as it is, flattened: no XLA pad of the scales per call, where 4 nK
+     bytes are a multiple of 16, a TMA box; barrier m counts the tile's nw copies);
   2. K step k: wait the slot(s), dequantise each fp8 tile into a bf16 SMEM tile [nw, BN, BK] (registers:
      load, convert, store), commit; wgmma into fresh accumulators p_i; read them (waits for this step's
      wgmma); acc_i += s * p_i in registers; refill the slot(s) R loads ahead (after the wgmma read the streamed
@@ -92,7 +94,7 @@ def _pin(v, layout=plgpu.Layout.WGMMA):
 
 class Fp8Refs(NamedTuple):
   """What the fp8 steps read (fused_linear's _Ring.fp8): the scale refs in GMEM (one per weight, flat), the bf16
-  dequantised tiles ("partial" / "weight"), the scale rows [M nw, nK] and their M barriers, and for "e4m3" the
+  dequantised tiles ("partial" / "weight"), the scale table [M nw nK'] and its M barriers, and for "e4m3" the
   quantised activations x8 [KB, TP, BK] e4m3 with their scales s_x [KB, TP] f32."""
   scales: tuple
   tiles: object
@@ -106,10 +108,20 @@ class Fp8Refs(NamedTuple):
 class Fp8Ring:
   """The fp8 pieces of fused_linear's kernel (its plan holds one): SMEM for the dequantised tiles (or the e4m3
   activations) and the scale rows, the scale-row loads, the activation quantisation, the K loop.
-  scale_cols: nK padded to SCALE_ALIGN; scale_on: see norm_linear_fp8."""
+  scale_cols: the SMEM pitch of a scale row, nK padded to SCALE_ALIGN (every row a 128-byte aligned TMA
+  destination); src_cols: the length of a row in the flat GMEM scale array the kernel reads ([N/128 * src_cols]
+  f32: nK itself, where its 4 nK bytes are a TMA box (a multiple of 16), so the checkpoint's [N/128, nK] array
+  is read as it is, with no XLA pad per call; else nK padded to a multiple of 4); by default scale_cols;
+  scale_on: see norm_linear_fp8."""
   scale_cols: int
   scale_on: str = "partial"
+  src_cols: int | None = None
   weight_dtype = FP8
+
+  @property
+  def row_len(self) -> int:
+    """f32 scales copied per scale row (the GMEM row's length)."""
+    return self.scale_cols if self.src_cols is None else self.src_cols
 
   @property
   def fp8_activations(self) -> bool:
@@ -127,11 +139,11 @@ class Fp8Ring:
 
   def scratch(self, plan):
     """(name, allocation) of the SMEM of fused_linear's kernel scope: bf16 tiles [buffers nw, BN, BK] (or, for
-    "e4m3", none), scale rows [M nw, nK], M barriers, and for "e4m3" x8 [KB, TP, BK] e4m3 (swizzled as the
+    "e4m3", none), the scale table [M nw nK'] (row j at j nK'), M barriers, and for "e4m3" x8 [KB, TP, BK] e4m3 (swizzled as the
     weight tiles: one wgmma swizzle) and s_x [KB, TP] f32."""
     nw, m = _nw(plan), pl.cdiv(plan.n_tiles, plan.grid)
     bn, bk = plan.cfg.block_n, plan.cfg.block_k
-    rows = (("scale rows", plgpu.SMEM((m * nw, self.scale_cols), jnp.float32)),
+    rows = (("scale rows", plgpu.SMEM((m * nw * self.scale_cols,), jnp.float32)),   # row j at j scale_cols
             ("scale-row barriers", plgpu.Barrier(num_arrivals=nw, num_barriers=m)))
     if self.fp8_activations:
       return rows + (("x8", plgpu.SMEM((plan.kb, plan.tp, bk), FP8, transforms=fl._swizzled(1, bk))),
@@ -174,9 +186,11 @@ class Fp8Ring:
       for s, (lo, hi) in enumerate(plan.tiles()):
         def copy(m=m, refs=per_proj[s], lo=lo, f=f):
           row = lax.div((f - lo) * plan.cfg.block_n, jnp.int32(SCALE_BLOCK))
+          n = self.row_len
           for i in range(nw):
-            tma.copy_gmem_to_smem(refs[min(i, len(refs) - 1)].at[pl.ds(row, 1)],
-                                  rows.at[pl.ds(m * nw + i, 1)], bars.at[m], kernel=plan.name, buffer="scale rows")
+            tma.copy_gmem_to_smem(refs[min(i, len(refs) - 1)].at[pl.ds(row * n, n)],
+                                  rows.at[pl.ds((m * nw + i) * self.scale_cols, n)], bars.at[m], kernel=plan.name,
+                                  buffer="scale rows")
         pl.when((m < r.n_mine) & (f >= lo) & (f < hi))(copy)
 
   def gemm(self, r, xs, s, m, tile, base):
@@ -196,7 +210,7 @@ def _dequantised(r, slot, scale=None):
 def _scale(r, m, i, k):
   """Scale of weight i of the CTA's m-th tile at K step k (its 128-wide scale column)."""
   col = lax.div(k * r.plan.cfg.block_k, jnp.int32(SCALE_BLOCK))
-  return r.fp8.rows[m * _nw(r.plan) + i, col]
+  return r.fp8.rows[(m * _nw(r.plan) + i) * r.plan.fp8.scale_cols + col]
 
 
 def _gemm_scaled_partial(r, xs, s, m, tile, base):
@@ -366,14 +380,19 @@ def _fp8_call(xs, norm_ws, residual, weights, projs, eps, cfg, scale_on):
   k = sum(x.shape[1] for x in xs)
   n_k = pl.cdiv(k, SCALE_BLOCK)
   cols = -(-n_k // SCALE_ALIGN) * SCALE_ALIGN
-  padded = []
+  # The GMEM rows the kernel copies: the checkpoint's [N/128, nK] scales flattened (free) where a row of nK f32
+  # is a TMA box (4 nK bytes a multiple of 16: nK = 20, 32, 48 at Ling's K = 2560, 4096, 6144); only other nK
+  # are padded (an XLA pad per call and weight).
+  src = tma.pad_to(n_k, jnp.float32, tma.BOX_INNER_ALIGN)
+  flat_scales = []
   for w8, sc in flat:
     want = (pl.cdiv(w8.shape[0], SCALE_BLOCK), n_k)
     if w8.dtype != FP8 or w8.ndim != 2 or sc.dtype != jnp.float32 or sc.shape != want:
       raise ValueError(f"fp8 weight {w8.shape} {w8.dtype} with scales {sc.shape} {sc.dtype}: expected "
                        f"float8_e4m3fn [N, K={k}] with float32 scales {want} (128 x 128 blocks)")
-    padded.append(jnp.pad(sc, ((0, 0), (0, cols - n_k))) if cols != n_k else sc)
-  return fl._call(xs, norm_ws, residual, w8s, projs, eps, cfg, fp8=Fp8Ring(cols, scale_on), scales=tuple(padded))
+    flat_scales.append((jnp.pad(sc, ((0, 0), (0, src - n_k))) if src != n_k else sc).reshape(-1))
+  return fl._call(xs, norm_ws, residual, w8s, projs, eps, cfg, fp8=Fp8Ring(cols, scale_on, src),
+                  scales=tuple(flat_scales))
 
 
 @functools.partial(jax.jit, static_argnames=("projs", "eps", "config", "scale_on"))

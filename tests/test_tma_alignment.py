@@ -72,24 +72,39 @@ def test_smem_view_offsets():
     tma.check_box("k", "x8", (4, 128), F8, dynamic_strides=(512,), align=1024)
 
 
-def _swiglu_fp8(scale_cols):
-  """fused_linear_fp8 (gate, up) at K = 2560 (nK = 20 scale columns) with `scale_cols` columns per SMEM scale row."""
+def _swiglu_fp8(scale_cols, src_cols=None):
+  """fused_linear_fp8 (gate, up) at K = 2560 (nK = 20 scale columns) with `scale_cols` columns per SMEM scale row,
+  reading GMEM scale rows of `src_cols` (default scale_cols: the scales padded to it) columns."""
+  n = scale_cols if src_cols is None else src_cols
   def f(x, nw, g8, gs, u8, us):
     xs, nws = fl.normed_inputs(x, nw)
-    pad = lambda sc: jnp.pad(sc, ((0, 0), (0, scale_cols - sc.shape[1])))
+    flat = lambda sc: jnp.pad(sc, ((0, 0), (0, n - sc.shape[1]))).reshape(-1)
     return fl._call(xs, nws, None, ((g8, u8),), (fl.Proj("swiglu"),), 1e-6, fl.LinearConfig(),
-                    fp8=Fp8Ring(scale_cols), scales=(pad(gs), pad(us)))
+                    fp8=Fp8Ring(scale_cols, src_cols=src_cols), scales=(flat(gs), flat(us)))
   return f
 
 
 def test_rejects_the_old_80_byte_scale_rows_and_accepts_the_padded_ones():
   """Before 853da19 the scale rows were padded to 4 columns only: 20 f32 = 80 bytes at K = 2560, and the up
-  weight's row (row 1) landed 80 bytes in."""
+  weight's row (row 1) landed 80 bytes in. Since 2026-12-07 the 20-column GMEM rows are copied as they are (no
+  XLA pad) into the table's 32-column (128-byte) rows."""
   args = (S((1, 2560), BF), S((2560,), BF), S((128, 2560), F8), S((1, 20), F32), S((128, 2560), F8), S((1, 20), F32))
-  with pytest.raises(ValueError, match=r"fused_linear_fp8: TMA copy into SMEM buffer 'scale rows': box \(1, 20\) "
+  with pytest.raises(ValueError, match=r"fused_linear_fp8: TMA copy into SMEM buffer 'scale rows': box \(20,\) "
                                        r"float32 \(80 B\) lands at byte offset 80"):
     lower_cuda(_swiglu_fp8(20), *args)
   assert "custom_call @mosaic_gpu" in lower_cuda(_swiglu_fp8(32), *args)
+  assert "custom_call @mosaic_gpu" in lower_cuda(_swiglu_fp8(32, src_cols=20), *args)
+
+
+def test_fp8_scales_reach_the_kernel_unpadded():
+  """norm_linear_fp8 at K = 2560 (nK = 20: 80-byte rows, a TMA box) hands the kernel the checkpoint's scales
+  flattened, with no pad in the program; at K = 768 (nK = 6: 24 bytes, no TMA box) it pads them to 8 columns."""
+  def lowered(k):
+    w = (S((256, k), F8), S((2, -(-k // 128)), F32))
+    f = lambda x, nw, w8, s: norm_linear_fp8(x, nw, ((w8, s),), projs=(fl.Proj(),), eps=1e-6)
+    return lower_cuda(f, S((1, k), BF), S((k,), BF), *w)
+  assert "stablehlo.pad" not in lowered(2560)
+  assert "stablehlo.pad" in lowered(768)
 
 
 def _moe_args(t, d=256, i=384, e=16, a=2):
