@@ -105,16 +105,23 @@ class KdaConfig:
     epilogue_num_warps: warps of the folded epilogue's one program per head; None: Dv / 32 (2 at the demo's 64,
       4 at Ling's 128: the fastest of 1-16 warps in bench/sass_kda_verify.py's model at T = 1 and 6, see the
       module docstring).
+    chunk_rows: verify positions whose rows (loads, prepared vectors, outputs) are live in registers at once;
+      the state carries from chunk to chunk. 6 covers NEXTN's verify (steps 5) in one chunk, as before; DSpark's
+      17 rows run as 6 + 6 + 5 (all 17 at once spilled). The results do not depend on it (the same operations
+      in the same order, bitwise).
     interpret: run in the Pallas interpreter (CPU tests).
   """
   block_v: int = 32
   num_warps: int = 4
   epilogue_num_warps: int | None = None
+  chunk_rows: int = 6
   interpret: bool = False
 
   def __post_init__(self):
     if self.block_v <= 0 or self.block_v & (self.block_v - 1):
       raise ValueError(f"block_v={self.block_v} must be a positive power of 2")
+    if self.chunk_rows < 1:
+      raise ValueError(f"chunk_rows={self.chunk_rows} must be >= 1")
     if self.epilogue_num_warps not in (None, 1, 2, 4, 8, 16):
       raise ValueError(f"epilogue_num_warps={self.epilogue_num_warps} must be one of 1, 2, 4, 8, 16 (or None)")
 
@@ -148,25 +155,8 @@ def _conv_rows(xcat, taps, act):
   return out
 
 
-def _stream_rows(proj_ref, cs_ref, l, b, ch, t_len, width):
-  """xcat of channels `ch` (flat): layer l's W-1 conv window rows, then the T raw rows of the projection."""
-  return ([cs_ref[l, b, i, ch] for i in range(width - 1)]
-          + [proj_ref[b, t, ch] for t in range(t_len)])
-
-
 def _taps(w_ref, ch, width):
   return [w_ref[ch, 0, j].astype(jnp.float32) for j in range(width)]
-
-
-def _own_raw(proj_ref, b, c, bv, c_all, t_len):
-  """This program's raw q, k, v rows (channels [c, c+BV) of each stream) for the commit's window slide."""
-  return [[proj_ref[b, t, pl.ds(s * c_all + c, bv)] for t in range(t_len)] for s in range(3)]
-
-
-def _store_own_raw(raw_ref, l, b, c, bv, c_all, own):
-  for s, rows in enumerate(own):
-    for t, row in enumerate(rows):
-      raw_ref[l, b, t, pl.ds(s * c_all + c, bv)] = row
 
 
 def _slid_window(cs_ref, raw_ref, l, b, n, c, bv, c_all, t_len, width):
@@ -192,64 +182,69 @@ def _store_window(cs_ref, l, b, window):
 
 
 def _verify_kernel(layer_ref, proj_ref, b_ref, alog_ref, dtb_ref, w_ref, cs_ref, s_ref, *refs, t_len, width,
-                   h_n, dk, bv, lower_bound, eps):
+                   h_n, dk, bv, lower_bound, eps, chunk):
   """eps None: o_ref [B, T, H, Dv] gets R(o); eps given (the folded epilogue, BV = Dv): refs[0] is o_norm [Dv]
-  and o_ref [B, T, H*Dv] gets the gated, normed rows."""
+  and o_ref [B, T, H*Dv] gets the gated, normed rows. The T positions run in chunks of `chunk` rows (see
+  KdaConfig.chunk_rows); the state and the conv window's last W-1 raw rows carry from chunk to chunk."""
   o_ref, raw_ref, ko_ref, vo_ref, go_ref, bo_ref = refs[-6:]   # before them: [o_norm], the rows aliased in place
   epilogue = eps is not None                                            # (unread)
   b, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   l = layer_ref[0]
   c_all = h_n * dk
   c0, v0 = h * dk, h * dk + vb * bv                                    # the head's channels, this program's
-  head, vcols = pl.ds(c0, dk), pl.ds(v0, bv)
+  head = pl.ds(c0, dk)
   act = proj_ref.dtype
-  # Every load is issued before the recurrence and every store after it: a load placed after a
-  # store may alias it (the compiler cannot tell), which would put one global round trip on
-  # each of the T serial steps.
-  xq = _stream_rows(proj_ref, cs_ref, l, b, pl.ds(c0, dk), t_len, width)
-  xk = _stream_rows(proj_ref, cs_ref, l, b, pl.ds(c_all + c0, dk), t_len, width)
-  xv = _stream_rows(proj_ref, cs_ref, l, b, pl.ds(2 * c_all + v0, bv), t_len, width)
-  own = _own_raw(proj_ref, b, v0, bv, c_all, t_len)
-  qs = _conv_rows(xq, _taps(w_ref, pl.ds(c0, dk), width), act)
-  ks = _conv_rows(xk, _taps(w_ref, pl.ds(c_all + c0, dk), width), act)
-  vs = _conv_rows(xv, _taps(w_ref, pl.ds(2 * c_all + v0, bv), width), act)
+  chans = (pl.ds(c0, dk), pl.ds(c_all + c0, dk), pl.ds(2 * c_all + v0, bv))   # q, k, v: this program's
+  window = [[cs_ref[l, b, i, ch] for i in range(width - 1)] for ch in chans]  # xcat's first W-1 rows
+  taps = [_taps(w_ref, ch, width) for ch in chans]
   a = jnp.exp(alog_ref[h].astype(jnp.float32))
   dtb = dtb_ref[head].astype(jnp.float32)
-  fs = [proj_ref[b, t, pl.ds(3 * c_all + c0, dk)].astype(jnp.float32) for t in range(t_len)]
-  bs = [b_ref[b, t, h].astype(jnp.float32) for t in range(t_len)]
   s = s_ref[l, b, h, :, pl.ds(vb * bv, bv)]                            # [Dk, BV] f32
-  if epilogue:                                                         # the out gate and o_norm [Dv]
-    gates = [proj_ref[b, t, pl.ds(4 * c_all + v0, bv)].astype(jnp.float32) for t in range(t_len)]
-    w_norm = refs[0][:].astype(jnp.float32)
+  w_norm = refs[0][:].astype(jnp.float32) if epilogue else None       # o_norm [Dv]
   scale = dk ** -0.5
-  qn, kn, gs, betas, outs = [], [], [], [], []
-  for t in range(t_len):                                               # position-parallel part
-    qn.append(_round(qs[t] * lax.rsqrt(jnp.sum(qs[t] * qs[t]) + L2_EPS), act) * scale)
-    kn.append(_round(ks[t] * lax.rsqrt(jnp.sum(ks[t] * ks[t]) + L2_EPS), act))
-    gs.append(lower_bound * _sigmoid(a * (fs[t] + dtb)))
-    betas.append(_sigmoid(bs[t]))
-  for t in range(t_len):                                               # the serial recurrence
-    k = kn[t]
-    s = s * jnp.exp(gs[t])[:, None]                                    # diag(e^g) S
-    kv = jnp.sum(s * k[:, None], axis=0)                               # S^T k  [BV]
-    s = s + k[:, None] * (betas[t] * (vs[t] - kv))[None, :]
-    outs.append(jnp.sum(s * qn[t][:, None], axis=0))                   # o_t = S^T q
-  for t in range(t_len):
-    if epilogue:                                                       # the model's kda_output_gate
-      o = _round(outs[t], act)
-      o = o * lax.rsqrt(jnp.sum(o * o) / bv + eps)
-      o_ref[b, t, pl.ds(v0, bv)] = (o * w_norm * _sigmoid(gates[t])).astype(act)
-    else:
-      o_ref[b, t, h, pl.ds(vb * bv, bv)] = outs[t].astype(act)           # R(o)
-    vo_ref[l, b, t, h, pl.ds(vb * bv, bv)] = vs[t]
-  _store_own_raw(raw_ref, l, b, v0, bv, c_all, own)
+  for t0 in range(0, t_len, chunk):
+    ts = range(t0, min(t0 + chunk, t_len))
+    # Within a chunk every load is issued before the recurrence and every store after it: a load placed after
+    # a store may alias it (the compiler cannot tell), which would put one global round trip on each serial
+    # step. Between chunks that order is what bounds the registers: the chunk's loads wait for the previous
+    # chunk's stores, so only one chunk's rows are live at a time (all 17 rows at once spilled: ~58 us a call
+    # on the H100 at the demo's heads, 2026-12-07).
+    raws = [[proj_ref[b, t, ch] for t in ts] for ch in chans]
+    own = [[proj_ref[b, t, pl.ds(i * c_all + v0, bv)] for t in ts] for i in range(3)]
+    fs = [proj_ref[b, t, pl.ds(3 * c_all + c0, dk)].astype(jnp.float32) for t in ts]
+    bs = [b_ref[b, t, h].astype(jnp.float32) for t in ts]
+    gates = [proj_ref[b, t, pl.ds(4 * c_all + v0, bv)].astype(jnp.float32) for t in ts] if epilogue else None
+    qs, ks, vs = (_conv_rows(win + raw, tp, act) for win, raw, tp in zip(window, raws, taps))
+    window = [(win + raw)[len(raw):] for win, raw in zip(window, raws)]   # the last W-1 rows of xcat so far
+    qn, kn, gs, betas, outs = [], [], [], [], []
+    for j in range(len(ts)):                                           # position-parallel part
+      qn.append(_round(qs[j] * lax.rsqrt(jnp.sum(qs[j] * qs[j]) + L2_EPS), act) * scale)
+      kn.append(_round(ks[j] * lax.rsqrt(jnp.sum(ks[j] * ks[j]) + L2_EPS), act))
+      gs.append(lower_bound * _sigmoid(a * (fs[j] + dtb)))
+      betas.append(_sigmoid(bs[j]))
+    for j in range(len(ts)):                                           # the serial recurrence
+      k = kn[j]
+      s = s * jnp.exp(gs[j])[:, None]                                  # diag(e^g) S
+      kv = jnp.sum(s * k[:, None], axis=0)                             # S^T k  [BV]
+      s = s + k[:, None] * (betas[j] * (vs[j] - kv))[None, :]
+      outs.append(jnp.sum(s * qn[j][:, None], axis=0))                 # o_t = S^T q
+    for j, t in enumerate(ts):
+      if epilogue:                                                     # the model's kda_output_gate
+        o = _round(outs[j], act)
+        o = o * lax.rsqrt(jnp.sum(o * o) / bv + eps)
+        o_ref[b, t, pl.ds(v0, bv)] = (o * w_norm * _sigmoid(gates[j])).astype(act)
+      else:
+        o_ref[b, t, h, pl.ds(vb * bv, bv)] = outs[j].astype(act)         # R(o)
+      vo_ref[l, b, t, h, pl.ds(vb * bv, bv)] = vs[j]
+      for i in range(3):                                               # the raw rows, for the commit's slide
+        raw_ref[l, b, t, pl.ds(i * c_all + v0, bv)] = own[i][j]
 
-  @pl.when(vb == 0)
-  def _():
-    for t in range(t_len):
-      ko_ref[l, b, t, h, :] = kn[t]
-      go_ref[l, b, t, h, :] = gs[t]
-      bo_ref[l, b, t, h] = betas[t]
+    @pl.when(vb == 0)
+    def _():
+      for j, t in enumerate(ts):
+        ko_ref[l, b, t, h, :] = kn[j]
+        go_ref[l, b, t, h, :] = gs[j]
+        bo_ref[l, b, t, h] = betas[j]
 
 
 def _commit_kernel(n_ref, s_in, cs_in, raw_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, cs_ref, *, b_n, t_len,
@@ -319,7 +314,7 @@ def kda_verify(proj, b_raw, A_log, dt_bias, conv_w, conv_state, rec_state, layer
     assert [(a.shape, a.dtype) for a in in_rows] == [(a.shape, a.dtype) for a in out_rows], (in_rows, out_rows)
     aliases = {8 + len(extra) + i: 1 + i for i in range(len(in_rows))}
   kern = functools.partial(_verify_kernel, t_len=t, width=width, h_n=h, dk=dk, bv=bv, lower_bound=float(lower_bound),
-                           eps=float(eps) if epilogue else None)
+                           eps=float(eps) if epilogue else None, chunk=cfg.chunk_rows)
   o_shape = (bsz, t, h * dv) if epilogue else (bsz, t, h, dv)
   o, raw, k, v, g, beta = pl.pallas_call(
       kern, grid=(bsz, h, dv // bv),

@@ -153,6 +153,24 @@ def test_verify_epilogue_matches_model_output_gate(t, h, dk, dtype, tol):
     assert rel_err(dropped, ref) > 10 * tol
 
 
+@pytest.mark.parametrize("epilogue", [False, True])
+def test_verify_chunks_do_not_change_the_result(epilogue):
+  """KdaConfig.chunk_rows bounds the rows live in registers (DSpark's 17 verify rows as 6 + 6 + 5); the outputs
+  and rows are bitwise those of one chunk of all 17 (and of chunks of 4 and 1: chunk edges inside and at the conv
+  window), and match the model (the independent check is test_kda_kernels_match_model at T = 17)."""
+  args = make(23, 1, 17, 2, 32, jnp.bfloat16, n_layers=2)
+  kw = dict(o_norm=jnp.linspace(0.5, 1.5, 32).astype(jnp.bfloat16), eps=1e-6) if epilogue else {}
+  run = lambda n: verify_layers(lambda *a: kda_verify(*a, config=KdaConfig(block_v=16, chunk_rows=n,
+                                                                           interpret=True), **kw), args)
+  want_o, want_rows = run(17)
+  for n in (6, 4, 1):
+    outs, rows = run(n)
+    for got, want in zip(list(outs) + list(rows), list(want_o) + list(want_rows)):
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  outs_ref, _ = verify_layers(lambda *a: model.kda_verify(*a, **kw), args)
+  assert rel_err(want_o[1], outs_ref[1]) <= (4e-3 if epilogue else 1e-5)
+
+
 def test_verify_writes_only_its_layer_rows():
   """A verify at layer 1 writes layer 1's rows and leaves layers 0 and 2 of the rows it is given as they were."""
   args = make(5, 1, 3, 2, 16, jnp.float32, n_layers=3)
