@@ -107,7 +107,8 @@ def _alignment(ids_ref, *, t, a, pp):
   zero = jnp.zeros((pp, 1), jnp.int32)
   before, slot = lax.fori_loop(0, pl.cdiv(pp, chunk), step, (zero, zero))
   first = live & (before == 0)
-  return e, first, slot, jnp.sum(first.astype(jnp.int32))
+  # (over the [PP] column: a 2-D -> scalar reduce fails to lower under a mesh)
+  return e, first, slot, jnp.sum(first[:, 0].astype(jnp.int32))
 
 
 def _expert_of(s, e, first, slot):
@@ -189,7 +190,7 @@ def _kernel(x_ref, ids_ref, w_ref, gs_ref, us_ref, ds_ref, *refs, t, a, n, d, i,
   # x_pad [N, D]: x's rows, zeros past T
   bx = tiles.block_x
   rows, xc = iota((np_, bx), 0), g * bx + iota((np_, bx), 1)
-  xt = plt.load(x_ref.at[pl.ds(0, np_), pl.ds(g * bx, bx)], mask=(rows < t) & (xc < d), other=0)
+  xt = plt.load(x_ref.at[pl.ds(0, np_), pl.ds(g * bx, bx)], mask=(rows < t) & (xc < d), other=0.0)
   plt.store(xo_ref.at[pl.ds(0, np_), pl.ds(g * bx, bx)], xt, mask=(rows < n) & (xc < d))
 
 
