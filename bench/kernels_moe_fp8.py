@@ -7,9 +7,10 @@ VARIANTS: what each pipeline step does with its e4m3 tile (MosaicMoeConfig's fp8
 registers (the model's dequantised weight), the scale on the fp32 partial, the integer convert ("bits"), and
 w8a8 (fp8_activations: x quantised per token and 128 columns by ling_jax.quant.quantize_activations inside the
 timed call, e4m3 x e4m3 wgmma); a name ending in " tables": the call's alignment, scale tables and x pad from
-pallas_kernels/moe_fp8_tables.py's one launch (KernelCalls.moe_fp8_tables) instead of moe_fp8's XLA chain. First a check on the GPU at each T: each variant against its reference, rel err
-<= 1e-2, and token 0 bit-identical alone and in the batch; a variant that fails the check exits non-zero before
-anything is timed, one that does not compile is reported and dropped. References: the model's own MoE math on the
+pallas_kernels/moe_fp8_tables.py's one launch (KernelCalls.moe_fp8_tables) instead of moe_fp8's XLA chain.
+First a check on the GPU at each T: each variant against its reference, rel err <= 1e-2, and token 0
+bit-identical alone and in the batch; a variant that fails the check exits non-zero before anything is timed,
+one that does not compile is reported and dropped. References: the model's own MoE math on the
 dequantised weights (ling_jax.layers.moe.routed_experts + dense_mlp); for w8a8 the model's MoE with its activations
 through quant.fake_quantize_activations (moe_experts(fp8_activations=True), f32 activations and matmuls, so that
 it is the same quantised math), whose distance to the bf16 model is printed too (what w8a8 costs).

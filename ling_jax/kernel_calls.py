@@ -304,7 +304,9 @@ class KernelCalls:
       to N rows, every program recomputing the alignment by counting) instead of moe_mosaic_fp8.align's XLA chain
       (_align's compare / reduce fusions, the tables' gathers and concatenates, the pads: 10-12 launches per call
       with the two kernels and the split-K sum in the deviceless H200 compile of tests/test_kernels_moe_fp8_tables.py,
-      4 with it; the census of the full fp8 model: bench/results/census-offline-ling3-flash-h200-mft-*.json). The
+      4 with it). The offline census of the full fp8 model on one H200 (2026-12-08, this field alone flipped):
+      plain 877 -> 637 launches a step, NEXTN5 1240 -> 765 (census-offline-ling3-flash-h200-mft[-off]-2026-12-08.json;
+      XLA also rematerialises the chain's fusions under the model's memory pressure, so more go than 8 a call). The
       same arrays bit for bit (integer counts, copies, and wc's sums of one (token, expert) pair's weights), so the
       MoE's output is unchanged (tests: bitwise in the interpreter, the w8a8 form, the one it runs). Both weight-only
       and w8a8 forms (x or its e4m3 x8 padded; w8a8's x scales keep their XLA pad). Off until timed on the GPU

@@ -8,8 +8,11 @@ down-table positions, BX columns of x per program; PP = P and C = its chunk, pow
 
 What it replaces: moe_mosaic_fp8.align, the reference (and its only definition of the math): moe_mosaic._align
 (dedupe the P expert ids into slots: meta, wc), moe_mosaic_fp8.scale_tables (each slot's expert scale rows
-gathered into the per-CTA up and down tables) and the pad of x to N rows: ~8 small XLA launches per MoE layer
-pass on the GPU (the offline census of the full fp8 model; ~2 us each), here one. The same arrays bit for bit
+gathered into the per-CTA up and down tables) and the pad of x to N rows: 6-8 small XLA launches per MoE call
+(~2 us each; the deviceless H200 compile of one call: 10-12 launches with the two kernels and the split-K sum, 4
+with this one), here one. The offline census of the full fp8 model (one H200, 2026-12-08): plain 877 -> 637
+launches a step, NEXTN5 1240 -> 765 (XLA also rematerialises some of the chain's fusions there;
+bench/results/census-offline-ling3-flash-h200-mft[-off]-2026-12-08.json). The same arrays bit for bit
 (tests/test_kernels_moe_fp8_tables.py): every output is an integer count, a copy or (wc) a sum with at most the
 terms of one (token, expert) pair, which a top-k never repeats (two equal terms would still add exactly as XLA's
 sum, any order).

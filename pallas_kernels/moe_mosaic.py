@@ -13,7 +13,8 @@ Math (the reference is the model's ling_jax.layers.moe.moe_experts; clamp L > 0 
 Kernel plan (the weights are the wgmma M side, the few tokens the N side; no host sync, no limit on E):
   0. align, no sort: each distinct expert id gets a slot s < n_active in ascending expert order
      (an expert picked by several tokens, or twice, is read once); wc [S, N] is a one-hot
-     reduction (no scatter, no atomics), in XLA (`_align`, ~6 small kernels + the pad of x).
+     reduction (no scatter, no atomics), in XLA (`_align`, ~6 small kernels + the pad of x; the fp8 kernel's
+     operands, these and its scale tables, also in one Triton launch: moe_fp8_tables.py).
   1. `moe_mgpu_up`, grid (S, I/BI): slot s streams its expert's [BI, D] gate and up rows once
      through a TMA pipeline; epilogue SwiGLU(+clamp) * wc -> h' [S, I, N] bf16. Empty slots exit.
   2. `moe_mgpu_down`, grid (D/BD, KS): one accumulator [BD, N] runs over every active slot in
