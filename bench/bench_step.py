@@ -412,7 +412,8 @@ def programs(a, cfg, mesh, rules, kernels, fused: tuple[bool, bool] = (False, Tr
                           moe_residual_epilogue=a.moe_residual_epilogue,
                           mla_live_prefix=a.mla_live_prefix, mla_triton=a.mla_triton, moe_fp8_scheme=a.moe_fp8_scheme,
                           moe_n_tokens=a.moe_n_tokens, moe_fp8_n_tokens=a.moe_fp8_n_tokens,
-                          moe_fp8_split_k=a.moe_fp8_split_k, fp8_linear_scale=a.fp8_linear_scale)
+                          moe_fp8_split_k=a.moe_fp8_split_k, moe_fp8_tables=a.moe_fp8_tables,
+                          fp8_linear_scale=a.fp8_linear_scale)
              if kernels != "reference" else None)
     opts = kernel_calls_for(RuntimeOptions(numerics=numerics_of(a), kernels=calls), mesh, rules)
     nextn = [int(k) for k in a.steps.split(",")]
@@ -611,6 +612,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "Mosaic MoE's token columns (16: 16 / 32 / 64 as T grows; 0: --moe-n-tokens)")
     ap.add_argument("--moe-fp8-split-k", type=int, default=KernelCalls.moe_fp8_split_k, help="KernelCalls."
                     "moe_fp8_split_k: the fp8 MoE's down-GEMM split of I where it divides (0: the tiles' own)")
+    ap.add_argument("--moe-fp8-tables", action=argparse.BooleanOptionalAction,
+                    default=GPU_DEFAULTS.get("moe_fp8_tables", KernelCalls.moe_fp8_tables),
+                    help="KernelCalls.moe_fp8_tables=True: the fp8 MoE's alignment, scale tables and x pad at T <= 32 "
+                    "rows in ONE Triton launch (pallas_kernels/moe_fp8_tables.py) instead of XLA's ~8 (off by "
+                    "default; A/B: --baseline-set moe_fp8_tables=0)")
     ap.add_argument("--fp8-linear-scale", default=KernelCalls.fp8_linear_scale, choices=FP8_LINEAR_SCALES,
                     help="KernelCalls.fp8_linear_scale: where the fp8 projections apply the block scale under "
                     "--fp8-activations none (dynamic runs the e4m3 form)")
@@ -727,7 +733,8 @@ def run_all(a, cfg, tp, mesh, rules):
                  mla_live_prefix=a.mla_live_prefix, mla_triton=a.mla_triton, moe_fp8_scheme=a.moe_fp8_scheme,
                  moe_n_tokens=a.moe_n_tokens,
                  moe_fp8_n_tokens=a.moe_fp8_n_tokens, moe_fp8_split_k=a.moe_fp8_split_k,
-                 fp8_linear_scale=a.fp8_linear_scale, fp8_activations=a.fp8_activations,
+                 moe_fp8_tables=a.moe_fp8_tables, fp8_linear_scale=a.fp8_linear_scale,
+                 fp8_activations=a.fp8_activations,
                  baseline_set=a.baseline_set, tree=tree_of(a.tree),
                  multi_step=a.multi_step, reps=a.reps)
     # "-kdaverify": the name the step files had while a second KDA path (the deleted KDA chain) existed
@@ -753,6 +760,7 @@ def run_all(a, cfg, tp, mesh, rules):
     prefix += "" if a.moe_fp8_n_tokens == KernelCalls.moe_fp8_n_tokens else f"-fp8n{a.moe_fp8_n_tokens}"
     prefix += "" if a.moe_fp8_split_k == KernelCalls.moe_fp8_split_k else f"-fp8ks{a.moe_fp8_split_k}"
     prefix += "" if a.fp8_linear_scale == KernelCalls.fp8_linear_scale else f"-fl8{a.fp8_linear_scale}"
+    prefix += "-mft" if a.moe_fp8_tables else ""
     prefix += "" if a.fp8_activations == Numerics.fp8_activations else f"-act{a.fp8_activations}"
     kept = None
     os.makedirs(a.out, exist_ok=True)

@@ -6,9 +6,11 @@ bf16 Mosaic kernel (moe_mosaic.moe) on the same weights dequantised, from the sa
 VARIANTS: what each pipeline step does with its e4m3 tile (MosaicMoeConfig's fp8 fields): dequantise in SMEM or
 registers (the model's dequantised weight), the scale on the fp32 partial, the integer convert ("bits"), and
 w8a8 (fp8_activations: x quantised per token and 128 columns by ling_jax.quant.quantize_activations inside the
-timed call, e4m3 x e4m3 wgmma). First a check on the GPU at each T: each variant against its reference, rel err
-<= 1e-2, and token 0 bit-identical alone and in the batch; a variant that fails the check exits non-zero before
-anything is timed, one that does not compile is reported and dropped. References: the model's own MoE math on the
+timed call, e4m3 x e4m3 wgmma); a name ending in " tables": the call's alignment, scale tables and x pad from
+pallas_kernels/moe_fp8_tables.py's one launch (KernelCalls.moe_fp8_tables) instead of moe_fp8's XLA chain.
+First a check on the GPU at each T: each variant against its reference, rel err <= 1e-2, and token 0
+bit-identical alone and in the batch; a variant that fails the check exits non-zero before anything is timed,
+one that does not compile is reported and dropped. References: the model's own MoE math on the
 dequantised weights (ling_jax.layers.moe.routed_experts + dense_mlp); for w8a8 the model's MoE with its activations
 through quant.fake_quantize_activations (moe_experts(fp8_activations=True), f32 activations and matmuls, so that
 it is the same quantised math), whose distance to the bf16 model is printed too (what w8a8 costs).
@@ -34,6 +36,7 @@ from bench.kernels_moe_mosaic import loop_time
 from ling_jax import quant
 from ling_jax.layers.moe import dense_mlp, moe_experts, routed_experts
 from pallas_kernels import moe_mosaic as mm
+from pallas_kernels.moe_fp8_tables import align_tables
 from pallas_kernels.moe_mosaic_fp8 import moe_fp8
 
 BF, F32 = jnp.bfloat16, jnp.float32
@@ -59,16 +62,26 @@ VARIANTS = [("fp8 smem", lambda t: C(fp8_operand="smem")),
                                                                   up_stages=6, down_stages=6)),
             ("fp8 partial-bits registers n16 s2", lambda t: C(**PBITS, n_tokens=small_n(t), up_stages=2,
                                                               down_stages=2)),
+            # KernelCalls' default form with its per-call operands from moe_fp8_tables' one launch (TABLES)
+            ("fp8 partial-bits registers n16 ks6 tables", lambda t: C(**PBITS, n_tokens=small_n(t), split_k=6)),
             ("w8a8", lambda t: C(**W8A8, n_tokens=small_n(t))),
             ("w8a8 deep ks6", lambda t: C(**W8A8, n_tokens=small_n(t), up_stages=5, split_k=6, down_stages=8))]
 TOP = 3   # variants timed at T = 1 and 17 too
+TABLES = " tables"   # a variant name's suffix: the alignment, scale tables and x pad in moe_fp8_tables' one launch
 
 
-def kernel_fn(cfg):
-  """The timed call: x bf16 [T, D] -> [T, D] bf16 (w8a8: the activation quantisation included)."""
+def kernel_fn(cfg, name=""):
+  """The timed call: x bf16 [T, D] -> [T, D] bf16 (w8a8: the activation quantisation included; a name ending in
+  TABLES: moe_fp8_tables.align_tables' launch included, instead of moe_fp8's XLA alignment)."""
   def f(x, i_, w, wg, wu, wd, sh):
     xin = tuple(quant.quantize_activations(x)) if cfg.fp8_activations else x
-    return moe_fp8(xin, i_, w, wg, wu, wd, shared=sh, limit=LIMIT, shared_limit=SHARED_LIMIT, config=cfg)
+    aligned = None
+    if name.endswith(TABLES):
+      scales = lambda ws: tuple(q.scale_inv for q in ws)
+      aligned = align_tables(xin[0] if cfg.fp8_activations else xin, i_, w, *scales((wg, wu, wd)), scales(sh),
+                             cfg=cfg, i=I)
+    return moe_fp8(xin, i_, w, wg, wu, wd, shared=sh, limit=LIMIT, shared_limit=SHARED_LIMIT, config=cfg,
+                   aligned=aligned)
   return f
 
 
@@ -115,7 +128,7 @@ def check(fp8, sh, sets, variants, t):
     kind = "w8a8" if cfg.fp8_activations else "dequantised"
     if kind not in refs:
       refs[kind] = (reference_w8a8 if cfg.fp8_activations else reference)(x, ids, w, *fp8, sh)
-    f = jax.jit(kernel_fn(cfg))
+    f = jax.jit(kernel_fn(cfg, name))
     try:
       out, alone = f(x, ids, w, *fp8, sh), f(x[:1], ids[:1], w[:1], *fp8, sh)
     except Exception as ex:  # noqa: BLE001  (report the compiler's message, keep the run)
@@ -150,7 +163,7 @@ def bench(rows, key, variants, ceiling, nsets=16, ts=(6, 1, 17)):
                                                      shared_limit=SHARED_LIMIT)
     t_bf16 = loop_time(bf16_f, sets, (*bf16, sh_bf16))
     runs = [("bf16 mosaic (dequantised weights)", bf16_f, (*bf16, sh_bf16), bf16_bytes)]
-    runs += [(name, kernel_fn(make_cfg(t)), (*fp8, sh), fp8_bytes) for name, make_cfg in variants]
+    runs += [(name, kernel_fn(make_cfg(t), name), (*fp8, sh), fp8_bytes) for name, make_cfg in variants]
     loop_us = {}
     for name, f, consts, nbytes in runs:
       tl = t_bf16 if name.startswith("bf16") else loop_time(f, sets, consts)

@@ -73,6 +73,7 @@ from pallas_kernels import mtp_input_triton as _mtp_input
 from pallas_kernels import norm_linear_triton as _norm_linear_triton
 from pallas_kernels import moe as _moe_triton
 from pallas_kernels import moe_mosaic as _moe_mosaic
+from pallas_kernels import moe_fp8_tables as _moe_fp8_tables
 from pallas_kernels import moe_mosaic_fp8 as _moe_mosaic_fp8
 from pallas_kernels import router as _router
 from pallas_kernels import router_segments as _router_segments
@@ -297,6 +298,19 @@ class KernelCalls:
       split_k 3, one a SM converting and waiting step after step; 240 put two on a SM. H200 2026-12-03
       (kernels-moe-fp8-h200-2026-12-03-ks6-w8a8.json, same run): T = 6 131.9 -> 119.9 us, T = 1 40.3 -> 38.2 us,
       checked and batch-invariant (T = 17 not timed). The partials are summed in a fixed order as before.
+    moe_fp8_tables: where the fp8 Mosaic MoE serves a call of T <= moe_fp8_tables.MAX_TOKENS = 32 rows (decode and
+      verify), its per-call operands come from ONE Triton launch (pallas_kernels/moe_fp8_tables.py align_tables:
+      the dedupe of the P expert ids into slots, meta and the routing weights wc, both scale tables and x padded
+      to N rows, every program recomputing the alignment by counting) instead of moe_mosaic_fp8.align's XLA chain
+      (_align's compare / reduce fusions, the tables' gathers and concatenates, the pads: 10-12 launches per call
+      with the two kernels and the split-K sum in the deviceless H200 compile of tests/test_kernels_moe_fp8_tables.py,
+      4 with it). The offline census of the full fp8 model on one H200 (2026-12-08, this field alone flipped):
+      plain 877 -> 637 launches a step, NEXTN5 1240 -> 765 (census-offline-ling3-flash-h200-mft[-off]-2026-12-08.json;
+      XLA also rematerialises the chain's fusions under the model's memory pressure, so more go than 8 a call). The
+      same arrays bit for bit (integer counts, copies, and wc's sums of one (token, expert) pair's weights), so the
+      MoE's output is unchanged (tests: bitwise in the interpreter, the w8a8 form, the one it runs). Both weight-only
+      and w8a8 forms (x or its e4m3 x8 padded; w8a8's x scales keep their XLA pad). Off until timed on the GPU
+      (bench_step --moe-fp8-tables --baseline-set moe_fp8_tables=0; bench/kernels_moe_fp8.py's " tables" variant).
     fp8_linear_scale: where the fp8 kernel applies the block scale while the activations stay bf16
       (Numerics.fp8_activations "none"): "partial" (on each K step's fp32 partial: the exact block product, one
       wgmma wait per step) or "weight" (on the weight before its bf16 rounding: the model's quant.dense weight, one
@@ -334,6 +348,7 @@ class KernelCalls:
     moe_fp8_scheme: str = "partial-bits"
     moe_fp8_n_tokens: int | None = 16
     moe_fp8_split_k: int | None = 6
+    moe_fp8_tables: bool = False
 
     def __post_init__(self):
         if self.p2p_allreduce and self.interpret:
@@ -575,8 +590,15 @@ class KernelCalls:
         if self._fp8_mosaic(x, (w_gate, w_up, w_down), shared, fp8_activations):
             cfg = self._fp8_moe_config(x.shape[0], w_gate, fp8_activations)
             xq = tuple(quant.quantize_activations(x)) if cfg.fp8_activations else x
+            aligned = None
+            if self.moe_fp8_tables and x.shape[0] <= _moe_fp8_tables.MAX_TOKENS:  # one launch, not XLA's chain
+                scales = lambda ws: tuple(w.scale_inv for w in ws)
+                aligned = _moe_fp8_tables.align_tables(xq[0] if cfg.fp8_activations else xq, ids, weights,
+                                                       *scales((w_gate, w_up, w_down)),
+                                                       None if shared is None else scales(shared),
+                                                       cfg=cfg, i=w_gate.shape[1])
             out = _moe_mosaic_fp8.moe_fp8(xq, ids, weights, w_gate, w_up, w_down, limit=limit, shared=shared,
-                                          shared_limit=shared_limit, config=cfg)
+                                          shared_limit=shared_limit, config=cfg, aligned=aligned)
             return out.astype(jnp.float32)
         if fp8_activations and _any_fp8((w_gate, w_up, w_down), shared):  # the same numerics, in jnp
             return moe_experts(x, ids, weights, w_gate, w_up, w_down, limit=limit, shared=shared,

@@ -13,7 +13,8 @@ Math (the reference is the model's ling_jax.layers.moe.moe_experts; clamp L > 0 
 Kernel plan (the weights are the wgmma M side, the few tokens the N side; no host sync, no limit on E):
   0. align, no sort: each distinct expert id gets a slot s < n_active in ascending expert order
      (an expert picked by several tokens, or twice, is read once); wc [S, N] is a one-hot
-     reduction (no scatter, no atomics), in XLA (`_align`, ~6 small kernels + the pad of x).
+     reduction (no scatter, no atomics), in XLA (`_align`, ~6 small kernels + the pad of x; the fp8 kernel's
+     operands, these and its scale tables, also in one Triton launch: moe_fp8_tables.py).
   1. `moe_mgpu_up`, grid (S, I/BI): slot s streams its expert's [BI, D] gate and up rows once
      through a TMA pipeline; epilogue SwiGLU(+clamp) * wc -> h' [S, I, N] bf16. Empty slots exit.
   2. `moe_mgpu_down`, grid (D/BD, KS): one accumulator [BD, N] runs over every active slot in
@@ -528,19 +529,25 @@ def moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, limit=0.0, shared=No
                      "(ling_jax.kernel_calls runs another width through the model)")
 
   meta, wc = _align(topk_ids, topk_weights, cfg.n_tokens, shared is not None)  # [1+P], [S, N]
-  return run_kernels(x, meta, wc, w_gate, w_up, w_down, shared, limit=limit, shared_limit=shared_limit, cfg=cfg)
+  return run_kernels(pad_tokens(x, cfg.n_tokens), meta, wc, w_gate, w_up, w_down, shared, t=t, limit=limit,
+                     shared_limit=shared_limit, cfg=cfg)
 
 
-def run_kernels(x, meta, wc, w_gate, w_up, w_down, shared, *, limit, shared_limit, cfg, scales=None,
+def pad_tokens(x, n):
+  """x [T, D] -> [N, D]: the kernels' N token columns, zero rows past T (one XLA pad on the GPU)."""
+  return jnp.pad(x, ((0, n - x.shape[0]), (0, 0)))
+
+
+def run_kernels(x_pad, meta, wc, w_gate, w_up, w_down, shared, *, t, limit, shared_limit, cfg, scales=None,
                 x_scales=None):
-  """The up and down launches and the fixed-order sum of the split-K partials, on checked operands.
+  """The up and down launches and the fixed-order sum of the split-K partials, on checked operands: x_pad
+  [N, D] (pad_tokens of x [T, D]), meta and wc (_align) -> [T, D].
   scales (fp8 weights, see moe_mosaic_fp8.scale_tables): (up [S, I/128, R, W], down [D/128, KS, R', W]) f32.
-  x [T, D] is padded here to N rows.
   x_scales (fp8 weights with fp8_activations): x is e4m3 and x_scales [T, D/128] f32 its per-token group scales
   (ling_jax.quant.quantize_activations); the result is bf16."""
   n = cfg.n_tokens
-  t = x.shape[0]
-  x_pad = jnp.pad(x, ((0, n - t), (0, 0)))                          # [N, D]
+  if x_pad.shape[0] != n:
+    raise ValueError(f"x_pad {x_pad.shape}: the kernels take x padded to n_tokens={n} rows (pad_tokens)")
   d = x_pad.shape[1]
   e, i, _ = w_gate.shape
   has_shared, p = shared is not None, wc.shape[0] - 1

@@ -36,12 +36,13 @@ activation scales are per token, so w8a8 keeps it.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.moe_mosaic import MosaicMoeConfig, _align, run_kernels
+from pallas_kernels.moe_mosaic import MosaicMoeConfig, _align, pad_tokens, run_kernels
 
 FP8_DTYPES = (jnp.float8_e4m3fn,)
 SCALE_BLOCK = 128
@@ -90,12 +91,35 @@ def scale_tables(meta, p, gate_s, up_s, down_s, shared_s, *, cfg, d, i):
   return _rows(up), _rows(dn)
 
 
+class Aligned(NamedTuple):
+  """What the two kernels read besides the weights (and, w8a8, x's scales), per call:
+  x [N, D] (x's rows, zero rows past T: pad_tokens; w8a8: the e4m3 x8), meta [1 + P] int32 and wc [S, N] f32
+  (moe_mosaic._align), up [S, nI, R, W] and down [nD, KS, R', W] f32 (scale_tables)."""
+  x: jax.Array
+  meta: jax.Array
+  wc: jax.Array
+  up: jax.Array
+  down: jax.Array
+
+
+def align(x, topk_ids, topk_weights, gate_s, up_s, down_s, shared_s=None, *, cfg: MosaicMoeConfig, i: int) -> Aligned:
+  """moe_fp8's per-call operands in XLA: x [T, D], topk_ids / topk_weights [T, A], the scales gate_s / up_s
+  [E, nI, nD], down_s [E, nD, nI], shared_s (the shared expert's three, or None) -> Aligned. On the GPU this is
+  ~8 small launches (_align's compares and sums, the tables' gathers and concatenates, the pad of x);
+  pallas_kernels/moe_fp8_tables.align_tables is the same arrays in one (this is its reference)."""
+  meta, wc = _align(topk_ids, topk_weights, cfg.n_tokens, shared_s is not None)  # [1+P], [S, N]
+  up, down = scale_tables(meta, topk_ids.size, gate_s, up_s, down_s, shared_s, cfg=cfg, d=x.shape[1], i=i)
+  return Aligned(pad_tokens(x, cfg.n_tokens), meta, wc, up, down)
+
+
 @functools.partial(jax.jit, static_argnames=("limit", "shared_limit", "config"))
 def moe_fp8(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, limit=0.0, shared=None,
-            shared_limit=0.0, config=None):
+            shared_limit=0.0, config=None, aligned: Aligned | None = None):
   """Mosaic GPU MoE on block-fp8 weights: the signature of moe_mosaic.moe with (w8, scale_inv) pairs for
   every weight (shared: three pairs). x bf16 [T, D] -> [T, D] bf16; with config.fp8_activations x is the pair
-  (x8 [T, D] float8_e4m3fn, scale [T, ceil(D/128)] f32) of ling_jax.quant.quantize_activations."""
+  (x8 [T, D] float8_e4m3fn, scale [T, ceil(D/128)] f32) of ling_jax.quant.quantize_activations.
+  aligned: the call's Aligned computed elsewhere (moe_fp8_tables.align_tables: one Triton launch), checked
+  against the shapes `align` gives; None: `align` here, in XLA."""
   cfg = config or MosaicMoeConfig()
   (wg8, gs), (wu8, us), (wd8, ds) = w_gate, w_up, w_down
   e, i, d = wg8.shape
@@ -112,12 +136,18 @@ def moe_fp8(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, limit=0.0, share
                      f"width must equal the routed width I={i} (dequantise it and use moe_mosaic.moe otherwise)")
   cfg.check(t, d, i)
   check_fp8_config(cfg)
-  meta, wc = _align(topk_ids, topk_weights, cfg.n_tokens, shared is not None)  # [1+P], [S, N]
   shared_s = None if shared is None else tuple(sc for _, sc in shared)
-  tables = scale_tables(meta, t * topk_ids.shape[1], gs, us, ds, shared_s, cfg=cfg, d=d, i=i)
+  scales = (x, topk_ids, topk_weights, gs, us, ds, shared_s)
+  if aligned is None:
+    aligned = align(*scales, cfg=cfg, i=i)
+  else:
+    want = jax.eval_shape(functools.partial(align, cfg=cfg, i=i), *scales)
+    got, need = [(a.shape, a.dtype) for a in aligned], [(a.shape, a.dtype) for a in want]
+    if got != need:
+      raise ValueError(f"aligned {got}: expected align's {need}")
   shared8 = None if shared is None else tuple(w for w, _ in shared)
-  return run_kernels(x, meta, wc, wg8, wu8, wd8, shared8, limit=limit, shared_limit=shared_limit, cfg=cfg,
-                     scales=tables, x_scales=x_scales)
+  return run_kernels(aligned.x, aligned.meta, aligned.wc, wg8, wu8, wd8, shared8, t=t, limit=limit,
+                     shared_limit=shared_limit, cfg=cfg, scales=(aligned.up, aligned.down), x_scales=x_scales)
 
 
 def _activations(x, cfg: MosaicMoeConfig, d: int):
