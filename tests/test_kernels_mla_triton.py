@@ -24,6 +24,7 @@ from ling_jax.kernel_calls import KernelCalls
 from ling_jax.layers.mla import _kv_b, absorbed_context, attend_absorbed, gated_heads, rotate_queries
 from pallas_kernels.mla_triton import MlaTritonConfig, mla_triton
 from tests.conftest import rel_err
+from tests.cuda_lowering import compile_only_h200
 
 BF, F32 = jnp.bfloat16, jnp.float32
 DEMO = get_preset("ling-demo-v2")  # the shipped models/ling-demo (v2)
@@ -318,15 +319,6 @@ def test_lowers_for_cuda_as_two_triton_calls(name, t):
   assert ops <= {"stablehlo.custom_call", "stablehlo.reshape"}, ops
 
 
-def _compile_only_h200():
-  """A compile-only H200 (the CUDA PJRT plugin's compiler, no driver: bench/census_offline.py), or skip."""
-  try:
-    from bench.census_offline import compile_only_devices
-    return compile_only_devices("h200", 1)[0]
-  except (ImportError, SystemExit, RuntimeError) as e:
-    pytest.skip(f"no compile-only CUDA target (the CUDA PJRT plugin on PYTHONPATH: scripts/setup_census.sh): {e}")
-
-
 @pytest.mark.parametrize("t", [1, 6, 17])
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_compiles_for_h200_to_exactly_two_launches(name, t):
@@ -336,7 +328,7 @@ def test_compiles_for_h200_to_exactly_two_launches(name, t):
 
   from bench.hlo_census import count_launches
 
-  device = _compile_only_h200()
+  device = compile_only_h200()
   f, args = _abstract_call(name, t)
   sharded = [SD(a.shape, a.dtype, sharding=SingleDeviceSharding(device)) for a in args]
   with jax.default_device(device):

@@ -25,7 +25,7 @@ from ling_jax.kernel_calls import KernelCalls
 from pallas_kernels import moe_fp8_tables as MT
 from pallas_kernels.moe_mosaic import MosaicMoeConfig
 from pallas_kernels.moe_mosaic_fp8 import Aligned, align, moe_fp8
-from tests.cuda_lowering import S, lower_cuda
+from tests.cuda_lowering import S, compile_only_h200, lower_cuda
 
 BF, F8, F32 = jnp.bfloat16, jnp.float8_e4m3fn, jnp.float32
 A = 8
@@ -189,15 +189,6 @@ def test_lowers_for_cuda_to_one_launch(t):
   assert text.count("custom_call @mosaic_gpu") == 2 and text.count("__gpu$xla.gpu.triton") == 1
 
 
-def _compile_only_h200():
-  """A compile-only H200 (the CUDA PJRT plugin's compiler, no driver: bench/census_offline.py), or skip."""
-  try:
-    from bench.census_offline import compile_only_devices
-    return compile_only_devices("h200", 1)[0]
-  except (ImportError, SystemExit, RuntimeError) as e:
-    pytest.skip(f"no compile-only CUDA target (the CUDA PJRT plugin on PYTHONPATH: scripts/setup_census.sh): {e}")
-
-
 @pytest.mark.parametrize("t", [1, 6, 32])
 def test_compiled_moe_call_launches(t):
   """XLA's GPU compiler (deviceless, H200) on KernelCalls' fp8 MoE call at Ling's dims: with the field on, the
@@ -207,7 +198,7 @@ def test_compiled_moe_call_launches(t):
 
   from bench.hlo_census import count_launches
 
-  device = _compile_only_h200()
+  device = compile_only_h200()
   d, e, i = LING["d"], LING["e"], LING["i"]
   SD = lambda s, dt: jax.ShapeDtypeStruct(s, dt, sharding=SingleDeviceSharding(device))
   pair = lambda shape: quant.Fp8Weight(SD(shape, F8), SD(quant.scale_shape(shape), F32))
