@@ -137,11 +137,11 @@ def moe_fp8(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, limit=0.0, share
   cfg.check(t, d, i)
   check_fp8_config(cfg)
   shared_s = None if shared is None else tuple(sc for _, sc in shared)
-  scales = (x, topk_ids, topk_weights, gs, us, ds, shared_s)
+  align_args = (x, topk_ids, topk_weights, gs, us, ds, shared_s)
   if aligned is None:
-    aligned = align(*scales, cfg=cfg, i=i)
+    aligned = align(*align_args, cfg=cfg, i=i)
   else:
-    want = jax.eval_shape(functools.partial(align, cfg=cfg, i=i), *scales)
+    want = jax.eval_shape(functools.partial(align, cfg=cfg, i=i), *align_args)
     got, need = [(a.shape, a.dtype) for a in aligned], [(a.shape, a.dtype) for a in want]
     if got != need:
       raise ValueError(f"aligned {got}: expected align's {need}")
